@@ -1,0 +1,106 @@
+"""The model's hyper-parameters, and the one shape notation used across tinyserve.
+
+Symbol legend (every array in the package is annotated with these):
+
+    L  layers                    D  hidden size (model dim)
+    F  MLP intermediate size     H  head_dim (D // N)
+    N  query heads               K  key/value heads (N % K == 0; g = N // K is the group size)
+    V  vocabulary size           T  tokens in one forward (all sequences of a batch, flattened)
+    S  positions held in a KV cache (history), m  new positions in a step, B  sequences in a batch
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    dim: int                     # D
+    n_layers: int                # L
+    n_heads: int                 # N
+    n_kv_heads: int              # K
+    intermediate_size: int       # F
+    vocab_size: int              # V
+    max_seq_len: int = 8192      # the context window the model was trained for
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    bos_token_id: int = 1
+    eos_token_ids: tuple[int, ...] = field(default=(2,))
+
+    def __post_init__(self) -> None:
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "intermediate_size", "vocab_size", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"config: {name} must be positive, got {getattr(self, name)}")
+        if self.dim % self.n_heads:
+            raise ValueError(f"config: dim {self.dim} is not divisible by n_heads {self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"config: n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"config: RoPE needs an even head_dim, got {self.head_dim}")
+
+    @property
+    def head_dim(self) -> int:   # H
+        return self.dim // self.n_heads
+
+    @property
+    def group_size(self) -> int:  # g: query heads that share one K/V head
+        return self.n_heads // self.n_kv_heads
+
+    # --- the Hugging Face config.json vocabulary -------------------------------------------------
+    def to_hf_dict(self) -> dict:
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": self.dim,
+            "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads,
+            "intermediate_size": self.intermediate_size,
+            "vocab_size": self.vocab_size,
+            "max_position_embeddings": self.max_seq_len,
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.norm_eps,
+            "hidden_act": "silu",
+            "tie_word_embeddings": True,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids),
+            "torch_dtype": "float32",
+        }
+
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> "ModelConfig":
+        eos = d.get("eos_token_id", 2)
+        return cls(
+            dim=d["hidden_size"],
+            n_layers=d["num_hidden_layers"],
+            n_heads=d["num_attention_heads"],
+            n_kv_heads=d.get("num_key_value_heads", d["num_attention_heads"]),
+            intermediate_size=d["intermediate_size"],
+            vocab_size=d["vocab_size"],
+            max_seq_len=d.get("max_position_embeddings", 8192),
+            rope_theta=float(d.get("rope_theta", 10000.0)),
+            norm_eps=float(d.get("rms_norm_eps", 1e-5)),
+            bos_token_id=d.get("bos_token_id", 1),
+            eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,),
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.exists():
+            raise FileNotFoundError(f"no config.json at {path}: run `make weights` first")
+        try:
+            return cls.from_hf_dict(json.loads(path.read_text()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{path} is not a valid LLaMA config.json ({e!r}); delete it and run `make weights`") from e
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_hf_dict(), indent=2) + "\n")
+
+    def __repr__(self) -> str:  # one line a learner can read
+        d = asdict(self)
+        return "ModelConfig(" + ", ".join(f"{k}={v}" for k, v in d.items()) + f", head_dim={self.head_dim})"

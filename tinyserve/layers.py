@@ -1,0 +1,60 @@
+"""The pieces of a LLaMA block, in plain NumPy, float32. Shapes use the legend in config.py."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:  # [T, D], [D] -> [T, D]
+    # RMSNorm rescales each row to unit root-mean-square; unlike LayerNorm it does not centre the row,
+    # which saves a reduction and works as well in practice.
+    ms = np.mean(np.square(x), axis=-1, keepdims=True)
+    return x * (1.0 / np.sqrt(ms + eps)) * weight
+
+
+def rope_tables(max_pos: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of every (position, frequency) pair: [max_pos, H/2] each, float32."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # [H/2]
+    angles = np.arange(max_pos, dtype=np.float64)[:, None] * inv_freq[None, :]          # [P, H/2]
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:  # [T, heads, H], [T, H/2] x2 -> same
+    # Hugging Face's pairing ("rotate half"): dimension i rotates with dimension i + H/2. llama.cpp pairs
+    # neighbours (2i, 2i+1) instead, and stores the Q/K weight rows permuted to match; weights.py undoes that
+    # permutation, so here we rotate exactly as the model was trained in PyTorch.
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    # Subtracting the row max changes nothing mathematically and keeps exp() from overflowing.
+    e = np.exp(x - np.max(x, axis=axis, keepdims=True))
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def swiglu_mlp(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray) -> np.ndarray:
+    # [T, D], [D, F], [D, F], [F, D] -> [T, D]: a gated MLP; the gate decides, per feature, how much of `up` passes.
+    return (silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+
+def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """Lesson 1's attention: every token attends to itself and all earlier tokens.
+
+    q: [T, N, H], k and v: [T, K, H] -> [T, N, H]. With grouped-query attention (K < N) each K/V head serves
+    g = N // K query heads; here we simply repeat K and V g times (lesson 3 shows how to avoid the copy).
+    """
+    T, N, H = q.shape
+    g = N // k.shape[1]
+    k = np.repeat(k, g, axis=1)                                     # [T, N, H]
+    v = np.repeat(v, g, axis=1)
+    scores = q.transpose(1, 0, 2) @ k.transpose(1, 2, 0)            # [N, T, T]
+    scores *= np.float32(1.0 / np.sqrt(H))
+    future = np.triu(np.ones((T, T), dtype=bool), k=1)              # True above the diagonal: key after query
+    scores[:, future] = -np.inf
+    return (softmax(scores) @ v.transpose(1, 0, 2)).transpose(1, 0, 2)  # [N, T, H] -> [T, N, H]

