@@ -1,0 +1,105 @@
+"""Command line: `python -m tinyserve generate "prompt"` (streamed), and more as the lessons add them."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from .weights import DEFAULT_WEIGHTS_DIR, WeightsError
+
+
+def strategies() -> dict:
+    """Name -> generate_stream(model, ids, max_new_tokens, params, tokenizer) yielding token ids."""
+    from . import naive
+    table = {"naive": naive.generate_stream}
+    try:
+        from . import kv_cache
+        table["kv"] = kv_cache.generate_stream
+    except ImportError:
+        pass
+    try:
+        from . import engine
+        table["paged"] = engine.generate_stream
+    except ImportError:
+        pass
+    return table
+
+
+def default_strategy() -> str:
+    return "kv" if "kv" in strategies() else "naive"
+
+
+def cmd_generate(args) -> int:
+    from .model import check_token_ids
+    from .sampling import SamplingParams
+    from .tokenizer import load_tokenizer
+    from .weights import load_model
+
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                            repetition_penalty=args.repetition_penalty, max_new_tokens=args.max_new_tokens,
+                            seed=args.seed, stop=tuple(args.stop or ()))
+    table = strategies()
+    strategy = args.strategy or default_strategy()
+    if strategy not in table:
+        raise ValueError(f"unknown strategy {strategy!r}; choose from {sorted(table)}")
+    tok = load_tokenizer(args.weights)
+    model = load_model(args.weights)
+    text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    ids = tok.encode(text)
+    check_token_ids(model.config, ids)
+    stream = tok.stream_decoder()
+    out: list[int] = []
+    t0 = time.perf_counter()
+    ttft = None
+    for token in table[strategy](model, ids, args.max_new_tokens, params, tok):
+        if ttft is None:
+            ttft = time.perf_counter() - t0
+        out.append(token)
+        if not args.json:
+            print(stream.push(token), end="", flush=True)
+    total = time.perf_counter() - t0
+    decode_rate = (len(out) - 1) / (total - ttft) if len(out) > 1 and total > ttft else float("nan")
+    if args.json:
+        print(json.dumps({"strategy": strategy, "prompt_ids": ids, "output_ids": out,
+                          "text": tok.decode(out, skip_special_tokens=True), "ttft_s": ttft,
+                          "tokens_per_s": decode_rate, "total_s": total}))
+    else:
+        print(stream.flush())
+        print(f"\n[{strategy}: {len(ids)} prompt tokens, {len(out)} new; TTFT {ttft * 1e3:.0f} ms, "
+              f"{decode_rate:.1f} tokens/s after the first]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m tinyserve", description="tinyserve: a from-scratch LLM engine")
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text from a prompt, streamed")
+    g.add_argument("prompt")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--strategy", default=None, help="naive | kv | paged (default: the fastest available)")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.add_argument("--weights", default=str(DEFAULT_WEIGHTS_DIR))
+    g.set_defaults(func=cmd_generate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, WeightsError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
