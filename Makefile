@@ -4,7 +4,6 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 PYTHON  := $(BIN)/python
 STAMP   := $(VENV)/.installed
-WEIGHTS := weights/smollm2-135m-instruct/SOURCE.json
 export NUMBA_CACHE_DIR := $(CURDIR)/.numba_cache
 export PYTHONPATH := $(CURDIR)
 
@@ -30,11 +29,8 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-$(WEIGHTS): | $(STAMP)
-	$(PYTHON) -m tinyserve.weights
-
 weights: $(STAMP)
-	$(PYTHON) -m tinyserve.weights
+	$(PYTHON) -m tinyserve weights
 
 run: $(STAMP) weights
 	$(PYTHON) -m tinyserve generate --chat "$(PROMPT)"

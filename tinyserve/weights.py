@@ -331,21 +331,3 @@ def save_hf_folder(model_tensors: dict[str, np.ndarray], config: ModelConfig, ou
     out.mkdir(parents=True, exist_ok=True)
     save_file(model_tensors, str(out / "model.safetensors"))
     config.save(out / "config.json")
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-    p = argparse.ArgumentParser(prog="python -m tinyserve.weights", description=__doc__.splitlines()[0])
-    p.add_argument("--dir", default=str(DEFAULT_WEIGHTS_DIR))
-    p.add_argument("--force", action="store_true", help="convert again even if the folder looks valid")
-    args = p.parse_args(argv)
-    try:
-        fetch_weights(args.dir, force=args.force)
-    except WeightsError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

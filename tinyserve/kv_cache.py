@@ -1,0 +1,206 @@
+"""Lesson 2: a KV cache — prefill the prompt once, then decode one token per step.
+
+Lesson 1 recomputed every earlier token's keys and values for each new token. But token t's K and V in layer l
+depend only on tokens 0..t (causal attention), so once computed they never change: keep them. Generation
+splits into two phases that run the *same* code path:
+
+    prefill   m = prompt length (or a chunk of it) new positions, S0 = 0 (or the chunks before)
+    decode    m = 1 new position attending to the S0 cached ones plus itself
+
+Both are one "rectangular" attention: m new query rows over S = S0 + m keys, with the causal mask applied only
+inside the new m x m block (history is visible to every new row). Positions (RoPE) come from the cache length.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+from .config import ModelConfig
+from .gqa import grouped_attention
+from .layers import softmax
+from .model import AttentionFn, Model, check_token_ids, forward as model_forward
+from .sampling import SamplingParams, sample
+from .stopping import StopChecker
+
+# attend(q [m, N, H], k [S, K, H], v [S, K, H]) -> [m, N, H]: rectangular causal attention, last m keys are new.
+AttendFn = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+
+
+class KVCacheFull(ValueError):
+    """Appending would write past the positions the cache was allocated for."""
+
+
+@dataclass(slots=True)
+class KVCache:
+    """One sequence's keys and values for every layer, in one pre-allocated contiguous buffer.
+
+    Positions 0 .. length-1 are filled; the rest is reserved. Reserving max_len up front is simple and never
+    reallocates, but a short request pays for a long one's memory: lesson 4 replaces it with paged blocks.
+    """
+    k: np.ndarray      # [L, S_max, K, H]
+    v: np.ndarray      # [L, S_max, K, H]
+    length: int = 0    # positions filled (the same in every layer once a forward has finished)
+
+    @classmethod
+    def allocate(cls, config: ModelConfig, max_len: int | None = None, dtype=np.float32) -> "KVCache":
+        max_len = config.max_seq_len if max_len is None else max_len
+        if not isinstance(max_len, (int, np.integer)) or not 1 <= max_len <= config.max_seq_len:
+            raise ValueError(f"KV cache max_len must be an integer in [1, {config.max_seq_len}] (the context "
+                             f"window), got {max_len!r}")
+        shape = (config.n_layers, int(max_len), config.n_kv_heads, config.head_dim)
+        # np.zeros maps fresh zero pages lazily: untouched positions cost address space, not RAM
+        return cls(np.zeros(shape, dtype), np.zeros(shape, dtype))
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def free(self) -> int:
+        return self.max_len - self.length
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes reserved: 2 (K and V) * L * S_max * K * H * bytes per value."""
+        return self.k.nbytes + self.v.nbytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.nbytes // self.max_len
+
+    def check_room(self, m: int) -> None:
+        if self.length + m > self.max_len:
+            raise KVCacheFull(f"KV cache full: it holds {self.max_len} positions, {self.length} are used, "
+                              f"cannot add {m} more; allocate a larger cache (KVCache.allocate(config, max_len))")
+
+    def view(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """The filled part of one layer: k, v [length, K, H] (views, no copy)."""
+        return self.k[layer, :self.length], self.v[layer, :self.length]
+
+    def __repr__(self) -> str:
+        L, S, K, H = self.k.shape
+        return (f"KVCache(L={L}, S_max={S}, K={K}, H={H}, {self.k.dtype}, length={self.length}, "
+                f"{self.bytes_per_token} B/token, {self.nbytes / 2**20:.1f} MiB reserved)")
+
+
+def append_kv(cache: KVCache, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Write one layer's new block after the `cache.length` cached positions; return history + new block.
+
+    k, v: [m, K, H] -> (k_all, v_all): [cache.length + m, K, H] views into the cache (no copy).
+    `cache.length` is NOT advanced here: every layer appends at the same positions during one forward, so the
+    caller advances it once, after the last layer. Raises KVCacheFull if the block does not fit.
+    """
+    m = k.shape[0]
+    cache.check_room(m)
+    start, end = cache.length, cache.length + m
+    cache.k[layer, start:end] = k
+    cache.v[layer, start:end] = v
+    return cache.k[layer, :end], cache.v[layer, :end]
+
+
+def rectangular_mask(m: int, S: int) -> np.ndarray:
+    """[m, S] bool, True where new row i must NOT see key j (key j is in row i's future).
+
+    The m new positions are the last m of the S keys, so row i sits at absolute position S - m + i and sees
+    every key j <= S - m + i: all S - m history keys plus new keys 0..i. Decode (m = 1) masks nothing;
+    plain prefill (S = m) is lesson 1's triangle.
+    """
+    if not 1 <= m <= S:
+        raise ValueError(f"need 1 <= m <= S (the new block is part of the keys), got m={m}, S={S}")
+    return np.arange(S)[None, :] > (S - m + np.arange(m))[:, None]
+
+
+def rectangular_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """Lesson 2's attention: m new queries over S cached + new keys, K/V repeated to N heads (as in lesson 1).
+
+    q: [m, N, H]; k, v: [S, K, H] -> [m, N, H]. Lesson 3's gqa.grouped_attention computes the same without
+    the np.repeat copies.
+    """
+    m, N, H = q.shape
+    S, K, _ = k.shape
+    k = np.repeat(k, N // K, axis=1)                                # [S, N, H]: g copies of each K/V head
+    v = np.repeat(v, N // K, axis=1)
+    scores = q.transpose(1, 0, 2) @ k.transpose(1, 2, 0)            # [N, m, S]
+    scores *= np.float32(1.0 / np.sqrt(H))
+    scores[:, rectangular_mask(m, S)] = -np.inf
+    return (softmax(scores) @ v.transpose(1, 0, 2)).transpose(1, 0, 2)  # [N, m, H] -> [m, N, H]
+
+
+def cache_attention(cache: KVCache, attend: AttendFn = grouped_attention) -> AttentionFn:
+    """The attention `model.forward` calls: store this step's k/v in the cache, attend over history + new."""
+    def attention(layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        k_all, v_all = append_kv(cache, layer, k, v)    # [S0 + m, K, H] each
+        return attend(q, k_all, v_all)
+    return attention
+
+
+def forward_with_cache(model: Model, cache: KVCache, tokens: Sequence[int], attend: AttendFn = grouped_attention,
+                       all_logits: bool = False) -> np.ndarray:
+    """Run m new tokens after the cache's history and append their K/V: the one step of prefill and decode.
+
+    Returns logits [m, V] if all_logits else [1, V] (the last row: the LM head is the largest matmul, and only
+    the last position's prediction is needed to continue).
+    """
+    tokens = np.asarray(tokens, dtype=np.int64)
+    m = len(tokens)
+    cache.check_room(m)  # fail before any layer has written anything
+    positions = np.arange(cache.length, cache.length + m)   # RoPE positions continue from the history
+    rows = None if all_logits else np.array([m - 1])
+    logits = model_forward(model, tokens, positions, cache_attention(cache, attend), logit_rows=rows)
+    cache.length += m  # every layer has appended its block at the same positions
+    return logits
+
+
+def prefill(model: Model, cache: KVCache, tokens: Sequence[int], chunk_size: int | None = None,
+            attend: AttendFn = grouped_attention) -> np.ndarray:
+    """Fill the cache with the prompt (in chunks of `chunk_size`, or all at once); return the last logits [V].
+
+    Chunking gives the same K/V as one shot because each chunk attends to the chunks before it through the
+    cache; it bounds the size of one forward (lesson 4 mixes prefill chunks with other requests' decodes).
+    """
+    tokens = np.asarray(tokens, dtype=np.int64)
+    if chunk_size is None:
+        chunk_size = max(len(tokens), 1)
+    if not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
+    cache.check_room(len(tokens))
+    for start in range(0, len(tokens), chunk_size):
+        logits = forward_with_cache(model, cache, tokens[start:start + chunk_size], attend)
+    return logits[0]
+
+
+def generate_stream(model: Model, ids: Sequence[int], max_new_tokens: int | None = None,
+                    params: SamplingParams | None = None, tokenizer=None, attend: AttendFn = grouped_attention,
+                    prefill_chunk: int | None = None) -> Iterator[int]:
+    """Yield new token ids one by one: prefill once, then one decode step per token (same stopping as naive)."""
+    params = params or SamplingParams()
+    n_new = params.max_new_tokens if max_new_tokens is None else max_new_tokens
+    tokens = check_token_ids(model.config, ids)
+    stopper = StopChecker(model.config, params, tokenizer, max_new_tokens=n_new, prompt_len=len(tokens))
+    rng = params.make_rng()
+    # The last sampled token is never run through the model, so prompt + n_new - 1 positions would do;
+    # the context window caps it (StopChecker stops there too).
+    cache = KVCache.allocate(model.config, min(len(tokens) + n_new, model.config.max_seq_len))
+    logits = prefill(model, cache, tokens, prefill_chunk, attend)          # [V]: predicts the first new token
+    seq = list(tokens)                                                     # prompt + output: repetition penalty
+    out: list[int] = []
+    while True:
+        tok = sample(logits, params, rng, seen=seq)
+        out.append(tok)
+        seq.append(tok)
+        yield tok
+        if stopper.should_stop(out):
+            return
+        logits = forward_with_cache(model, cache, [tok], attend)[0]        # decode: one row over the cache
+        assert cache.length == len(seq)  # every token so far (prompt + output) has its K/V in the cache
+
+
+def generate(model: Model, ids: Sequence[int], max_new_tokens: int | None = None,
+             params: SamplingParams | None = None, tokenizer=None) -> list[int]:
+    """Prefill + decode loop: the new token ids only (prompt excluded), ending with EOS if it stopped there.
+
+    Same tokens as naive.generate (greedy), at a cost per token that no longer grows with the matmuls.
+    """
+    return list(generate_stream(model, ids, max_new_tokens, params, tokenizer))

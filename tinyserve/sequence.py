@@ -1,0 +1,95 @@
+"""Lesson 4: one request as the engine sees it — its tokens, where its K/V live, how far it has got.
+
+A sequence is in one of three states: WAITING (queued, or preempted and waiting to be recomputed), RUNNING
+(holds KV blocks and is scheduled every step) or FINISHED. The one number that drives scheduling is
+`num_computed_tokens`: how many of its tokens already have K/V in the cache. Every step runs the next chunk
+`tokens[num_computed_tokens : num_computed_tokens + n]`; when that chunk reaches the end of the sequence its last
+row's logits give the next token. A prompt's prefill, a prefill chunk, a decode step (n = 1) and a recompute after
+preemption (num_computed_tokens reset to 0, the generated tokens kept) are all the same operation.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .sampling import SamplingParams
+from .stopping import StopChecker
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Sequence:
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    stopper: StopChecker
+    rng: np.random.Generator                   # per request: its samples do not depend on the batch around it
+    output_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)   # logical block i -> physical block id in the pool
+    num_computed_tokens: int = 0               # tokens whose K/V are in the cache (reset to 0 by preemption)
+    num_cached_tokens: int = 0                 # of those, how many came from a prefix cache (lesson 5)
+    status: Status = Status.WAITING
+    num_preemptions: int = 0
+    # timestamps (time.perf_counter seconds) for the per-request metrics
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_scheduled_time: float | None = None
+    token_times: list[float] = field(default_factory=list)   # when each output token was sampled
+
+    @property
+    def num_tokens(self) -> int:               # prompt + generated so far
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_remaining(self) -> int:            # tokens still to run through the model before the next sample
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:             # only the last sampled token is new: one row this step
+        return self.num_remaining == 1 and bool(self.output_ids)
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """tokens[start:stop] of prompt + output, without building the concatenation."""
+        p = len(self.prompt_ids)
+        if stop <= p:
+            return self.prompt_ids[start:stop]
+        if start >= p:
+            return self.output_ids[start - p:stop - p]
+        return self.prompt_ids[start:] + self.output_ids[:stop - p]
+
+    @property
+    def finish_reason(self) -> str | None:     # "eos" | "length" | "context" | "stop"
+        return self.stopper.reason
+
+    def metrics(self) -> "RequestMetrics":
+        return RequestMetrics.of(self)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestMetrics:
+    queue_time: float          # arrival -> first scheduled (s)
+    ttft: float                # arrival -> first token (s)
+    itl: tuple[float, ...]     # inter-token latencies (s), len = output tokens - 1
+    tokens_per_s: float        # output tokens / (arrival -> last token)
+    num_output_tokens: int
+    num_preemptions: int
+
+    @classmethod
+    def of(cls, seq: Sequence) -> "RequestMetrics":
+        t = seq.token_times
+        if not t:
+            raise ValueError(f"request {seq.request_id} has produced no token yet")
+        total = t[-1] - seq.arrival_time
+        return cls(queue_time=(seq.first_scheduled_time or t[0]) - seq.arrival_time,
+                   ttft=t[0] - seq.arrival_time,
+                   itl=tuple(float(d) for d in np.diff(t)),
+                   tokens_per_s=len(t) / total if total > 0 else float("inf"),
+                   num_output_tokens=len(seq.output_ids),
+                   num_preemptions=seq.num_preemptions)

