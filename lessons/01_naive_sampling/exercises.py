@@ -67,7 +67,7 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
     raise NotImplementedError(
         "causal_attention: np.repeat(k, g, axis=1) (and v) so query head n meets kv head n // g; put the head "
         "axis first with transpose so scores = q @ k^T is [N, T, T]; scale by 1/sqrt(H); set the entries above "
-        "the diagonal (np.triu(..., k=1)) to -inf; softmax over the last axis; @ v; transpose back to [T, N, H]")
+        "the diagonal (np.triu(..., k=1)) to -inf; your softmax over the last axis; @ v; transpose back to [T, N, H]")
 
 
 def top_p_filter(probs: np.ndarray, p: float) -> np.ndarray:  # [V] probabilities -> [V], renormalised
