@@ -75,6 +75,10 @@ class KVCache:
             raise KVCacheFull(f"KV cache full: it holds {self.max_len} positions, {self.length} are used, "
                               f"cannot add {m} more; allocate a larger cache (KVCache.allocate(config, max_len))")
 
+    def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """append_kv(self, ...): write one layer's new block [m, K, H], get history + block back."""
+        return append_kv(self, layer, k, v)
+
     def view(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """The filled part of one layer: k, v [length, K, H] (views, no copy)."""
         return self.k[layer, :self.length], self.v[layer, :self.length]
@@ -145,6 +149,8 @@ def forward_with_cache(model: Model, cache: KVCache, tokens: Sequence[int], atte
     """
     tokens = np.asarray(tokens, dtype=np.int64)
     m = len(tokens)
+    if m == 0:
+        raise ValueError("forward_with_cache needs at least one new token")
     cache.check_room(m)  # fail before any layer has written anything
     positions = np.arange(cache.length, cache.length + m)   # RoPE positions continue from the history
     rows = None if all_logits else np.array([m - 1])
@@ -161,8 +167,10 @@ def prefill(model: Model, cache: KVCache, tokens: Sequence[int], chunk_size: int
     cache; it bounds the size of one forward (lesson 4 mixes prefill chunks with other requests' decodes).
     """
     tokens = np.asarray(tokens, dtype=np.int64)
+    if len(tokens) == 0:
+        raise ValueError("prefill needs at least one token: the logits of the last one predict the next")
     if chunk_size is None:
-        chunk_size = max(len(tokens), 1)
+        chunk_size = len(tokens)
     if not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
     cache.check_room(len(tokens))

@@ -1,0 +1,141 @@
+"""Lesson 2 self-checks: the cache append/read, the rectangular mask, the prefill/decode loop.
+
+`make check-2` runs these against lessons/02_kv_cache/exercises.py; `make test` runs them against tinyserve.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from tests.lessons.impl import load_impl
+from tinyserve import naive
+from tinyserve.kv_cache import KVCache, KVCacheFull
+from tinyserve.layers import causal_attention, softmax
+from tinyserve.sampling import SamplingParams
+
+REFERENCE = {
+    "append_kv": "tinyserve.kv_cache:append_kv",
+    "rectangular_mask": "tinyserve.kv_cache:rectangular_mask",
+    "generate": "tinyserve.kv_cache:generate",
+}
+impl = load_impl(2, REFERENCE)
+GREEDY = SamplingParams(temperature=0)
+
+
+def random_kv(rng, m, K=2, H=16):
+    return rng.standard_normal((2, m, K, H)).astype(np.float32)
+
+
+# --- append_kv ------------------------------------------------------------------------------------------------
+
+@pytest.mark.exercise("append_kv")
+def test_append_kv_first_block(tiny):
+    cache = KVCache.allocate(tiny.config, 16)
+    k, v = random_kv(np.random.default_rng(0), 5)
+    k_all, v_all = impl.append_kv(cache, 0, k, v)
+    np.testing.assert_array_equal(k_all, k)
+    np.testing.assert_array_equal(v_all, v)
+    np.testing.assert_array_equal(cache.k[0, :5], k)         # it is stored in the cache...
+    np.testing.assert_array_equal(cache.v[0, :5], v)
+    assert not cache.k[1].any()                               # ...of that layer only
+    assert cache.length == 0, "append_kv must not advance cache.length: the caller does, after the last layer"
+
+
+@pytest.mark.exercise("append_kv")
+def test_append_kv_after_history_returns_history_plus_block(tiny):
+    cache = KVCache.allocate(tiny.config, 16)
+    rng = np.random.default_rng(1)
+    k1, v1 = random_kv(rng, 4)
+    cache.k[1, :4], cache.v[1, :4], cache.length = k1, v1, 4  # 4 positions already cached
+    k2, v2 = random_kv(rng, 1)
+    k_all, v_all = impl.append_kv(cache, 1, k2, v2)
+    assert k_all.shape == (5, 2, 16), "history (4) + new block (1) positions"
+    np.testing.assert_array_equal(k_all, np.concatenate([k1, k2]))
+    np.testing.assert_array_equal(v_all, np.concatenate([v1, v2]))
+    assert np.shares_memory(k_all, cache.k), "return views of the cache (slices), not copies"
+
+
+@pytest.mark.exercise("append_kv")
+def test_append_kv_refuses_to_overflow(tiny):
+    cache = KVCache.allocate(tiny.config, 6)
+    cache.length = 4
+    k, v = random_kv(np.random.default_rng(2), 3)
+    with pytest.raises(KVCacheFull):
+        impl.append_kv(cache, 0, k, v)
+    assert not cache.k.any(), "nothing may be written when the block does not fit"
+    impl.append_kv(cache, 0, k[:2], v[:2])                    # exactly full is fine
+
+
+# --- rectangular_mask ------------------------------------------------------------------------------------------
+
+@pytest.mark.exercise("rectangular_mask")
+def test_mask_prefill_is_the_causal_triangle():
+    mask = impl.rectangular_mask(4, 4)
+    assert mask.shape == (4, 4) and mask.dtype == bool
+    np.testing.assert_array_equal(mask, np.triu(np.ones((4, 4), bool), k=1))
+
+
+@pytest.mark.exercise("rectangular_mask")
+def test_mask_decode_and_chunk_after_history():
+    assert not impl.rectangular_mask(1, 9).any(), "decode: the one new token sees the whole history and itself"
+    mask = impl.rectangular_mask(3, 7)                        # 4 history keys + 3 new
+    expected = np.array([[0, 0, 0, 0, 0, 1, 1],
+                         [0, 0, 0, 0, 0, 0, 1],
+                         [0, 0, 0, 0, 0, 0, 0]], bool)
+    np.testing.assert_array_equal(mask, expected)
+
+
+@pytest.mark.exercise("rectangular_mask")
+def test_mask_gives_the_tail_of_full_causal_attention():
+    rng = np.random.default_rng(3)
+    S, m, N, H = 12, 5, 4, 8
+    q = rng.standard_normal((S, N, H)).astype(np.float32)
+    k, v = rng.standard_normal((2, S, N, H)).astype(np.float32)
+    scores = q[S - m:].transpose(1, 0, 2) @ k.transpose(1, 2, 0) / np.sqrt(H)   # [N, m, S]
+    scores[:, impl.rectangular_mask(m, S)] = -np.inf
+    out = (softmax(scores) @ v.transpose(1, 0, 2)).transpose(1, 0, 2)
+    np.testing.assert_allclose(out, causal_attention(q, k, v)[S - m:], rtol=1e-5, atol=1e-6)
+
+
+# --- generate: the prefill/decode loop -------------------------------------------------------------------------
+
+@pytest.mark.exercise("generate")
+def test_generate_matches_naive_greedy(tiny):
+    rng = np.random.default_rng(4)
+    for n in (1, 9, 60):
+        ids = rng.integers(3, 256, n).tolist()
+        assert impl.generate(tiny, ids, 40, GREEDY) == naive.generate(tiny, ids, 40, GREEDY)
+
+
+@pytest.mark.exercise("generate")
+def test_generate_stops_like_naive(tiny):
+    ids = [5, 17, 99]
+    eos = naive.generate(tiny, ids, 10, GREEDY)[4]
+    model = replace(tiny, config=replace(tiny.config, eos_token_ids=(eos,)))
+    out = impl.generate(model, ids, 10, GREEDY)
+    assert out == naive.generate(model, ids, 10, GREEDY) and out[-1] == eos
+
+
+class RowCounter(np.ndarray):
+    """A weight array that counts the token rows multiplied by it: how many tokens went through the model."""
+    rows = 0
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        inputs = [np.asarray(x) for x in inputs]
+        RowCounter.rows += sum(x.shape[0] for x in inputs if x.ndim == 2)
+        return getattr(ufunc, method)(*inputs, **kwargs)
+
+
+@pytest.mark.exercise("generate")
+def test_generate_runs_each_token_through_the_model_once(tiny):
+    # layer 0's attention norm weight multiplies every token row of every forward exactly once
+    first = replace(tiny.layers[0], attn_norm=tiny.layers[0].attn_norm.view(RowCounter))
+    model = replace(tiny, layers=[first, *tiny.layers[1:]])
+    RowCounter.rows = 0
+    out = impl.generate(model, list(range(10, 30)), 15, GREEDY)
+    assert len(out) == 15
+    assert RowCounter.rows == 20 + 15 - 1, (
+        f"{RowCounter.rows} token rows went through the model; with a KV cache it is the 20 prompt tokens once "
+        f"(prefill) plus one per decode step (14): the last sampled token never needs a forward")

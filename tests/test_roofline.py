@@ -1,0 +1,50 @@
+"""The back-of-the-envelope formulas, checked against values computed by hand."""
+from __future__ import annotations
+
+import pytest
+
+from tinyserve import roofline as rl
+from tinyserve.config import ModelConfig
+
+# SmolLM2-135M: L=30, N=9, K=3, H=576/9=64
+SMOL = ModelConfig(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, intermediate_size=1536, vocab_size=49152)
+
+
+def test_kv_bytes_per_token_smollm2():
+    assert rl.kv_bytes_per_token(SMOL) == 2 * 30 * 3 * 64 * 4 == 46_080           # fp32: 45 KiB per token
+    assert rl.kv_bytes_per_token(SMOL, bytes_per_value=2) == 23_040
+    assert rl.kv_bytes_per_token(rl.with_kv_heads(SMOL, 9)) == 138_240             # as MHA: 3x
+    assert rl.kv_bytes_per_token(rl.with_kv_heads(SMOL, 1)) == 15_360              # as MQA: 1/3
+
+
+def test_kv_bytes_llama2_13b_mha_vs_gqa():
+    # 2 * 40 layers * 40 heads * 128 dims * 2 bytes (fp16) = 819,200 B = 800 KiB per token
+    assert rl.kv_bytes_per_token(rl.LLAMA2_13B, 2) == 819_200
+    # 1:5 GQA (8 KV heads for 40 query heads): 5x smaller
+    assert rl.kv_bytes_per_token(rl.with_kv_heads(rl.LLAMA2_13B, 8), 2) == 163_840
+    # a 4096-token sequence: 3.125 GiB as MHA
+    assert rl.kv_cache_bytes(rl.LLAMA2_13B, 4096, bytes_per_value=2) == 3_355_443_200
+    assert rl.kv_bytes_per_token(rl.LLAMA2_70B, 2) == 2 * 80 * 8 * 128 * 2 == 327_680
+    assert rl.kv_bytes_per_token(rl.MISTRAL_7B, 2) == 131_072
+
+
+def test_kv_cache_bytes_scales_with_tokens_and_sequences():
+    assert rl.kv_cache_bytes(SMOL, 2048) == 94_371_840                             # 90 MiB at 2048 tokens
+    assert rl.kv_cache_bytes(SMOL, 2048, n_seqs=4) == 4 * 94_371_840
+    assert rl.kv_cache_bytes(SMOL, 0) == 0
+
+
+def test_attention_decode_flops_and_bytes():
+    S = 1000
+    # per layer and query head: 2*S*H (q.k) + 2*S*H (p.v); 30 * 9 * 4 * 64 * 1000
+    assert rl.attention_decode_flops(SMOL, S) == 69_120_000
+    # reads each cached K and V value once: 2 * 30 * 1000 * 3 * 64 values * 4 bytes
+    assert rl.attention_decode_bytes(SMOL, S) == 46_080_000 == S * rl.kv_bytes_per_token(SMOL)
+    # np.repeat also writes and re-reads 2 * S * N * H values per layer: 2 * 2 * 30 * 1000 * 9 * 64 * 4 more
+    assert rl.attention_decode_bytes(SMOL, S, repeat_kv=True) == 46_080_000 + 276_480_000
+
+
+@pytest.mark.parametrize("cfg,g", [(SMOL, 3), (rl.LLAMA2_13B, 1), (rl.LLAMA2_70B, 8), (rl.MISTRAL_7B, 4)])
+def test_arithmetic_intensity_is_the_group_size(cfg, g):
+    assert rl.attention_arithmetic_intensity(cfg, bytes_per_value=2) == g          # FLOPs per byte, fp16 cache
+    assert rl.attention_arithmetic_intensity(cfg, bytes_per_value=4) == g / 2      # fp32 halves it
