@@ -111,6 +111,10 @@ def test_slot_mapping_and_write_kv_round_trip():
     np.testing.assert_array_equal(pool[table].reshape(-1, K, H)[:10], k)
     np.testing.assert_array_equal(vpool[table].reshape(-1, K, H)[:10], v)
     assert not pool[[1, 2, 4]].any() and not pool[3, 2:].any()    # nothing else was touched
+    # a non-contiguous cache (a strided view) is written through, not into a temporary copy
+    strided = np.zeros((K, H, bs, 6), np.float32).transpose(3, 2, 0, 1)   # [6, bs, K, H] view
+    write_kv(strided, strided.copy(), slot_mapping(table, 0, 10, bs), k, v)
+    np.testing.assert_array_equal(strided[table].reshape(-1, K, H)[:10], k)
 
 
 def test_kv_pool_create(tiny):

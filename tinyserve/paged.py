@@ -119,7 +119,7 @@ def slot_mapping(block_table: Sequence[int], start: int, count: int, block_size:
     needed = -(-(start + count) // block_size)                             # ceil: blocks that positions reach
     if needed > len(table) or (count and np.any(table[pos[0] // block_size:needed] < 0)):
         raise ValueError(f"slot_mapping: positions up to {start + count - 1} need {needed} blocks of "
-                         f"{block_size}, but the block table {list(table)} has not allocated them")
+                         f"{block_size}, but the block table {table.tolist()} has not allocated them")
     return table[pos // block_size] * block_size + pos % block_size
 
 
@@ -133,36 +133,44 @@ def write_kv(k_cache: np.ndarray, v_cache: np.ndarray, slots: np.ndarray, k: np.
         raise ValueError(f"write_kv: k {k.shape} and v {v.shape} must both be [T={len(slots)}, K={K}, H={H}]")
     if len(slots) and (np.min(slots) < 0 or np.max(slots) >= nb * bs):
         raise ValueError(f"write_kv: slots must lie in [0, {nb * bs}), got {np.min(slots)}..{np.max(slots)}")
-    # reshape of a contiguous pool layer is a view, so this fancy-index assignment writes into the pool itself
-    k_cache.reshape(nb * bs, K, H)[slots] = k
-    v_cache.reshape(nb * bs, K, H)[slots] = v
+    # index (block, offset) rather than reshaping to [nb * bs, K, H]: a reshape of a non-contiguous array
+    # would be a copy, and the write would silently miss the pool
+    k_cache[slots // bs, slots % bs] = k
+    v_cache[slots // bs, slots % bs] = v
 
 
 def check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, query_starts) -> None:
-    """Clear ValueErrors for inputs paged attention cannot make sense of (shared by both backends)."""
+    """Clear ValueErrors for inputs paged attention cannot make sense of (shared by both backends).
+
+    Vectorised (a dozen NumPy calls, no loop over sequences) because it runs once per layer per step.
+    """
     T, N, H = q.shape
     nb, bs, K, Hk = k_cache.shape
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"paged_attention: k_cache {k_cache.shape} and v_cache {v_cache.shape} differ")
     if Hk != H or N % K:
         raise ValueError(f"paged_attention: q {q.shape} does not fit a cache of {K} KV heads x head_dim {Hk}")
+    context_lens, query_starts = np.asarray(context_lens), np.asarray(query_starts)
     B = len(context_lens)
-    if len(query_starts) != B + 1 or query_starts[0] != 0 or query_starts[-1] != T:
+    if query_starts.shape != (B + 1,) or query_starts[0] != 0 or query_starts[-1] != T:
         raise ValueError(f"paged_attention: query_starts must be [B+1={B + 1}] from 0 to T={T}, "
-                         f"got {list(query_starts)}")
+                         f"got {query_starts.tolist()}")
     if block_tables.ndim != 2 or block_tables.shape[0] != B:
         raise ValueError(f"paged_attention: block_tables must be [B={B}, max_blocks], got {block_tables.shape}")
-    for b in range(B):
-        m, ctx = int(query_starts[b + 1] - query_starts[b]), int(context_lens[b])
-        if m < 1 or ctx < m:
-            raise ValueError(f"paged_attention: sequence {b} has {m} new rows but context_len {ctx} "
-                             f"(need 1 <= new rows <= context_len)")
-        nblocks = -(-ctx // bs)
-        table = block_tables[b, :nblocks]
-        if nblocks > block_tables.shape[1] or np.any(table < 0) or np.any(table >= nb):
-            raise ValueError(f"paged_attention: sequence {b} has context_len {ctx} = {nblocks} blocks of {bs}, "
-                             f"but its block table starts {list(block_tables[b, :nblocks])} "
-                             f"(needs {nblocks} valid ids in [0, {nb}))")
+    m = np.diff(query_starts)                                                    # [B] new rows per sequence
+    bad = (m < 1) | (context_lens < m)
+    if bad.any():
+        b = int(np.argmax(bad))
+        raise ValueError(f"paged_attention: sequence {b} has {m[b]} new rows but context_len {context_lens[b]} "
+                         f"(need 1 <= new rows <= context_len)")
+    nblocks = -(-context_lens // bs)                                             # [B] blocks each sequence reads
+    used = np.arange(block_tables.shape[1])[None, :] < nblocks[:, None]          # [B, max_blocks]
+    bad = (nblocks > block_tables.shape[1]) | (used & ((block_tables < 0) | (block_tables >= nb))).any(axis=1)
+    if bad.any():
+        b = int(np.argmax(bad))
+        raise ValueError(f"paged_attention: sequence {b} has context_len {context_lens[b]} = {nblocks[b]} blocks "
+                         f"of {bs}, but its block table starts {block_tables[b, :nblocks[b]].tolist()} "
+                         f"(needs {nblocks[b]} valid ids in [0, {nb}))")
 
 
 def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,

@@ -1,0 +1,130 @@
+"""The Numba paged attention kernel gives the NumPy reference's answer, and the kernels package sets up Numba.
+
+Tolerance: rtol 1e-4, atol 1e-5 against the reference. Both compute in float32, but in a different order (an
+online softmax over blocks and partitions, eight-lane dot products, instead of BLAS on a gathered copy);
+observed differences are ~1e-6 on these O(1) outputs.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from threadpoolctl import threadpool_info
+
+import tinyserve as ts
+from tinyserve import kernels
+from tinyserve.kernels.attention import PARTITION, paged_attention_numba
+from tinyserve.paged import KVPool, get_paged_attention, paged_attention, slot_mapping, write_kv
+
+from .test_paged_attention import CASES, make_batch
+
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("case", list(CASES))
+def test_numba_matches_numpy(case, block_size):
+    batch = make_batch(CASES[case], block_size, seed=block_size)
+    out = paged_attention_numba(*batch.args())
+    assert out.shape == batch.q.shape and out.dtype == np.float32
+    np.testing.assert_allclose(out, paged_attention(*batch.args()), **TOL)
+    np.testing.assert_allclose(out, batch.expected, **TOL)
+
+
+@pytest.mark.parametrize("partition", [1, 5, 16, 64, PARTITION])
+def test_partitions_merge_exactly(partition):
+    """Contexts longer than a partition are split across work items and merged (flash-decoding style)."""
+    seqs = [(600, 1), (300, 7), (257, 257), (40, 1)]
+    for block_size in (4, 16):
+        batch = make_batch(seqs, block_size, H=64, seed=partition)
+        out = paged_attention_numba(*batch.args(), partition=partition)
+        np.testing.assert_allclose(out, batch.expected, **TOL)
+
+
+@st.composite
+def batches(draw):
+    """Random batches: 1-4 sequences, each with some history and 1..40 new rows, any block size/partition."""
+    seqs = []
+    for _ in range(draw(st.integers(1, 4))):
+        m = draw(st.integers(1, 40))
+        seqs.append((m + draw(st.integers(0, 150)), m))
+    return seqs, draw(st.sampled_from([1, 3, 16])), draw(st.integers(1, 300)), draw(st.integers(0, 10**6))
+
+
+@settings(max_examples=40, deadline=None)
+@given(batches())
+def test_numba_matches_contiguous_on_random_batches(case):
+    seqs, block_size, partition, seed = case
+    batch = make_batch(seqs, block_size, H=8, seed=seed)
+    np.testing.assert_allclose(paged_attention_numba(*batch.args(), partition=partition), batch.expected, **TOL)
+
+
+@pytest.mark.parametrize("N,K", [(4, 4), (4, 2), (9, 3), (8, 1)])
+def test_numba_gqa_group_sizes(N, K):
+    batch = make_batch([(30, 1), (19, 5)], block_size=4, N=N, K=K, H=24)   # H not a multiple of 8 either
+    np.testing.assert_allclose(paged_attention_numba(*batch.args()), batch.expected, **TOL)
+
+
+def test_large_scores_do_not_overflow():
+    # the running max keeps exp() in range even when raw scores are huge (softmax -> one-hot)
+    batch = make_batch([(100, 3)], block_size=16)
+    big = batch.q * 300
+    np.testing.assert_allclose(paged_attention_numba(big, *batch.args()[1:], partition=32),
+                               paged_attention(big, *batch.args()[1:]), **TOL)
+    assert np.isfinite(paged_attention_numba(big, *batch.args()[1:])).all()
+
+
+def test_non_contiguous_and_other_dtypes_are_accepted():
+    batch = make_batch([(20, 4), (9, 1)], block_size=4)
+    q_strided = np.concatenate([batch.q, batch.q], axis=2)[:, :, ::2]       # a strided view of other values
+    q_strided[...] = batch.q
+    tables64 = batch.block_tables.astype(np.int64)
+    out = paged_attention_numba(q_strided, batch.k_cache, batch.v_cache, tables64, list(batch.context_lens),
+                                batch.query_starts.astype(np.int32))
+    np.testing.assert_allclose(out, batch.expected, **TOL)
+
+
+def test_numba_backend_inside_the_model(tiny):
+    """Prefill + decode of the tiny model through a KVPool: numba backend == numpy backend."""
+    cfg, bs = tiny.config, 4
+    tokens = np.random.default_rng(2).integers(0, cfg.vocab_size, 10)
+    table = np.array([[3, 0, 5]], np.int32)
+    results = {}
+    for backend in ("numpy", "numba"):
+        attn, pool, logits = get_paged_attention(backend), KVPool.create(cfg, 6, bs), []
+        for start, count in [(0, 6), (6, 1), (7, 3)]:
+            slots = slot_mapping(table[0], start, count, bs)
+
+            def attention(layer, q, k, v):
+                write_kv(pool.k[layer], pool.v[layer], slots, k, v)
+                return attn(q, pool.k[layer], pool.v[layer], table, [start + count], [0, count])
+            with kernels.single_thread_blas():
+                logits.append(ts.forward(tiny, tokens[start:start + count], np.arange(start, start + count), attention))
+        results[backend] = np.concatenate(logits)
+    np.testing.assert_allclose(results["numba"], results["numpy"], rtol=1e-4, atol=1e-4)
+
+
+def test_kernels_package_setup():
+    assert get_paged_attention("numba") is paged_attention_numba
+    import numba
+    assert numba.config.CACHE_DIR, "importing tinyserve.kernels must set a cache dir for cache=True"
+    paged_attention_numba(*make_batch([(5, 1)], 4).args())     # a parallel call has run: the layer is known
+    assert kernels.check_threading_layer() in ("omp", "tbb", "workqueue")
+
+
+def test_single_thread_blas_limits_and_restores():
+    def blas_threads():
+        return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+    before = blas_threads()
+    assert before, "threadpoolctl sees no BLAS library under numpy"
+    with kernels.single_thread_blas():
+        assert blas_threads() == [1] * len(before)
+    assert blas_threads() == before
+
+
+def test_workqueue_threading_layer_warns_loudly(monkeypatch):
+    monkeypatch.setattr(kernels.numba, "threading_layer", lambda: "workqueue")
+    monkeypatch.setattr(kernels, "_threading_checked", False)
+    with pytest.warns(RuntimeWarning, match="workqueue"):
+        assert kernels.check_threading_layer() == "workqueue"
