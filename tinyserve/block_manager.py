@@ -7,19 +7,21 @@ that already hold its prompt prefix, `commit` may publish newly filled blocks, a
 """
 from __future__ import annotations
 
+from .block_hash_cache import block_hashes
 from .paged import BlockAllocator
-from .sequence import Sequence
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    """Blocks needed to hold `num_tokens` positions: ceil(num_tokens / block_size)."""
-    return -(-num_tokens // block_size)
+from .prefix_cache import PrefixCache
+from .scheduler import SeqState, blocks_for
+from .sequence import Sequence, Status
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False):
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.block_size = block_size
+        # lesson 5: computed full blocks stay in a prefix trie, so later requests with the same prefix reuse them
+        self.cache = PrefixCache(self.allocator) if prefix_caching else None
+        self.hits: dict[int, tuple[int, int]] = {}   # request id -> (prompt tokens served from cache, prompt tokens)
+        self._published: dict[int, int] = {}          # request id -> its full blocks already inserted in the trie
 
     @property
     def num_blocks(self) -> int:
@@ -27,8 +29,50 @@ class BlockManager:
 
     @property
     def num_free(self) -> int:
-        """Blocks the scheduler may hand out this step."""
-        return self.allocator.num_free
+        """Blocks the scheduler may hand out this step (with a prefix cache, cached blocks that no sequence uses
+        count too: `allocate` evicts them on demand, so caching never runs the pool dry)."""
+        return self.allocator.num_free if self.cache is None else self.cache.num_free
+
+    def seq_state(self, seq: Sequence) -> SeqState:
+        """What the scheduler sees of a running or waiting sequence. With a prefix cache, a waiting sequence
+        reports the prefix it will be handed, so that the plan only counts the blocks it really has to allocate."""
+        if self.cache is None:
+            return SeqState(seq.num_tokens, seq.num_computed_tokens, len(seq.block_table))
+        if seq.status is Status.WAITING:
+            # the prefix `admit` will hand it. Of those blocks, the ones only the cache holds are counted in
+            # num_free, so taking them costs the pool a block: report as "held" only those a sequence already uses
+            hit = self.cache.peek(seq.token_slice(0, seq.num_tokens))
+            return SeqState(seq.num_tokens, len(hit) * self.block_size, sum(self.cache.users(b) >= 1 for b in hit))
+        # preempting it gives back only the blocks no other sequence shares
+        freeable = sum(self.cache.users(b) == 1 for b in seq.block_table)
+        return SeqState(seq.num_tokens, seq.num_computed_tokens, len(seq.block_table), freeable)
+
+    def admissible(self, waiting: list[Sequence], running: list[Sequence], token_budget: int) -> list[Sequence]:
+        """The head of the queue the scheduler may admit from this step (all of it without a prefix cache).
+
+        It stops at a request whose next uncached block another request is computing right now (running, or
+        ahead of it in the queue): two identical prompts arriving together would otherwise both compute it, in
+        two copies. The later one waits until the block is published and then shares it. FCFS: nobody behind
+        it overtakes. The scan also ends where the step's token budget would (no need to look further).
+        """
+        if self.cache is None:
+            return waiting
+        bs = self.block_size
+        pending: set[int] = set()     # chain hashes of full blocks being computed, not yet in the trie
+        for seq in running:
+            if seq.num_remaining > 1:  # a prefill in progress
+                pending.update(block_hashes(seq.token_slice(0, seq.num_tokens), bs)[seq.num_computed_tokens // bs:])
+        for i, seq in enumerate(waiting):
+            tokens = seq.token_slice(0, seq.num_tokens)
+            cached = len(self.cache.peek(tokens))
+            hashes = block_hashes(tokens[:-1], bs)     # the blocks a match could ever use
+            if cached < len(hashes) and hashes[cached] in pending:
+                return waiting[:i]
+            pending.update(hashes[cached:])
+            token_budget -= seq.num_tokens - cached * bs
+            if token_budget <= 0:
+                return waiting[:i + 1]
+        return waiting
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Extra blocks `seq` needs so that its table covers num_computed_tokens + num_new_tokens positions."""
@@ -43,19 +87,37 @@ class BlockManager:
         assert not seq.block_table, f"request {seq.request_id} is admitted while still holding blocks"
         seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0
+        if self.cache is not None:   # lesson 5: start after the longest cached prefix (at most num_tokens - 1)
+            seq.block_table = self.cache.match(seq.token_slice(0, seq.num_tokens))
+            seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
+            self.hits.setdefault(seq.request_id, (seq.num_cached_tokens, len(seq.prompt_ids)))   # first admission
+            self._published[seq.request_id] = len(seq.block_table)
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Grow seq's block table so the next `num_new_tokens` tokens have a slot. The scheduler has already
         checked the free count, so OutOfBlocks here is a bug, not a policy."""
-        for _ in range(self.blocks_needed(seq, num_new_tokens)):
+        need = self.blocks_needed(seq, num_new_tokens)
+        if self.cache is not None and need > self.allocator.num_free:
+            self.cache.evict(need - self.allocator.num_free)   # LRU unreferenced blocks make room, in one pass
+        for _ in range(need):
             seq.block_table.append(self.allocator.allocate())
 
     def commit(self, seq: Sequence) -> None:
-        """Called after a forward has written seq's K/V up to num_computed_tokens (a prefix cache would publish
-        the newly filled blocks here). Nothing to do without one."""
+        """Called after a forward has written seq's K/V up to num_computed_tokens. With a prefix cache, publish
+        the newly filled blocks; nothing to do without one."""
+        full = seq.num_computed_tokens // self.block_size
+        if self.cache is not None and full > self._published.get(seq.request_id, 0):
+            # publish now, not at the end: a request arriving while this one runs can share its prefix
+            self.cache.insert(seq.token_slice(0, full * self.block_size), seq.block_table[:full],
+                              holder_keeps_blocks=True)
+            self._published[seq.request_id] = full
 
     def free(self, seq: Sequence) -> None:
         """Give back every block of a finished or preempted sequence (decref: a shared block lives on)."""
+        if self.cache is not None:   # its computed full blocks stay in the trie (as evictable) for whoever is next
+            full = seq.num_computed_tokens // self.block_size
+            self.cache.insert(seq.token_slice(0, full * self.block_size), seq.block_table[:full])
+            self._published.pop(seq.request_id, None)
         for block in reversed(seq.block_table):   # reversed: the tail block, least likely to be shared, first
             self.allocator.decref(block)
         seq.block_table = []

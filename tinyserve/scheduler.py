@@ -19,7 +19,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .block_manager import blocks_for
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks needed to hold `num_tokens` positions: ceil(num_tokens / block_size)."""
+    return -(-num_tokens // block_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +31,13 @@ class SeqState:
     """What the scheduler needs to know about one request."""
     num_tokens: int       # prompt + generated so far
     num_computed: int     # of those, how many already have K/V in the cache
-    num_blocks: int       # KV blocks it holds (all of them come back if it is preempted)
+    num_blocks: int       # KV blocks it holds (all of them come back if it is preempted) ...
+    num_freeable: int | None = None   # ... unless a prefix cache shares some with other requests (lesson 5):
+                                      # then only this many come back
+
+    @property
+    def freeable(self) -> int:
+        return self.num_blocks if self.num_freeable is None else self.num_freeable
 
     @property
     def remaining(self) -> int:   # tokens to run before its next sample; 1 means it is decoding
@@ -72,11 +82,11 @@ def plan_step(running: list[SeqState], waiting: list[SeqState], free_blocks: int
         while need > free and alive[-1] != me:       # push out the youngest other request
             victim = alive.pop()
             plan.preempt.append(victim)
-            free += running[victim].num_blocks
+            free += running[victim].freeable
         if need > free:                                # it is the youngest itself: it waits for the others
             alive.pop()
             plan.preempt.append(me)
-            free += s.num_blocks
+            free += s.freeable
             break
         free -= need
         budget -= n

@@ -1,0 +1,182 @@
+"""Lesson 4 self-checks: the block allocator, the block-table lookup (slot mapping), the scheduler step.
+
+`make check-4` runs these against lessons/04_paged/exercises.py; `make test` runs them against tinyserve.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from tests.lessons.impl import load_impl
+from tests.test_scheduler import WORKLOADS, simulate
+from tinyserve.paged import OutOfBlocks
+from tinyserve.scheduler import SeqState, blocks_for
+
+REFERENCE = {
+    "BlockAllocator": "tinyserve.paged:BlockAllocator",
+    "slot_mapping": "tinyserve.paged:slot_mapping",
+    "plan_step": "tinyserve.scheduler:plan_step",
+}
+impl = load_impl(4, REFERENCE)
+
+
+# --- the allocator --------------------------------------------------------------------------------------------
+
+@pytest.mark.exercise("BlockAllocator")
+def test_allocate_hands_out_every_block_once_then_runs_out():
+    alloc = impl.BlockAllocator(4, 16)
+    got = [alloc.allocate() for _ in range(4)]
+    assert sorted(got) == [0, 1, 2, 3], "each physical block exactly once"
+    assert alloc.num_free == 0 and alloc.num_used == 4
+    assert all(alloc.refcount[b] == 1 for b in got)
+    with pytest.raises(OutOfBlocks):
+        alloc.allocate()
+    alloc.check()
+
+
+@pytest.mark.exercise("BlockAllocator")
+def test_refcounts_a_shared_block_is_freed_by_its_last_owner():
+    alloc = impl.BlockAllocator(3, 4)
+    b = alloc.allocate()
+    alloc.incref(b)                         # a second sequence (or the prefix cache) shares it
+    assert alloc.refcount[b] == 2
+    assert alloc.decref(b) is False         # one owner left: still in use
+    assert alloc.num_free == 2
+    assert alloc.decref(b) is True          # the last owner: back on the free list
+    assert alloc.num_free == 3 and alloc.refcount[b] == 0
+    alloc.check()
+    with pytest.raises(AssertionError):     # refcounts never go negative
+        alloc.decref(b)
+
+
+@pytest.mark.exercise("BlockAllocator")
+def test_freed_blocks_are_reused_last():
+    alloc = impl.BlockAllocator(4, 4)
+    a, b = alloc.allocate(), alloc.allocate()
+    alloc.decref(a)
+    assert [alloc.allocate(), alloc.allocate(), alloc.allocate()] == [2, 3, a], "FIFO free list"
+
+
+@pytest.mark.exercise("BlockAllocator")
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "incref", "decref"]), st.integers(0, 1000)), max_size=60))
+def test_random_operations_keep_the_invariants(ops):
+    alloc = impl.BlockAllocator(5, 2)
+    owners: dict[int, int] = {}                        # the truth: block -> number of owners
+    for op, pick in ops:
+        if op == "alloc":
+            if len(owners) == 5:
+                with pytest.raises(OutOfBlocks):
+                    alloc.allocate()
+            else:
+                b = alloc.allocate()
+                assert b not in owners, f"block {b} handed out while in use"
+                owners[b] = 1
+        elif owners:
+            b = sorted(owners)[pick % len(owners)]
+            if op == "incref":
+                alloc.incref(b)
+                owners[b] += 1
+            else:
+                owners[b] -= 1
+                assert alloc.decref(b) is (owners[b] == 0)
+                if not owners[b]:
+                    del owners[b]
+        assert alloc.num_free == 5 - len(owners)
+        assert [alloc.refcount[b] for b in range(5)] == [owners.get(b, 0) for b in range(5)]
+        alloc.check()
+
+
+# --- the block-table lookup -------------------------------------------------------------------------------------
+
+@pytest.mark.exercise("slot_mapping")
+def test_slot_mapping_walks_the_block_table():
+    # positions 3..8 with bs = 4: the last slot of block 7, then all of block 2, then the first of block 5
+    slots = impl.slot_mapping([7, 2, 5], 3, 6, 4)
+    assert slots.tolist() == [31, 8, 9, 10, 11, 20]
+    assert slots.dtype == np.int64
+    assert impl.slot_mapping([7, 2, 5], 9, 1, 4).tolist() == [21]          # decode: one position
+    assert impl.slot_mapping(np.array([3, -1], np.int32), 0, 2, 4).tolist() == [12, 13]
+    assert impl.slot_mapping([1], 0, 0, 4).tolist() == []
+
+
+@pytest.mark.exercise("slot_mapping")
+def test_slot_mapping_addresses_the_right_rows_of_the_pool():
+    bs, K, H = 4, 2, 3
+    pool = np.zeros((6, bs, K, H), np.float32)                             # [num_blocks, bs, K, H]
+    table = [4, 0, 5]
+    kv = np.arange(10 * K * H, dtype=np.float32).reshape(10, K, H) + 1     # positions 0..9 of one sequence
+    pool.reshape(-1, K, H)[impl.slot_mapping(table, 0, 10, bs)] = kv
+    np.testing.assert_array_equal(pool[table].reshape(-1, K, H)[:10], kv)  # reading the blocks in table order
+    assert not pool[[1, 2, 3]].any(), "nothing written outside the sequence's blocks"
+
+
+@pytest.mark.exercise("slot_mapping")
+def test_slot_mapping_refuses_unallocated_positions():
+    with pytest.raises(ValueError):
+        impl.slot_mapping([7, 2], 6, 3, 4)          # position 8 needs a third block
+    with pytest.raises(ValueError):
+        impl.slot_mapping([7, -1], 3, 2, 4)         # position 4 falls in an unallocated (-1) entry
+    with pytest.raises(ValueError):
+        impl.slot_mapping([7], -1, 1, 4)
+
+
+# --- the scheduler step -----------------------------------------------------------------------------------------
+
+def decoding(num_tokens: int, bs: int = 4) -> SeqState:
+    return SeqState(num_tokens, num_tokens - 1, blocks_for(num_tokens - 1, bs))
+
+
+@pytest.mark.exercise("plan_step")
+def test_all_decodes_and_a_new_prompt_fit():
+    plan = impl.plan_step([decoding(10), decoding(7)], [SeqState(6, 0, 0)], free_blocks=10, token_budget=100,
+                          block_size=4)
+    assert (plan.run, plan.admit, plan.preempt) == ([(0, 1), (1, 1)], [(0, 6)], [])
+
+
+@pytest.mark.exercise("plan_step")
+def test_a_long_prefill_is_chunked_and_leaves_budget_for_younger_decodes():
+    # the oldest request is mid-prefill with 100 tokens to go; two younger ones are decoding
+    plan = impl.plan_step([SeqState(120, 20, 5), decoding(9), decoding(5)], [], free_blocks=100, token_budget=16,
+                          block_size=4)
+    assert plan.run == [(0, 14), (1, 1), (2, 1)]   # 14 = budget 16 - one token kept for each decode behind it
+
+
+@pytest.mark.exercise("plan_step")
+def test_zero_budget_left_skips_instead_of_running_empty_chunks():
+    plan = impl.plan_step([decoding(5), decoding(6), decoding(7)], [], free_blocks=10, token_budget=2, block_size=4)
+    assert plan.run == [(0, 1), (1, 1)]
+
+
+@pytest.mark.exercise("plan_step")
+def test_waiting_requests_are_admitted_first_come_first_served():
+    waiting = [SeqState(40, 0, 0), SeqState(3, 0, 0)]
+    # the head needs 10 blocks for its whole prompt; only 8 are free: the small one must not overtake it
+    assert impl.plan_step([], waiting, free_blocks=8, token_budget=100, block_size=4).admit == []
+    # with a smaller budget the head's first chunk (5 blocks) fits: admitted with a partial prefill
+    assert impl.plan_step([], waiting, free_blocks=8, token_budget=20, block_size=4).admit == [(0, 20)]
+    # max_running caps how many run at once
+    plan = impl.plan_step([decoding(5)], [SeqState(2, 0, 0)] * 3, free_blocks=50, token_budget=50, block_size=4,
+                          max_running=3)
+    assert plan.admit == [(0, 2), (1, 2)]
+
+
+@pytest.mark.exercise("plan_step")
+def test_out_of_blocks_preempts_the_youngest_and_admits_nobody():
+    # all three need a new block for their next token (8 tokens computed = 2 full blocks of 4); none is free
+    running = [SeqState(9, 8, 2), SeqState(9, 8, 2), SeqState(9, 8, 2)]
+    plan = impl.plan_step(running, [SeqState(1, 0, 0)], free_blocks=0, token_budget=100, block_size=4)
+    assert plan.preempt == [2]               # the youngest gives back 2 blocks: enough for the two older ones
+    assert plan.run == [(0, 1), (1, 1)]
+    assert plan.admit == []                  # never admit in a step that had to preempt
+    # the youngest preempts itself when nobody younger is left to push out
+    plan = impl.plan_step([SeqState(9, 8, 2), SeqState(5, 4, 1)], [], free_blocks=0, token_budget=100, block_size=4)
+    assert (plan.preempt, plan.run) == ([1], [(0, 1)])
+
+
+@pytest.mark.exercise("plan_step")
+@settings(max_examples=25, deadline=None)
+@given(*WORKLOADS)
+def test_whole_workloads_finish_without_leaks_or_livelock(requests, block_size, budget, spare):
+    simulate(impl.plan_step, requests, block_size, budget, spare)

@@ -1,0 +1,156 @@
+"""`python -m tinyserve bench`: a reproducible batch workload through the Engine, and a batch-size sweep.
+
+The workload is N requests with prompt and output lengths drawn uniformly from given ranges (seeded); prompts are
+random token ids and EOS is ignored, so every request produces exactly its drawn number of tokens and two runs do
+the same work. All requests arrive at once (an offline batch): TTFT therefore includes queueing behind the
+others, which is what a user of a busy server sees.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .engine import Engine
+from .model import Model
+from .sampling import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    num_requests: int = 16
+    prompt_len: tuple[int, int] = (32, 256)    # inclusive range, uniform
+    output_len: tuple[int, int] = (16, 96)
+    seed: int = 0
+    shared_prefix: int = 0                     # tokens every prompt starts with (lesson 5: a system prompt)
+
+    def requests(self, vocab_size: int) -> list[tuple[list[int], SamplingParams]]:
+        for name, (lo, hi) in (("prompt_len", self.prompt_len), ("output_len", self.output_len)):
+            if not 1 <= lo <= hi:
+                raise ValueError(f"{name} range must satisfy 1 <= lo <= hi, got {lo}:{hi}")
+        if self.num_requests < 1:
+            raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
+        if self.shared_prefix < 0:
+            raise ValueError(f"shared_prefix must be >= 0, got {self.shared_prefix}")
+        # drawn from a stream of its own, so the rest of the workload is the same with or without it
+        prefix = [int(t) for t in np.random.default_rng(self.seed + 1).integers(3, vocab_size, self.shared_prefix)]
+        rng = np.random.default_rng(self.seed)
+        out = []
+        for _ in range(self.num_requests):
+            n_prompt = int(rng.integers(self.prompt_len[0], self.prompt_len[1] + 1))
+            n_out = int(rng.integers(self.output_len[0], self.output_len[1] + 1))
+            prompt = prefix + [int(t) for t in rng.integers(3, vocab_size, size=n_prompt)]
+            out.append((prompt, SamplingParams(temperature=0, max_new_tokens=n_out, ignore_eos=True)))
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class BenchResult:
+    label: str
+    num_requests: int
+    output_tokens: int
+    seconds: float
+    ttft: np.ndarray          # [num_requests] s
+    itl: np.ndarray           # [all inter-token gaps] s
+    peak_blocks: int
+    num_blocks: int
+    preemptions: int
+    mean_batch: float         # sequences per step
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.num_requests / self.seconds
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    def row(self) -> dict[str, str]:
+        p = lambda a, q: f"{np.percentile(a, q) * 1e3:.0f}" if len(a) else "-"  # noqa: E731
+        return {"run": self.label, "req/s": f"{self.requests_per_s:.2f}", "out tok/s": f"{self.tokens_per_s:.1f}",
+                "TTFT p50 ms": p(self.ttft, 50), "TTFT p90 ms": p(self.ttft, 90),
+                "ITL p50 ms": p(self.itl, 50), "ITL p90 ms": p(self.itl, 90),
+                "peak blocks": f"{self.peak_blocks}/{self.num_blocks}", "preempt": str(self.preemptions),
+                "batch": f"{self.mean_batch:.1f}"}
+
+
+def run_workload(model: Model, requests: list[tuple[list[int], SamplingParams]], label: str = "engine",
+                 progress: bool = True, **engine_kwargs) -> BenchResult:
+    """Serve `requests` (all arriving now) with a fresh Engine(model, **engine_kwargs); measure it."""
+    engine = Engine(model, **engine_kwargs)
+    total = sum(p.max_new_tokens for _, p in requests)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=total, desc=label, unit="tok", leave=False)
+    t0 = time.perf_counter()
+    ids = [engine.add_request(prompt, params) for prompt, params in requests]
+    engine.run(progress=(lambda outs: bar.update(len(outs))) if bar is not None else None)
+    seconds = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    metrics = [engine.finished[i].metrics() for i in ids]
+    stats = engine.stats
+    return BenchResult(label, len(ids), sum(m.num_output_tokens for m in metrics), seconds,
+                       np.array([m.ttft for m in metrics]), np.array([d for m in metrics for d in m.itl]),
+                       engine.peak_blocks_used, engine.blocks.num_blocks,
+                       sum(s.num_preempted for s in stats), float(np.mean([s.num_seqs for s in stats])))
+
+
+def batch_sweep(model: Model, batch_sizes=(1, 4, 16), prompt_len: int = 32, new_tokens: int = 32,
+                progress: bool = True, **engine_kwargs) -> list[BenchResult]:
+    """Aggregate decode throughput at fixed batch sizes: B identical-length requests at once, B = each size.
+    The same prompt lengths and output lengths at every B, so the ratios say what batching buys."""
+    results = []
+    for b in batch_sizes:
+        w = Workload(num_requests=b, prompt_len=(prompt_len, prompt_len), output_len=(new_tokens, new_tokens),
+                     seed=b)
+        results.append(run_workload(model, w.requests(model.config.vocab_size), label=f"batch {b}",
+                                    progress=progress, max_running=b, **engine_kwargs))
+    return results
+
+
+def format_table(results: list[BenchResult]) -> str:
+    rows = [r.row() for r in results]
+    cols = list(rows[0])
+    width = {c: max(len(c), *(len(r[c]) for r in rows)) for c in cols}
+    line = lambda r: "  ".join(r[c].rjust(width[c]) if i else r[c].ljust(width[c]) for i, c in enumerate(cols))  # noqa
+    return "\n".join([line({c: c for c in cols}), line({c: "-" * width[c] for c in cols}), *map(line, rows)])
+
+
+def main(args) -> int:
+    """The `bench` subcommand (see __main__.build_parser)."""
+    from .weights import load_model, tiny_model
+
+    model = tiny_model(seed=0) if args.model == "tiny" else load_model(args.weights)
+    parse = lambda s: tuple(int(x) for x in s.split(":")) * (1 if ":" in s else 2)  # noqa: E731  "a:b" or "a"
+    workload = Workload(args.requests, parse(args.prompt_len), parse(args.output_len), args.seed,
+                        getattr(args, "shared_prefix", 0))
+    kw = dict(num_blocks=args.num_blocks, block_size=args.block_size, max_batch_tokens=args.max_batch_tokens,
+              backend=args.backend)
+    print(f"workload: {workload.num_requests} requests, prompt {workload.prompt_len[0]}..{workload.prompt_len[1]} "
+          f"tokens (after a shared prefix of {workload.shared_prefix}), output {workload.output_len[0]}.."
+          f"{workload.output_len[1]} tokens, seed {workload.seed}; "
+          f"model {args.model}; engine {kw}")
+    results = [run_workload(model, workload.requests(model.config.vocab_size), label="workload", **kw)]
+    if workload.shared_prefix:   # lesson 5: the same requests again, with the prefix trie on
+        results.append(run_workload(model, workload.requests(model.config.vocab_size), label="+ prefix trie",
+                                    prefix_caching=True, **kw))
+        print(f"shared prefix of {workload.shared_prefix} tokens: TTFT p50 "
+              f"{np.median(results[0].ttft) / np.median(results[1].ttft):.1f}x lower and "
+              f"{results[1].tokens_per_s / results[0].tokens_per_s:.2f}x output tokens/s with the prefix trie")
+    sweep = []
+    if args.sweep:
+        sizes = tuple(int(b) for b in args.sweep.split(","))
+        sweep = batch_sweep(model, sizes, prompt_len=32, new_tokens=32, **kw)
+    print(format_table(results + sweep))
+    if sweep:
+        base = sweep[0]
+        print(f"aggregate output tokens/s vs batch {base.num_requests} (prompt 32, 32 new tokens each, prefill "
+              "included): " + ", ".join(f"B={r.num_requests}: {r.tokens_per_s / base.tokens_per_s:.2f}x"
+                                        for r in sweep))
+        # decode steps alone: B tokens per step, a step lasting the median inter-token latency
+        print("decode steps alone (B / median ITL): " + ", ".join(
+            f"B={r.num_requests}: {r.num_requests / np.median(r.itl):.1f} tokens/s" for r in sweep))
+    return 0

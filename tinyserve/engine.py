@@ -1,0 +1,287 @@
+"""Lesson 4: the Engine — continuous batching over a paged KV cache.
+
+    engine = Engine(model, num_blocks=256, block_size=16, max_batch_tokens=256)
+    rid = engine.add_request(prompt_ids, SamplingParams(temperature=0, max_new_tokens=32))
+    while engine.has_unfinished():
+        for out in engine.step():          # StepOutput(request_id, new_tokens, finished, finish_reason)
+            ...
+
+One step = schedule (scheduler.plan_step) -> one forward over the chunks of *all* scheduled sequences, flattened
+into one [T] batch (decode tokens and prefill chunks side by side: the matmuls, which dominate the cost, read
+each weight once for the whole batch) -> sample one token for every sequence whose chunk reached its end ->
+retire the finished ones and free their blocks. Attention is the only per-sequence part: each layer writes the
+new K/V into the pool through the slot mapping and runs paged attention with every sequence's block table.
+
+Impossible requests are refused by `add_request` with a ValueError (bad ids, bad params, longer than the context
+window, or needing more KV blocks than the whole pool); the requests already queued are not affected.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterator, NamedTuple, Sequence as Seq
+
+import numpy as np
+
+from .block_manager import BlockManager
+from .model import Model, check_token_ids, forward
+from .paged import KVPool, get_paged_attention, slot_mapping, write_kv
+from .sampling import SamplingParams, sample
+from .scheduler import blocks_for, plan_step
+from .sequence import Sequence, Status
+from .stopping import StopChecker
+
+
+class StepOutput(NamedTuple):
+    request_id: int
+    new_tokens: list[int]          # the token sampled this step (empty never appears in step()'s result)
+    finished: bool
+    finish_reason: str | None      # "eos" | "length" | "context" | "stop" once finished
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    num_seqs: int            # sequences in this step's batch (B)
+    num_tokens: int          # rows of the flattened batch (T)
+    num_decode: int          # of the B, how many were plain decodes (1 row, sampled)
+    num_sampled: int         # rows that produced a token
+    num_preempted: int
+    num_admitted: int
+    blocks_used: int         # after the step
+    seconds: float
+
+
+class Engine:
+    def __init__(self, model: Model, num_blocks: int = 256, block_size: int = 16, max_batch_tokens: int = 256,
+                 max_running: int = 64, backend: str = "numpy", tokenizer=None, prefix_caching: bool = False):
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
+                            ("max_batch_tokens", max_batch_tokens), ("max_running", max_running)):
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Engine: {name} must be an integer >= 1, got {value!r}")
+        self.model = model
+        self.config = model.config
+        self.block_size = block_size
+        self.max_batch_tokens = max_batch_tokens
+        self.max_running = max_running
+        self.backend = backend
+        self.tokenizer = tokenizer                # only needed for stop strings
+        self._attend = get_paged_attention(backend)
+        self.pool = KVPool.create(self.config, num_blocks, block_size)   # [L, num_blocks, bs, K, H] x2
+        self.blocks = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)  # all block bookkeeping
+        self.waiting: deque[Sequence] = deque()   # arrival order; preempted requests go back to the front
+        self.running: list[Sequence] = []         # arrival order (oldest first): the preemption order
+        self.finished: dict[int, Sequence] = {}
+        self.stats: list[StepStats] = []
+        self._next_id = 0
+
+    # --- requests --------------------------------------------------------------------------------------------
+    def add_request(self, prompt_ids: Seq[int], params: SamplingParams | None = None) -> int:
+        """Queue one request; returns its id. Raises ValueError at once if it could never be served."""
+        seq = self._new_sequence(prompt_ids, params)
+        self._next_id += 1
+        self.waiting.append(seq)
+        return seq.request_id
+
+    def _new_sequence(self, prompt_ids: Seq[int], params: SamplingParams | None) -> Sequence:
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        ids = check_token_ids(self.config, prompt_ids)
+        # The most positions it can ever hold: the last sampled token is never fed back, and the context window
+        # caps the output. If even the whole pool cannot hold that, preempting everyone else would not help.
+        max_positions = min(len(ids) + params.max_new_tokens, self.config.max_seq_len) - 1
+        need = blocks_for(max(max_positions, 1), self.block_size)
+        if need > self.blocks.num_blocks:
+            raise ValueError(f"request needs up to {max_positions} KV positions = {need} blocks of {self.block_size}, "
+                             f"but the whole pool has {self.blocks.num_blocks} blocks: it can never run "
+                             f"(shorten the prompt or max_new_tokens, or give the engine more blocks)")
+        stopper = StopChecker(self.config, params, self.tokenizer, prompt_len=len(ids))  # ValueError on stop w/o tok
+        return Sequence(self._next_id, [int(t) for t in ids], params, stopper, params.make_rng())
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def sequence(self, request_id: int) -> Sequence:
+        for seq in (*self.running, *self.waiting):
+            if seq.request_id == request_id:
+                return seq
+        return self.finished[request_id]
+
+    # --- one step --------------------------------------------------------------------------------------------
+    def _schedule(self) -> tuple[list[tuple[Sequence, int]], int, int]:
+        """Apply scheduler.plan_step to the queues: preempt, admit, allocate.
+        Returns the batch [(seq, tokens this step)], the number preempted, the number admitted."""
+        waiting = self.blocks.admissible(list(self.waiting), self.running, self.max_batch_tokens)  # lesson 5
+        plan = plan_step([self.blocks.seq_state(s) for s in self.running],
+                         [self.blocks.seq_state(s) for s in waiting],
+                         self.blocks.num_free, self.max_batch_tokens, self.block_size, self.max_running)
+        batch = [(self.running[i], n) for i, n in plan.run]
+        for i in plan.preempt:                   # youngest first, so the oldest victim ends up at the front
+            seq = self.running[i]
+            self.blocks.free(seq)                # its K/V are gone; its output tokens are kept for the recompute
+            seq.status = Status.WAITING
+            seq.num_preemptions += 1
+            self.waiting.appendleft(seq)
+        gone = set(plan.preempt)
+        self.running = [s for i, s in enumerate(self.running) if i not in gone]
+        assert [w for w, _ in plan.admit] == list(range(len(plan.admit))), "FCFS: admit a prefix of the queue"
+        now = time.perf_counter()
+        for _, n in plan.admit:
+            seq = self.waiting.popleft()
+            self.blocks.admit(seq)
+            seq.status = Status.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+            self.running.append(seq)
+            batch.append((seq, n))
+        for seq, n in batch:
+            self.blocks.allocate(seq, n)
+        return batch, len(plan.preempt), len(plan.admit)
+
+    def step(self) -> list[StepOutput]:
+        """Schedule, run one batched forward, sample, retire. Returns one StepOutput per sampled token."""
+        t0 = time.perf_counter()
+        batch, n_preempted, n_admitted = self._schedule()
+        if not batch:
+            # add_request refuses what could never fit, so an empty plan with work left is a scheduler bug
+            assert n_preempted or not self.has_unfinished(), "the scheduler made no progress: a livelock"
+            return []
+        bs = self.block_size
+        starts = [seq.num_computed_tokens for seq, _ in batch]
+        counts = [n for _, n in batch]
+        tokens = np.fromiter((t for (seq, n), s in zip(batch, starts) for t in seq.token_slice(s, s + n)),
+                             dtype=np.int64, count=sum(counts))                                   # [T]
+        positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, counts)])        # [T]
+        slots = np.concatenate([slot_mapping(seq.block_table, s, n, bs)
+                                for (seq, n), s in zip(batch, starts)])                          # [T]
+        B = len(batch)
+        width = max(len(seq.block_table) for seq, _ in batch)
+        block_tables = np.full((B, width), -1, dtype=np.int32)                                   # [B, max_blocks]
+        for b, (seq, _) in enumerate(batch):
+            block_tables[b, :len(seq.block_table)] = seq.block_table
+        context_lens = np.array([s + n for s, n in zip(starts, counts)], dtype=np.int64)          # [B]
+        query_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)                 # [B+1]
+        # Only the sequences whose chunk reaches their last token sample; only their last rows need the LM head.
+        sampled = [b for b, (seq, n) in enumerate(batch) if starts[b] + n == seq.num_tokens]
+        logit_rows = query_starts[1:][sampled] - 1                                                # [R]
+
+        pool, attend = self.pool, self._attend
+
+        def attention(layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+            write_kv(pool.k[layer], pool.v[layer], slots, k, v)       # the new rows first: they attend to themselves
+            return attend(q, pool.k[layer], pool.v[layer], block_tables, context_lens, query_starts)
+
+        with self._threads():
+            logits = forward(self.model, tokens, positions, attention, logit_rows=logit_rows)    # [R, V]
+
+        for seq, n in batch:
+            seq.num_computed_tokens += n
+            self.blocks.commit(seq)
+        outputs: list[StepOutput] = []
+        now = time.perf_counter()
+        num_decode = sum(1 for (seq, n), s in zip(batch, starts)     # plain decodes: 1 new row after the last sample
+                         if n == 1 and s == seq.num_tokens - 1 and seq.output_ids)
+        for r, b in enumerate(sampled):
+            seq = batch[b][0]
+            # the repetition penalty needs every token seen so far; skip building that list when it is off
+            seen = seq.prompt_ids + seq.output_ids if seq.params.repetition_penalty != 1.0 else ()
+            token = sample(logits[r], seq.params, seq.rng, seen=seen)
+            seq.output_ids.append(token)
+            seq.token_times.append(now)
+            done = seq.stopper.should_stop(seq.output_ids)
+            if done:
+                self._retire(seq)
+            outputs.append(StepOutput(seq.request_id, [token], done, seq.finish_reason))
+        self.stats.append(StepStats(B, len(tokens), num_decode, len(sampled), n_preempted, n_admitted,
+                                    self.blocks.allocator.num_used, time.perf_counter() - t0))
+        return outputs
+
+    def _retire(self, seq: Sequence) -> None:
+        self.blocks.free(seq)
+        seq.status = Status.FINISHED
+        self.running.remove(seq)
+        self.finished[seq.request_id] = seq
+
+    def _threads(self):
+        """With the Numba backend, keep OpenBLAS to one thread during the step (two pools on 2 cores ~10x slower)."""
+        if self.backend == "numba":
+            from .kernels import single_thread_blas
+            return single_thread_blas()
+        return contextlib.nullcontext()
+
+    # --- conveniences ----------------------------------------------------------------------------------------
+    def run(self, progress=None) -> None:
+        """Step until every queued request has finished. `progress(outputs)` is called after each step."""
+        while self.has_unfinished():
+            outs = self.step()
+            if progress is not None:
+                progress(outs)
+
+    def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None
+                 ) -> list[list[int]]:
+        """New token ids per prompt (like naive.generate), all prompts served together by continuous batching.
+        Every prompt is validated before any runs: one impossible prompt raises ValueError for the whole call."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        params = list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
+        for p, sp in zip(prompts, params):
+            self._new_sequence(p, sp)            # validate them all before queueing any
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        self.run()
+        return [list(self.finished[i].output_ids) for i in ids]
+
+    @property
+    def peak_blocks_used(self) -> int:
+        return max((s.blocks_used for s in self.stats), default=0)
+
+    def describe(self, max_blocks: int = 64) -> str:
+        """A printable view of the pool: which request owns each block (refcount), and every block table."""
+        owner: dict[int, list[int]] = {}
+        for seq in self.running:
+            for blk in seq.block_table:
+                owner.setdefault(blk, []).append(seq.request_id)
+        alloc = self.blocks.allocator
+        lines = [f"KV pool: {alloc.num_used}/{alloc.num_blocks} blocks used, block size {self.block_size}, "
+                 f"{self.pool.nbytes / 2**20:.1f} MiB ({len(self.running)} running, {len(self.waiting)} waiting)"]
+        cells = []
+        for blk in range(min(alloc.num_blocks, max_blocks)):
+            rc = alloc.refcount[blk]
+            who = ",".join(f"r{r}" for r in owner.get(blk, [])) or ("?" if rc else ".")
+            cells.append(f"{blk:>3}:{who}" + (f"x{rc}" if rc > 1 else ""))
+        for i in range(0, len(cells), 8):
+            lines.append("  " + "  ".join(f"{c:<10}" for c in cells[i:i + 8]))
+        if alloc.num_blocks > max_blocks:
+            lines.append(f"  ... {alloc.num_blocks - max_blocks} more blocks")
+        for seq in self.running:
+            fill = seq.num_computed_tokens - (len(seq.block_table) - 1) * self.block_size
+            lines.append(f"  r{seq.request_id}: {seq.num_tokens} tokens ({seq.num_computed_tokens} in cache), "
+                         f"block table {seq.block_table} (last block {max(fill, 0)}/{self.block_size} full)")
+        for seq in self.waiting:
+            lines.append(f"  r{seq.request_id}: waiting, {seq.num_tokens} tokens"
+                         + (f" (preempted {seq.num_preemptions}x)" if seq.num_preemptions else ""))
+        return "\n".join(lines)
+
+    __str__ = describe
+
+
+def generate_stream(model: Model, ids: Seq[int], max_new_tokens: int | None = None,
+                    params: SamplingParams | None = None, tokenizer=None, backend: str = "numpy",
+                    block_size: int = 16, max_batch_tokens: int = 512) -> Iterator[int]:
+    """One prompt through the engine (the CLI's --strategy paged): yields token ids as they are sampled.
+    The pool is sized for exactly this request."""
+    params = params or SamplingParams()
+    if max_new_tokens is not None:
+        params = dataclasses.replace(params, max_new_tokens=max_new_tokens)
+    n_prompt = len(check_token_ids(model.config, ids))
+    positions = min(n_prompt + params.max_new_tokens, model.config.max_seq_len) - 1
+    engine = Engine(model, num_blocks=blocks_for(max(positions, 1), block_size), block_size=block_size,
+                    max_batch_tokens=max_batch_tokens, backend=backend, tokenizer=tokenizer)
+    engine.add_request(ids, params)
+    while engine.has_unfinished():
+        for out in engine.step():
+            yield from out.new_tokens
