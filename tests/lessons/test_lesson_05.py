@@ -1,0 +1,232 @@
+"""Lesson 5 self-checks: walking the prefix trie, inserting into it, LRU eviction, chain hashes.
+
+`make check-5` runs these against lessons/05_prefix_trie/exercises.py; `make test` runs them against tinyserve.
+The tries here are built by hand (Node(...)) so that each exercise is checked on its own.
+"""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from tests.lessons.impl import load_impl
+from tinyserve.prefix_cache import Node
+
+REFERENCE = {
+    "match_prefix": "tinyserve.prefix_cache:match_prefix",
+    "insert": "tinyserve.prefix_cache:insert",
+    "evict_lru": "tinyserve.prefix_cache:evict_lru",
+    "block_hashes": "tinyserve.block_hash_cache:block_hashes",
+}
+impl = load_impl(5, REFERENCE)
+
+
+def add(parent: Node, tokens, blocks, t=0) -> Node:
+    node = Node(tuple(tokens), list(blocks), parent, {}, t)
+    parent.children[node.tokens[:len(node.tokens) // len(node.blocks)]] = node
+    return node
+
+
+def sample_trie():
+    """bs = 2:   root ─[1 2 3 4]{10,11}─ a ─┬─[5 6]{12}─ b
+                                          └─[7 8 9 9]{13,14}─ c"""
+    root = Node()
+    a = add(root, [1, 2, 3, 4], [10, 11], t=3)
+    b = add(a, [5, 6], [12], t=1)
+    c = add(a, [7, 8, 9, 9], [13, 14], t=2)
+    return root, a, b, c
+
+
+def shape(node: Node):
+    """The trie as nested (tokens, blocks, children) tuples, for comparisons."""
+    return sorted((ch.tokens, tuple(ch.blocks), shape(ch)) for ch in node.children.values())
+
+
+def check_structure(root: Node, bs: int) -> None:
+    for key, ch in root.children.items():
+        assert ch.parent is root, "a child's parent pointer must point at the node that holds it"
+        assert ch.blocks and len(ch.tokens) == len(ch.blocks) * bs, f"edge {ch.tokens} is not whole blocks"
+        assert key == ch.tokens[:bs], f"child {ch.tokens} stored under key {key}: the key is its first block"
+        check_structure(ch, bs)
+
+
+def prefixes_of(root: Node, bs: int) -> dict[tuple, int]:
+    """{token prefix ending on a block boundary: the block holding its last block} for the whole trie."""
+    out, stack = {}, [(root, ())]
+    while stack:
+        node, past = stack.pop()
+        for ch in node.children.values():
+            p = past
+            for i, b in enumerate(ch.blocks):
+                p = p + ch.tokens[i * bs:(i + 1) * bs]
+                out[p] = b
+            stack.append((ch, p))
+    return out
+
+
+# --- match_prefix -------------------------------------------------------------------------------------------
+
+@pytest.mark.exercise("match_prefix")
+def test_match_walks_edges_block_by_block():
+    root, a, b, c = sample_trie()
+    m = impl.match_prefix(root, [1, 2, 3, 4, 7, 8, 9, 9, 0], 2)
+    assert list(m.blocks) == [10, 11, 13, 14] and m.node is c and m.depth == 2
+    m = impl.match_prefix(root, [1, 2, 3, 4, 5, 6], 2)
+    assert list(m.blocks) == [10, 11, 12] and m.node is b and m.depth == 1
+
+
+@pytest.mark.exercise("match_prefix")
+def test_match_can_end_inside_an_edge():
+    root, a, b, c = sample_trie()
+    m = impl.match_prefix(root, [1, 2, 3, 5], 2)                 # parts from a's edge after its first block
+    assert list(m.blocks) == [10] and m.node is a and m.depth == 1
+    m = impl.match_prefix(root, [1, 2, 3, 4, 7, 8, 9, 1], 2)     # and inside c's edge
+    assert list(m.blocks) == [10, 11, 13] and m.node is c and m.depth == 1
+    m = impl.match_prefix(root, [1, 2, 3, 4, 7, 8], 2)           # the query ends inside c's edge
+    assert list(m.blocks) == [10, 11, 13] and m.node is c and m.depth == 1
+
+
+@pytest.mark.exercise("match_prefix")
+def test_match_uses_whole_blocks_only():
+    root, a, b, c = sample_trie()
+    assert list(impl.match_prefix(root, [1], 2).blocks) == []          # a partial block never matches
+    assert list(impl.match_prefix(root, [1, 2, 3], 2).blocks) == [10]
+    m = impl.match_prefix(root, [3, 4, 1, 2], 2)                         # a run in the middle is not a prefix
+    assert list(m.blocks) == [] and m.node is root and m.depth == 0
+    assert list(impl.match_prefix(Node(), [1, 2, 3, 4], 2).blocks) == []
+
+
+@pytest.mark.exercise("match_prefix")
+def test_match_does_not_modify_the_trie():
+    root, a, b, c = sample_trie()
+    before = shape(root)
+    impl.match_prefix(root, [1, 2, 3, 5, 6], 2)
+    impl.match_prefix(root, [1, 2, 3, 4, 7, 8, 9, 9, 1, 1], 2)
+    assert shape(root) == before and (a.last_access, b.last_access, c.last_access) == (3, 1, 2)
+
+
+@pytest.mark.exercise("match_prefix")
+@settings(max_examples=60, deadline=None)
+@given(seqs=st.lists(st.lists(st.integers(0, 2), max_size=10), max_size=8),
+       query=st.lists(st.integers(0, 2), max_size=12), bs=st.integers(1, 3))
+def test_match_is_the_longest_cached_prefix(seqs, query, bs):
+    """On a trie with one block per node, the match is exactly the longest whole-block prefix in the trie."""
+    root, known, next_block = Node(), {}, 0
+    for s in seqs:
+        node = root
+        for i in range(len(s) // bs):
+            blk = tuple(s[i * bs:(i + 1) * bs])
+            if blk not in node.children:
+                add(node, blk, [next_block])
+                known[tuple(s[:(i + 1) * bs])] = next_block
+                next_block += 1
+            node = node.children[blk]
+    expect = []
+    for i in range(len(query) // bs):
+        p = tuple(query[:(i + 1) * bs])
+        if p not in known:
+            break
+        expect.append(known[p])
+    assert list(impl.match_prefix(root, query, bs).blocks) == expect
+
+
+# --- insert ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.exercise("insert")
+def test_insert_into_an_empty_trie_makes_one_leaf():
+    root = Node()
+    assert list(impl.insert(root, [1, 2, 3, 4, 5], [7, 8, 9], 2, 5)) == [7, 8]   # [5] is a partial block
+    assert shape(root) == [((1, 2, 3, 4), (7, 8), [])]
+    (leaf,) = root.children.values()
+    assert leaf.last_access == 5 and leaf.parent is root
+    check_structure(root, 2)
+
+
+@pytest.mark.exercise("insert")
+def test_insert_splits_an_edge_where_sequences_part():
+    root, a, b, c = sample_trie()
+    new = impl.insert(root, [1, 2, 3, 4, 7, 8, 6, 6, 6], [20, 21, 22, 23], 2, 9)
+    assert list(new) == [23]                      # [1 2][3 4][7 8] are cached already: the trie keeps its blocks
+    check_structure(root, 2)
+    assert shape(root) == [((1, 2, 3, 4), (10, 11), [
+        ((5, 6), (12,), []),
+        ((7, 8), (13,), [((6, 6), (23,), []), ((9, 9), (14,), [])]),
+    ])]
+    a2 = root.children[(1, 2)]
+    c_top = a2.children[(7, 8)]
+    assert a2.last_access == 9 and c_top.last_access == 9 and c_top.children[(6, 6)].last_access == 9
+    assert b.last_access == 1                      # untouched branch keeps its time
+
+
+@pytest.mark.exercise("insert")
+def test_insert_of_a_known_sequence_adds_nothing():
+    root, a, b, c = sample_trie()
+    before = prefixes_of(root, 2)
+    assert list(impl.insert(root, [1, 2, 3, 4, 5, 6], [30, 31, 32], 2, 4)) == []
+    assert prefixes_of(root, 2) == before
+    assert a.last_access == 4 and b.last_access == 4 and c.last_access == 2
+
+
+@pytest.mark.exercise("insert")
+@settings(max_examples=60, deadline=None)
+@given(seqs=st.lists(st.lists(st.integers(0, 2), max_size=12), max_size=10), bs=st.integers(1, 3))
+def test_insert_caches_each_block_once_first_come(seqs, bs):
+    root, expect = Node(), {}
+    for j, s in enumerate(seqs):
+        blocks = [100 * j + i for i in range(len(s) // bs + 1)]   # one extra: only full blocks may be used
+        new = []
+        for i in range(len(s) // bs):
+            p = tuple(s[:(i + 1) * bs])
+            if p not in expect:
+                expect[p] = blocks[i]
+                new.append(blocks[i])
+        assert list(impl.insert(root, s, blocks, bs, j)) == new
+        check_structure(root, bs)
+        assert prefixes_of(root, bs) == expect
+
+
+# --- evict_lru ------------------------------------------------------------------------------------------------
+
+@pytest.mark.exercise("evict_lru")
+def test_evict_takes_the_least_recent_leaf_tail_first():
+    root, a, b, c = sample_trie()                 # leaves: b (t=1), c (t=2)
+    rc = [1] * 20
+    assert list(impl.evict_lru(root, 1, rc, 2)) == [12]          # b is the least recently used leaf
+    assert (5, 6) not in a.children                              # its edge is empty: the node is gone
+    assert list(impl.evict_lru(root, 1, rc, 2)) == [14]          # then c's tail block, not its head
+    assert c.blocks == [13] and c.tokens == (7, 8)
+    check_structure(root, 2)
+
+
+@pytest.mark.exercise("evict_lru")
+def test_evict_climbs_to_parents_and_stops_when_empty():
+    root, a, b, c = sample_trie()
+    assert list(impl.evict_lru(root, 10, [1] * 20, 2)) == [12, 14, 13, 11, 10]
+    assert root.children == {}
+    assert list(impl.evict_lru(root, 3, [1] * 20, 2)) == []
+
+
+@pytest.mark.exercise("evict_lru")
+def test_evict_never_takes_a_referenced_block():
+    root, a, b, c = sample_trie()
+    rc = [1] * 20
+    rc[12] = 2                                     # a sequence holds b's block (and, so, a's blocks)
+    rc[10] = rc[11] = 2
+    assert list(impl.evict_lru(root, 10, rc, 2)) == [14, 13]   # b is skipped; a is not a leaf after c goes
+    assert shape(root) == [((1, 2, 3, 4), (10, 11), [((5, 6), (12,), [])])]
+    rc = [1] * 20
+    rc[10] = 2                                      # a sequence holds a's first block only
+    root, a, b, c = sample_trie()
+    assert sorted(impl.evict_lru(root, 10, rc, 2)) == [11, 12, 13, 14]
+    assert shape(root) == [((1, 2), (10,), [])]
+
+
+# --- block_hashes ---------------------------------------------------------------------------------------------
+
+@pytest.mark.exercise("block_hashes")
+def test_block_hashes_chain_over_the_parent():
+    h = impl.block_hashes([1, 2, 3, 4, 5], 2)
+    assert len(h) == 2                                          # [5] is partial: no hash
+    assert h[0] == hash((None, (1, 2)))
+    assert h[1] == hash((h[0], (3, 4)))
+    assert impl.block_hashes([9, 9, 3, 4], 2)[1] != h[1]        # same block, other past
+    assert list(impl.block_hashes([1], 2)) == []

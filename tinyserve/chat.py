@@ -1,0 +1,125 @@
+"""Lesson 5 in the terminal: `python -m tinyserve chat`, a multi-turn chat whose history lives in the prefix trie.
+
+Every turn's prompt is the whole conversation so far plus the new message. With prefix caching the K/V of that
+history are still in the trie from the previous turn, so only the new message is prefilled: TTFT stays flat as
+the conversation grows instead of growing with it. Each turn prints how many prompt tokens were served from the
+cache and its TTFT.
+
+The conversation is kept as *token ids*, not text: the next prompt is the previous prompt + the tokens the model
+generated + the new turn's tokens. Re-encoding the decoded reply could split it into different tokens than the
+model produced (tokenization is not unique), and every token after the first difference would miss the cache.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import Iterable, TextIO
+
+from .sampling import SamplingParams
+from .tokenizer import DEFAULT_SYSTEM_PROMPT
+
+
+@dataclass(frozen=True, slots=True)
+class TurnStats:
+    prompt_tokens: int
+    cached_tokens: int      # of the prompt tokens, how many came from the prefix cache (not prefilled)
+    output_tokens: int
+    ttft: float             # seconds from submitting the turn to its first token
+    seconds: float          # the whole turn
+
+
+class Conversation:
+    """The token ids of a ChatML conversation, grown turn by turn (SmolLM2's template, see tokenizer.py)."""
+
+    def __init__(self, tokenizer, system: str = DEFAULT_SYSTEM_PROMPT):
+        self.tok = tokenizer
+        self.ids: list[int] = tokenizer.encode(f"<|im_start|>system\n{system}<|im_end|>\n")
+
+    def prompt_for(self, user_text: str) -> list[int]:
+        """The ids the model sees for this turn: history + user message + the assistant header."""
+        return self.ids + self.tok.encode(f"<|im_start|>user\n{user_text}<|im_end|>\n<|im_start|>assistant\n")
+
+    def commit(self, prompt: list[int], reply: list[int]) -> None:
+        """Append the turn: the prompt it ran with, the reply as generated, closed by <|im_end|>\\n."""
+        end = [] if reply and reply[-1] == self.tok.eos_id else [self.tok.eos_id]
+        self.ids = prompt + reply + end + self.tok.encode("\n")
+
+
+def chat_turn(engine, conv: Conversation, user_text: str, params: SamplingParams,
+              out: TextIO | None = None) -> TurnStats:
+    """Run one turn through the engine, streaming the reply to `out` (default: stdout)."""
+    out = sys.stdout if out is None else out
+    prompt = conv.prompt_for(user_text)
+    t0 = time.perf_counter()
+    rid = engine.add_request(prompt, params)
+    stream = conv.tok.stream_decoder()
+    ttft = None
+    reply: list[int] = []
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.request_id != rid:
+                continue
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            reply += o.new_tokens
+            for t in o.new_tokens:
+                out.write(stream.push(t))
+            out.flush()
+    out.write(stream.flush() + "\n")
+    out.flush()
+    conv.commit(prompt, reply)
+    cached = engine.blocks.hits.get(rid, (0, 0))[0]
+    return TurnStats(len(prompt), cached, len(reply), ttft or 0.0, time.perf_counter() - t0)
+
+
+def chat_loop(engine, tokenizer, lines: Iterable[str], params: SamplingParams, out: TextIO | None = None,
+              err: TextIO | None = None, system: str = DEFAULT_SYSTEM_PROMPT,
+              prompt_marker: str = "") -> list[TurnStats]:
+    """Read user lines until EOF or /quit; answer each, streamed to `out`; report per turn on `err`
+    (default: stdout and stderr, looked up at call time)."""
+    out, err = sys.stdout if out is None else out, sys.stderr if err is None else err
+    conv = Conversation(tokenizer, system)
+    turns: list[TurnStats] = []
+    if prompt_marker:
+        err.write(prompt_marker)
+        err.flush()
+    for line in lines:
+        text = line.strip()
+        if text in ("/quit", "/exit"):
+            break
+        if text:
+            if len(conv.prompt_for(text)) + params.max_new_tokens > engine.config.max_seq_len:
+                err.write("[the conversation no longer fits the context window; start a new chat]\n")
+                break
+            s = chat_turn(engine, conv, text, params, out)
+            turns.append(s)
+            pct = 100 * s.cached_tokens / s.prompt_tokens
+            err.write(f"[turn {len(turns)}: {s.prompt_tokens} prompt tokens, {s.cached_tokens} from cache "
+                      f"({pct:.0f}%), TTFT {s.ttft * 1e3:.0f} ms, {s.output_tokens} tokens in {s.seconds:.1f} s]\n")
+        if prompt_marker:
+            err.write(prompt_marker)
+            err.flush()
+    return turns
+
+
+def main(args) -> int:
+    """`python -m tinyserve chat` (see __main__.py for the options)."""
+    from .engine import Engine
+    from .tokenizer import load_tokenizer
+    from .weights import load_model
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+                            seed=args.seed)
+    tok = load_tokenizer(args.weights)
+    model = load_model(args.weights)
+    engine = Engine(model, num_blocks=args.num_blocks, block_size=args.block_size, backend=args.backend,
+                    tokenizer=tok, prefix_caching=not args.no_prefix_cache)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"tinyserve chat: prefix caching {'off' if args.no_prefix_cache else 'on'}, "
+              f"{args.num_blocks} KV blocks of {args.block_size}. Type a message; /quit or Ctrl-D ends.",
+              file=sys.stderr)
+    chat_loop(engine, tok, sys.stdin, params, system=args.system or DEFAULT_SYSTEM_PROMPT,
+              prompt_marker="> " if interactive else "")
+    return 0
