@@ -11,6 +11,7 @@ Symbol legend (every array in the package is annotated with these):
 from __future__ import annotations
 
 import json
+import numbers
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -31,8 +32,13 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "intermediate_size", "vocab_size", "max_seq_len"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"config: {name} must be positive, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # 64.0 would break reshapes later
+                raise ValueError(f"config: {name} must be an integer, got {value!r}")
+            if value <= 0:
+                raise ValueError(f"config: {name} must be positive, got {value}")
+        if not self.rope_theta > 0 or not self.norm_eps > 0:  # `not >` also rejects NaN
+            raise ValueError(f"config: rope_theta and norm_eps must be positive, got {self.rope_theta}, {self.norm_eps}")
         if self.dim % self.n_heads:
             raise ValueError(f"config: dim {self.dim} is not divisible by n_heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:

@@ -14,9 +14,10 @@ tinyserve.weights (so both sides read the same bytes).
 
 Known difference, recorded rather than hidden: transformers' GGUF tokenizer converter drops llama.cpp's
 'smollm' digit rule (every digit is its own pre-token, before the GPT-2 byte-level regex). tinyserve keeps it,
-because the model was trained with it. The two only disagree when two or more spaces precede a digit, e.g.
-"x =  1"; such strings are listed under "tokenizer_known_differences" with both tokenizations, and the
-prompts compared token by token avoid them (the script checks this, see `digit_rule_safe`).
+because the model was trained with it. The two only disagree when two or more whitespace characters precede a
+digit, e.g. "x =  1" or "a\\n  7" (the vocabulary has no multi-digit or space+digit tokens); such strings are
+listed under "tokenizer_known_differences" with both tokenizations, and the prompts compared token by token
+avoid them (the script checks this, see `digit_rule_safe`).
 """
 from __future__ import annotations
 
@@ -51,6 +52,8 @@ LONG_TEXT = (
     "spread to more than two hundred cities. Prices fell, literacy rose, and ideas travelled across the "
     "continent in weeks instead of decades. Scholars argue about how much the press caused the Reformation "
     "and the Scientific Revolution, but few doubt that it changed how knowledge was stored and shared. "
+    "Newspapers, pamphlets, maps and scientific journals all grew out of the same machines, and governments "
+    "soon learned both to use the press and to fear it. "
     "In a few sentences, summarise why the printing press mattered:"
 )
 
@@ -59,7 +62,8 @@ PROMPTS = {
     "english": ("text", "The capital of France is Paris. The capital of Germany is"),
     "chat": ("chat", [{"role": "user", "content": "What is the capital of France?"}]),
     "unicode": ("text", "Café au lait, naïve façade, Straße — 日本語のテキストと中文 😀🚀👍🏽 and ünïcödé."),
-    "code": ("text", "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
+    "code": ("text", "def fibonacci(n):\n    if n < 2:\n        return n\n"
+                     "    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
                      "# print the first ten numbers\nfor i in range(10):\n"),
     "long": ("text", LONG_TEXT),
 }
@@ -154,8 +158,10 @@ def main() -> int:
     }
     arrays: dict[str, np.ndarray] = {}
     for pname, (kind, payload) in PROMPTS.items():
-        text = tok.apply_chat_template(payload, tokenize=False, add_generation_prompt=True) if kind == "chat" \
-            else payload
+        if kind == "chat":
+            text = tok.apply_chat_template(payload, tokenize=False, add_generation_prompt=True)
+        else:
+            text = payload
         assert digit_rule_safe(text), f"prompt {pname} would hit the known digit-rule difference"
         ids = encode(text)
         t1 = time.perf_counter()
