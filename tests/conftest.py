@@ -4,9 +4,14 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 import tinyserve as ts
 from tinyserve.weights import DEFAULT_WEIGHTS_DIR, weights_problem
+
+# Shared CI machines are slow and noisy: property tests are judged on what they find, never on how fast.
+settings.register_profile("tinyserve", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("tinyserve")
 
 
 @pytest.fixture(scope="session")
