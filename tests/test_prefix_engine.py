@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from tinyserve.engine import Engine
-from tinyserve.prefix_cache import PrefixMetrics
+from tinyserve.prefix_cache import PrefixMetrics, cached_prefixes
 from tinyserve.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
@@ -24,16 +24,7 @@ def shared_prompts(seed=0, n=8, system_len=40, vocab=256):
 
 def block_prefixes(cache) -> dict[int, tuple[int, ...]]:
     """{block: the token prefix whose last block's K/V it caches} over the whole trie."""
-    out, stack, bs = {}, [(cache.root, ())], cache.block_size
-    while stack:
-        node, past = stack.pop()
-        for ch in node.children.values():
-            p = past
-            for i, b in enumerate(ch.blocks):
-                p = p + ch.tokens[i * bs:(i + 1) * bs]
-                out[b] = p
-            stack.append((ch, p))
-    return out
+    return {block: prefix for prefix, block in cached_prefixes(cache.root, cache.block_size).items()}
 
 
 def assert_no_leaks(engine):

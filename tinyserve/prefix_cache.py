@@ -131,6 +131,22 @@ def iter_nodes(root: Node) -> Iterator[Node]:
         stack.extend(node.children.values())
 
 
+def cached_prefixes(root: Node, block_size: int) -> dict[tuple[int, ...], int]:
+    """{token prefix ending on a block boundary: the block holding that prefix's last block} for the whole trie
+    (what a lookup could ever return; tests use it to compare a trie before and after an operation)."""
+    out: dict[tuple[int, ...], int] = {}
+    stack = [(root, ())]
+    while stack:
+        node, past = stack.pop()
+        for child in node.children.values():
+            prefix = past
+            for i, block in enumerate(child.blocks):
+                prefix = prefix + tuple(child.tokens[i * block_size:(i + 1) * block_size])
+                out[prefix] = block
+            stack.append((child, prefix))
+    return out
+
+
 def evict_lru(root: Node, num_blocks: int, refcount: Sequence[int], block_size: int) -> list[int]:
     """Remove up to `num_blocks` unreferenced blocks from the trie, least recently used leaves first.
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from tests.lessons.impl import load_impl
-from tinyserve.prefix_cache import Node
+from tinyserve.prefix_cache import Node, cached_prefixes
 
 REFERENCE = {
     "match_prefix": "tinyserve.prefix_cache:match_prefix",
@@ -47,20 +47,6 @@ def check_structure(root: Node, bs: int) -> None:
         assert ch.blocks and len(ch.tokens) == len(ch.blocks) * bs, f"edge {ch.tokens} is not whole blocks"
         assert key == ch.tokens[:bs], f"child {ch.tokens} stored under key {key}: the key is its first block"
         check_structure(ch, bs)
-
-
-def prefixes_of(root: Node, bs: int) -> dict[tuple, int]:
-    """{token prefix ending on a block boundary: the block holding its last block} for the whole trie."""
-    out, stack = {}, [(root, ())]
-    while stack:
-        node, past = stack.pop()
-        for ch in node.children.values():
-            p = past
-            for i, b in enumerate(ch.blocks):
-                p = p + ch.tokens[i * bs:(i + 1) * bs]
-                out[p] = b
-            stack.append((ch, p))
-    return out
 
 
 # --- match_prefix -------------------------------------------------------------------------------------------
@@ -160,9 +146,9 @@ def test_insert_splits_an_edge_where_sequences_part():
 @pytest.mark.exercise("insert")
 def test_insert_of_a_known_sequence_adds_nothing():
     root, a, b, c = sample_trie()
-    before = prefixes_of(root, 2)
+    before = cached_prefixes(root, 2)
     assert list(impl.insert(root, [1, 2, 3, 4, 5, 6], [30, 31, 32], 2, 4)) == []
-    assert prefixes_of(root, 2) == before
+    assert cached_prefixes(root, 2) == before
     assert a.last_access == 4 and b.last_access == 4 and c.last_access == 2
 
 
@@ -181,7 +167,7 @@ def test_insert_caches_each_block_once_first_come(seqs, bs):
                 new.append(blocks[i])
         assert list(impl.insert(root, s, blocks, bs, j)) == new
         check_structure(root, bs)
-        assert prefixes_of(root, bs) == expect
+        assert cached_prefixes(root, bs) == expect
 
 
 # --- evict_lru ------------------------------------------------------------------------------------------------
