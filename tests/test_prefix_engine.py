@@ -192,6 +192,20 @@ def test_chat_reuses_the_conversation(smol, smol_tok):
 
 
 @pytest.mark.real
+def test_chat_survives_a_message_it_cannot_serve(smol, smol_tok):
+    from tinyserve.chat import chat_loop
+    engine = Engine(smol, num_blocks=8, block_size=16, max_batch_tokens=256, prefix_caching=True)  # 128 positions
+    out, err = io.StringIO(), io.StringIO()
+    params = SamplingParams(temperature=0, max_new_tokens=4)
+    lines = ["Hi\x04\n", "word " * 200 + "\n", "Say hi.\n"]   # untokenizable; larger than the pool; fine
+    turns = chat_loop(engine, smol_tok, lines, params, out=out, err=err)
+    assert len(turns) == 1 and turns[0].output_tokens >= 1
+    log = err.getvalue()
+    assert "[error: the text contains '\\x04'" in log and "can never run" in log and "[turn 1:" in log
+    assert not engine.has_unfinished() and engine.blocks.allocator.num_used == engine.blocks.cache.num_cached
+
+
+@pytest.mark.real
 def test_chat_cli_reads_stdin_until_eof(smol, monkeypatch, capsys):
     from tinyserve.__main__ import main
     monkeypatch.setattr("sys.stdin", io.StringIO("Say hi.\nSay bye.\n"))   # EOF after two turns

@@ -179,7 +179,7 @@ def test_flush_returns_an_unfinished_character(smol_tok):
 # Bytes with no token in SmolLM2's vocabulary (inherited from the original Hugging Face tokenizer, not a
 # conversion bug): 0xC0, 0xC1 and 0xF5-0xFF never occur in UTF-8, but 0xF1/0xF2 (lead bytes of U+40000..U+BFFFF,
 # unassigned planes) and six ASCII control characters are missing too. BPE has no unknown token, so such bytes
-# are silently dropped by encode().
+# would be silently dropped by the BPE model; encode() refuses them with a clear error instead.
 MISSING_BYTES = frozenset([0x04, 0x06, 0x13, 0x14, 0x16, 0x1D, 0xC0, 0xC1, 0xF1, 0xF2, *range(0xF5, 0x100)])
 
 
@@ -188,8 +188,14 @@ def test_bytes_missing_from_the_vocabulary(smol_tok):
     byte_to_char = _byte_level_table()
     missing = {b for b, c in byte_to_char.items() if smol_tok._tok.token_to_id(c) is None}
     assert missing == MISSING_BYTES
-    ids = smol_tok.encode("a\x04b")        # the limitation, pinned: the byte is dropped, without an error
-    assert smol_tok.decode(ids) == "ab"
+    assert smol_tok._missing_bytes == bytes(sorted(MISSING_BYTES))
+    with pytest.raises(ValueError, match=r"'\\x04' \(U\+0004\) at index 1"):
+        smol_tok.encode("a\x04b")
+    with pytest.raises(ValueError, match="U\\+40000"):   # 4-byte UTF-8 led by 0xF1
+        smol_tok.encode("ok \U00040000")
+    with pytest.raises(ValueError, match="not valid Unicode"):
+        smol_tok.encode("lone \ud800 surrogate")
+    assert smol_tok.decode(smol_tok.encode("a\x05b")) == "a\x05b"   # a control character it does have
 
 
 def _byte_level_table() -> dict[int, str]:

@@ -89,14 +89,18 @@ def chat_loop(engine, tokenizer, lines: Iterable[str], params: SamplingParams, o
         if text in ("/quit", "/exit"):
             break
         if text:
-            if len(conv.prompt_for(text)) + params.max_new_tokens > engine.config.max_seq_len:
-                err.write("[the conversation no longer fits the context window; start a new chat]\n")
-                break
-            s = chat_turn(engine, conv, text, params, out)
-            turns.append(s)
-            pct = 100 * s.cached_tokens / s.prompt_tokens
-            err.write(f"[turn {len(turns)}: {s.prompt_tokens} prompt tokens, {s.cached_tokens} from cache "
-                      f"({pct:.0f}%), TTFT {s.ttft * 1e3:.0f} ms, {s.output_tokens} tokens in {s.seconds:.1f} s]\n")
+            try:
+                if len(conv.prompt_for(text)) + params.max_new_tokens > engine.config.max_seq_len:
+                    err.write("[the conversation no longer fits the context window; start a new chat]\n")
+                    break
+                s = chat_turn(engine, conv, text, params, out)
+            except ValueError as e:   # this message cannot be served (untokenizable, larger than the KV pool):
+                err.write(f"[error: {e}]\n")   # the conversation so far is intact, the user may try another
+            else:
+                turns.append(s)
+                pct = 100 * s.cached_tokens / s.prompt_tokens
+                err.write(f"[turn {len(turns)}: {s.prompt_tokens} prompt tokens, {s.cached_tokens} from cache "
+                          f"({pct:.0f}%), TTFT {s.ttft * 1e3:.0f} ms, {s.output_tokens} tokens in {s.seconds:.1f} s]\n")
         if prompt_marker:
             err.write(prompt_marker)
             err.flush()

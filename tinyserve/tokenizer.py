@@ -30,12 +30,25 @@ class Tokenizer:
         self.eos_id = self._tok.token_to_id(self.eos_token)
         self.special_ids = frozenset(self._tok.token_to_id(t) for t in cfg.get("additional_special_tokens", []))
         self.vocab_size = self._tok.get_vocab_size()
+        # Byte-level BPE has no unknown token: a byte whose symbol is not in the vocabulary is silently dropped.
+        # SmolLM2 lacks 21 (six ASCII control characters, and bytes that valid UTF-8 never or almost never uses),
+        # so `encode` refuses text containing them instead of handing the model something else than was typed.
+        self._missing_bytes = bytes(b for b, ch in enumerate(_byte_level_symbols()) if self._tok.token_to_id(ch) is None)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special tokens written in the text (e.g. <|im_start|>) become their single id.
         No BOS is added: the chat template starts every turn with <|im_start|> itself."""
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, got {type(text).__name__}")
+        try:
+            raw = text.encode("utf-8")
+        except UnicodeEncodeError as e:   # a lone surrogate, e.g. from a badly decoded file
+            raise ValueError(f"the text is not valid Unicode at index {e.start}: {text[e.start]!r}") from None
+        if raw.translate(None, self._missing_bytes) != raw:
+            bad = next(i for i, ch in enumerate(text) if ch.encode("utf-8").translate(None, self._missing_bytes)
+                       != ch.encode("utf-8"))
+            raise ValueError(f"the text contains {text[bad]!r} (U+{ord(text[bad]):04X}) at index {bad}, which the "
+                             f"model's vocabulary cannot represent; remove or replace it")
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
@@ -104,6 +117,21 @@ class StreamDecoder:
 
     def extend(self, ids: Iterable[int]) -> str:
         return "".join(self.push(i) for i in ids)
+
+
+def _byte_level_symbols() -> list[str]:
+    """GPT-2's byte-level alphabet: the printable symbol that stands for each byte 0..255 in the vocabulary
+    (printable Latin-1 bytes stand for themselves, the others are shifted to U+0100 onwards, in byte order)."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)}
+    symbols, shifted = [], 0
+    for b in range(256):
+        if b in printable:
+            symbols.append(chr(b))
+        else:
+            symbols.append(chr(256 + shifted))
+            shifted += 1
+    return symbols
 
 
 def load_tokenizer(path: str | Path = DEFAULT_WEIGHTS_DIR) -> Tokenizer:
