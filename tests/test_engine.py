@@ -11,6 +11,7 @@ import tinyserve as ts
 from tinyserve import kv_cache
 from tinyserve import engine as engine_mod
 from tinyserve.engine import Engine, StepOutput, generate_stream
+from tinyserve.paged import max_kv_positions
 from tinyserve.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
@@ -175,6 +176,43 @@ def test_impossible_requests_are_refused_and_the_others_continue(tiny):
     # exactly 16 positions: prompt 13 + 4 outputs - 1 (the last token is never fed back) fits
     engine.generate([[5] * 13], SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))
     assert_no_leaks(engine)
+
+
+def test_max_kv_positions():
+    assert max_kv_positions(3, 4, 1024) == 6      # the last sampled token is never fed back
+    assert max_kv_positions(35, 20, 40) == 39     # the context window caps the output
+    assert max_kv_positions(16, 5, 16) == 16      # a prompt that fills the window still runs once
+    assert max_kv_positions(1, 1, 1) == 1
+
+
+def test_a_prompt_that_fills_the_context_window_gets_one_token():
+    # 16-token prompt, 16-token window: its 16 positions run once to sample one token, as in kv_cache.generate.
+    # The KV need used to be computed one short (15 positions = 3 blocks of 5): the request was accepted, and
+    # the first step() died with the livelock assertion.
+    model = ts.tiny_model(seed=0, max_seq_len=16)
+    prompt = mixed_prompts(1, seed=9, lo=16, hi=17)[0]
+    params = SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True)
+    expected = kv_cache.generate(model, prompt, params=params)
+    assert len(expected) == 1
+    with pytest.raises(ValueError, match="16 KV positions = 4 blocks of 5, but the whole pool has 3 blocks"):
+        Engine(model, num_blocks=3, block_size=5).add_request(prompt, params)
+    engine = Engine(model, num_blocks=4, block_size=5)
+    assert engine.generate([prompt], params) == [expected]
+    assert engine.finished[0].finish_reason == "context"
+    assert_no_leaks(engine)
+    assert list(generate_stream(model, prompt, params=params, block_size=5)) == expected
+
+
+def test_pop_finished_forgets_a_request(tiny):
+    engine = Engine(tiny, num_blocks=16, block_size=4, prefix_caching=True)
+    rid = engine.add_request([5] * 10, GREEDY)
+    engine.run()
+    assert rid in engine.finished and rid in engine.blocks.hits
+    seq = engine.pop_finished(rid)
+    assert seq.request_id == rid and len(seq.output_ids) == GREEDY.max_new_tokens
+    assert rid not in engine.finished and rid not in engine.blocks.hits
+    with pytest.raises(KeyError):
+        engine.pop_finished(rid)
 
 
 def test_invalid_engine_arguments(tiny):

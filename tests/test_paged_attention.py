@@ -13,7 +13,8 @@ import pytest
 
 import tinyserve as ts
 from tinyserve.gqa import grouped_attention
-from tinyserve.paged import KVPool, get_paged_attention, paged_attention, slot_mapping, write_kv
+from tinyserve.paged import (KVPool, check_block_tables, get_paged_attention, paged_attention, slot_mapping,
+                             write_kv)
 
 
 @dataclass
@@ -173,6 +174,19 @@ def test_bad_input_errors(backend):
         attn(**_bad(batch, context_lens=np.array([9, 1])))                  # 2 new rows but 1 position
     with pytest.raises(ValueError, match="KV heads"):
         attn(**_bad(batch, q=batch.q[:, :, :8]))                            # head_dim mismatch
+
+
+@pytest.mark.parametrize("backend", ["numpy", "numba"])
+def test_unchecked_variant_is_the_same_computation(backend):
+    # what the engine calls once per layer, after checking the step's batch once with check_block_tables
+    batch = make_batch(CASES["mixed"], block_size=4)
+    tables, ctx, starts = (np.ascontiguousarray(a, dtype=np.int64)
+                           for a in (batch.block_tables, batch.context_lens, batch.query_starts))
+    check_block_tables(tables, ctx, starts, len(batch.q), batch.k_cache.shape[0], 4)
+    out = get_paged_attention(backend, checked=False)(batch.q, batch.k_cache, batch.v_cache, tables, ctx, starts)
+    np.testing.assert_array_equal(out, get_paged_attention(backend)(*batch.args()))
+    with pytest.raises(ValueError, match="block table"):
+        check_block_tables(tables[:, :2], ctx, starts, len(batch.q), batch.k_cache.shape[0], 4)
 
 
 def test_slot_mapping_and_write_kv_errors():

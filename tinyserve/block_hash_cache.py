@@ -15,10 +15,10 @@ block-aligned matching and the same "the last prompt token always runs" rule.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from .paged import BlockAllocator
-from .prefix_cache import CacheStats
+from .prefix_cache import BlockCache, block_tokens
 
 
 def block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
@@ -27,11 +27,16 @@ def block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
     A trailing partial block gets no hash (it is never cached). Python's hash of a tuple of ints is the same in
     every process (only str/bytes hashing is randomised), so these are stable keys.
     """
-    hashes, parent = [], None
+    return [h for h, _ in chain_hashes(tokens, block_size)]
+
+
+def chain_hashes(tokens: Sequence[int], block_size: int) -> Iterator[tuple[int, tuple[int, ...]]]:
+    """(chain hash, tokens) of each full block, one at a time: a lookup stops hashing at its first miss."""
+    parent = None
     for i in range(len(tokens) // block_size):
-        parent = hash((parent, tuple(tokens[i * block_size:(i + 1) * block_size])))
-        hashes.append(parent)
-    return hashes
+        blk = block_tokens(tokens, i, block_size)
+        parent = hash((parent, blk))
+        yield parent, blk
 
 
 @dataclass(slots=True)
@@ -43,23 +48,18 @@ class Entry:
     last_access: int
 
 
-class BlockHashCache:
-    """Prefix caching with a dict {chain hash: Entry}; the same contract as prefix_cache.PrefixCache."""
+class BlockHashCache(BlockCache):
+    """Prefix caching with a dict {chain hash: Entry}; the same contract as prefix_cache.PrefixCache (its memory
+    accounting, allocate, num_free, users, ..., comes from their shared base, prefix_cache.BlockCache)."""
 
     def __init__(self, allocator: BlockAllocator):
-        self.allocator = allocator
-        self.block_size = allocator.block_size
+        super().__init__(allocator)        # self.cached: the blocks of all entries
         self.table: dict[int, Entry] = {}
-        self.cached: set[int] = set()      # the blocks of all entries
-        self.clock = 0
-        self.stats = CacheStats()
 
     def _lookup(self, tokens: Sequence[int]) -> list[tuple[int, Entry]]:
         """(hash, entry) of the cached full blocks of tokens, from the first block to the first miss."""
-        bs, found, parent = self.block_size, [], None
-        for i in range(len(tokens) // bs):
-            blk = tuple(tokens[i * bs:(i + 1) * bs])
-            h = hash((parent, blk))
+        found, parent = [], None
+        for h, blk in chain_hashes(tokens, self.block_size):
             e = self.table.get(h)
             if e is None or e.tokens != blk or e.parent != parent:   # a miss, or a collision: not our prefix
                 break
@@ -82,18 +82,14 @@ class BlockHashCache:
     def peek(self, tokens: Sequence[int]) -> list[int]:
         return [e.block for _, e in self._lookup(tokens[:len(tokens) - 1])]
 
-    def cached_prefix(self, tokens: Sequence[int]) -> int:
-        return len(self.peek(tokens)) * self.block_size
-
     def insert(self, tokens: Sequence[int], blocks: Sequence[int], holder_keeps_blocks: bool = False) -> int:
         """Publish computed full blocks (blocks[i] holds tokens[i*bs:(i+1)*bs]); returns how many were newly cached.
         A hash already present keeps its block (see PrefixCache.insert for holder_keeps_blocks)."""
         bs = self.block_size
         self.clock += 1
         adopted, parent = 0, None
-        for i, h in enumerate(block_hashes(tokens[:len(blocks) * bs], bs)):
+        for i, (h, blk) in enumerate(chain_hashes(tokens[:len(blocks) * bs], bs)):
             e = self.table.get(h)
-            blk = tuple(tokens[i * bs:(i + 1) * bs])
             if e is not None and (e.tokens != blk or e.parent != parent):
                 break                      # a hash collision: leave the older entry alone, cache no further
             if e is None:
@@ -123,34 +119,6 @@ class BlockHashCache:
         n = min(num_blocks, len(victims))
         self.stats.evicted_blocks += n
         return n
-
-    def allocate(self) -> int:
-        if self.allocator.num_free == 0:
-            self.evict(1)
-        return self.allocator.allocate()
-
-    @property
-    def num_cached(self) -> int:
-        return len(self.table)
-
-    @property
-    def num_evictable(self) -> int:
-        rc = self.allocator.refcount
-        return sum(1 for e in self.table.values() if rc[e.block] == 1)
-
-    @property
-    def num_free(self) -> int:
-        return self.allocator.num_free + self.num_evictable
-
-    def num_shared(self) -> int:
-        rc = self.allocator.refcount
-        return sum(1 for e in self.table.values() if rc[e.block] >= 3)
-
-    def users(self, block: int) -> int:
-        return self.allocator.refcount[block] - (block in self.cached)
-
-    def clear(self) -> int:
-        return self.evict(self.allocator.num_blocks)
 
     def check(self) -> None:
         rc, blocks = self.allocator.refcount, [e.block for e in self.table.values()]

@@ -8,9 +8,9 @@ that already hold its prompt prefix, `commit` may publish newly filled blocks, a
 from __future__ import annotations
 
 from .block_hash_cache import block_hashes
-from .paged import BlockAllocator
+from .paged import BlockAllocator, blocks_for
 from .prefix_cache import PrefixCache
-from .scheduler import SeqState, blocks_for
+from .scheduler import SeqState
 from .sequence import Sequence, Status
 
 
@@ -20,7 +20,9 @@ class BlockManager:
         self.block_size = block_size
         # lesson 5: computed full blocks stay in a prefix trie, so later requests with the same prefix reuse them
         self.cache = PrefixCache(self.allocator) if prefix_caching else None
-        self.hits: dict[int, tuple[int, int]] = {}   # request id -> (prompt tokens served from cache, prompt tokens)
+        # request id -> (prompt tokens served from the cache, prompt tokens), at its first admission only (a
+        # preempted request re-matching its own blocks is not a hit): the engine's prefix-cache metrics
+        self.hits: dict[int, tuple[int, int]] = {}
         self._published: dict[int, int] = {}          # request id -> its full blocks already inserted in the trie
 
     @property
@@ -78,19 +80,15 @@ class BlockManager:
         """Extra blocks `seq` needs so that its table covers num_computed_tokens + num_new_tokens positions."""
         return max(0, blocks_for(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(seq.block_table))
 
-    def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= self.num_free
-
     def admit(self, seq: Sequence) -> None:
         """A waiting sequence becomes running. Without a prefix cache it starts from nothing: all its tokens
         (prompt + any output kept from before a preemption) are recomputed."""
         assert not seq.block_table, f"request {seq.request_id} is admitted while still holding blocks"
         seq.num_computed_tokens = 0
-        seq.num_cached_tokens = 0
         if self.cache is not None:   # lesson 5: start after the longest cached prefix (at most num_tokens - 1)
             seq.block_table = self.cache.match(seq.token_slice(0, seq.num_tokens))
-            seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
-            self.hits.setdefault(seq.request_id, (seq.num_cached_tokens, len(seq.prompt_ids)))   # first admission
+            seq.num_computed_tokens = len(seq.block_table) * self.block_size
+            self.hits.setdefault(seq.request_id, (seq.num_computed_tokens, len(seq.prompt_ids)))  # first admission
             self._published[seq.request_id] = len(seq.block_table)
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
@@ -122,4 +120,7 @@ class BlockManager:
             self.allocator.decref(block)
         seq.block_table = []
         seq.num_computed_tokens = 0
-        seq.num_cached_tokens = 0
+
+    def forget(self, request_id: int) -> None:
+        """Drop what is kept about a finished request (its hit count), once the caller has read it."""
+        self.hits.pop(request_id, None)

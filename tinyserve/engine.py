@@ -28,9 +28,10 @@ import numpy as np
 
 from .block_manager import BlockManager
 from .model import Model, check_token_ids, forward
-from .paged import KVPool, get_paged_attention, slot_mapping, write_kv
+from .paged import (KVPool, blocks_for, check_block_tables, get_paged_attention, max_kv_positions, slot_mapping,
+                    write_kv_unchecked)
 from .sampling import SamplingParams, sample
-from .scheduler import blocks_for, plan_step
+from .scheduler import plan_step
 from .sequence import Sequence, Status
 from .stopping import StopChecker
 
@@ -54,6 +55,24 @@ class StepStats:
     seconds: float
 
 
+@dataclass(slots=True)
+class StepBatch:
+    """One step's chunks of B sequences, flattened into T rows (sequence b owns rows query_starts[b]:[b+1]).
+    Built and checked once per step; every layer's attention reads the same arrays."""
+    seqs: list[Sequence]          # [B] in batch order
+    counts: list[int]             # [B] rows each runs this step
+    tokens: np.ndarray            # [T] int64
+    positions: np.ndarray         # [T] int64
+    write_blocks: np.ndarray      # [T] int64 pool block of each row's new K/V (slot // bs) ...
+    write_offsets: np.ndarray     # [T] int64 ... and its offset in that block (slot % bs): split once, not per layer
+    block_tables: np.ndarray      # [B, max_blocks] int64, -1 padded
+    context_lens: np.ndarray      # [B] int64 positions of each sequence after this step
+    query_starts: np.ndarray      # [B+1] int64
+    sampled: list[int]            # [R] the b whose chunk reaches their last token: they sample this step
+    logit_rows: np.ndarray        # [R] their last rows, the only ones the LM head runs on
+    num_decode: int               # of the B, plain decodes (1 row after the last sample)
+
+
 class Engine:
     def __init__(self, model: Model, num_blocks: int = 256, block_size: int = 16, max_batch_tokens: int = 256,
                  max_running: int = 64, backend: str = "numpy", tokenizer=None, prefix_caching: bool = False):
@@ -68,13 +87,15 @@ class Engine:
         self.max_running = max_running
         self.backend = backend
         self.tokenizer = tokenizer                # only needed for stop strings
-        self._attend = get_paged_attention(backend)
+        self._attend = get_paged_attention(backend, checked=False)   # each step checks its batch once
         self.pool = KVPool.create(self.config, num_blocks, block_size)   # [L, num_blocks, bs, K, H] x2
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)  # all block bookkeeping
         self.waiting: deque[Sequence] = deque()   # arrival order; preempted requests go back to the front
         self.running: list[Sequence] = []         # arrival order (oldest first): the preemption order
+        # finished requests and per-step stats are kept for the caller to read (metrics, generate); both grow
+        # with use: a long-running caller (chat) calls pop_finished(rid) when done with a request
         self.finished: dict[int, Sequence] = {}
-        self.stats: list[StepStats] = []
+        self.stats: list[StepStats] = []          # one per step: a long-running caller may clear() it
         self._next_id = 0
 
     # --- requests --------------------------------------------------------------------------------------------
@@ -90,10 +111,10 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         ids = check_token_ids(self.config, prompt_ids)
-        # The most positions it can ever hold: the last sampled token is never fed back, and the context window
-        # caps the output. If even the whole pool cannot hold that, preempting everyone else would not help.
-        max_positions = min(len(ids) + params.max_new_tokens, self.config.max_seq_len) - 1
-        need = blocks_for(max(max_positions, 1), self.block_size)
+        # If even the whole pool cannot hold the most positions it can ever reach, preempting everyone else would
+        # not help.
+        max_positions = max_kv_positions(len(ids), params.max_new_tokens, self.config.max_seq_len)
+        need = blocks_for(max_positions, self.block_size)
         if need > self.blocks.num_blocks:
             raise ValueError(f"request needs up to {max_positions} KV positions = {need} blocks of {self.block_size}, "
                              f"but the whole pool has {self.blocks.num_blocks} blocks: it can never run "
@@ -109,6 +130,13 @@ class Engine:
             if seq.request_id == request_id:
                 return seq
         return self.finished[request_id]
+
+    def pop_finished(self, request_id: int) -> Sequence:
+        """Hand back a finished request and forget it (its Sequence and its prefix-cache hit count). A long-running
+        engine calls this once it has read what it needs, or `finished` grows by one Sequence per request."""
+        seq = self.finished.pop(request_id)
+        self.blocks.forget(request_id)
+        return seq
 
     # --- one step --------------------------------------------------------------------------------------------
     def _schedule(self) -> tuple[list[tuple[Sequence, int]], int, int]:
@@ -144,48 +172,74 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """Schedule, run one batched forward, sample, retire. Returns one StepOutput per sampled token."""
         t0 = time.perf_counter()
-        batch, n_preempted, n_admitted = self._schedule()
-        if not batch:
+        scheduled, n_preempted, n_admitted = self._schedule()
+        if not scheduled:
             # add_request refuses what could never fit, so an empty plan with work left is a scheduler bug
             assert n_preempted or not self.has_unfinished(), "the scheduler made no progress: a livelock"
             return []
+        batch = self._prepare_batch(scheduled)
+        logits = self._forward(batch)                                                             # [R, V]
+        for seq, n in zip(batch.seqs, batch.counts):
+            seq.num_computed_tokens += n
+            self.blocks.commit(seq)
+        outputs = self._sample_and_retire(batch, logits)
+        self.stats.append(StepStats(len(batch.seqs), len(batch.tokens), batch.num_decode, len(batch.sampled),
+                                    n_preempted, n_admitted, self.blocks.allocator.num_used,
+                                    time.perf_counter() - t0))
+        return outputs
+
+    def _prepare_batch(self, scheduled: list[tuple[Sequence, int]]) -> StepBatch:
+        """Flatten the scheduled chunks into one batch of rows, and check its layout once for all layers."""
         bs = self.block_size
-        starts = [seq.num_computed_tokens for seq, _ in batch]
-        counts = [n for _, n in batch]
-        tokens = np.fromiter((t for (seq, n), s in zip(batch, starts) for t in seq.token_slice(s, s + n)),
-                             dtype=np.int64, count=sum(counts))                                   # [T]
+        seqs = [seq for seq, _ in scheduled]
+        counts = [n for _, n in scheduled]
+        starts = [seq.num_computed_tokens for seq in seqs]             # each chunk continues where its K/V end
+        tokens = np.concatenate([np.asarray(seq.token_slice(s, s + n), dtype=np.int64)
+                                 for seq, s, n in zip(seqs, starts, counts)])                   # [T]
         positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, counts)])        # [T]
         slots = np.concatenate([slot_mapping(seq.block_table, s, n, bs)
-                                for (seq, n), s in zip(batch, starts)])                          # [T]
-        B = len(batch)
-        width = max(len(seq.block_table) for seq, _ in batch)
-        block_tables = np.full((B, width), -1, dtype=np.int32)                                   # [B, max_blocks]
-        for b, (seq, _) in enumerate(batch):
+                                for seq, s, n in zip(seqs, starts, counts)])                     # [T]
+        width = max(len(seq.block_table) for seq in seqs)
+        block_tables = np.full((len(seqs), width), -1, dtype=np.int64)                            # [B, max_blocks]
+        for b, seq in enumerate(seqs):
             block_tables[b, :len(seq.block_table)] = seq.block_table
         context_lens = np.array([s + n for s, n in zip(starts, counts)], dtype=np.int64)          # [B]
         query_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)                 # [B+1]
+        check_block_tables(block_tables, context_lens, query_starts, len(tokens), self.pool.num_blocks, bs)
         # Only the sequences whose chunk reaches their last token sample; only their last rows need the LM head.
-        sampled = [b for b, (seq, n) in enumerate(batch) if starts[b] + n == seq.num_tokens]
+        sampled = [b for b, seq in enumerate(seqs) if starts[b] + counts[b] == seq.num_tokens]
         logit_rows = query_starts[1:][sampled] - 1                                                # [R]
+        num_decode = sum(seq.is_decoding for seq in seqs)
+        return StepBatch(seqs, counts, tokens, positions, slots // bs, slots % bs, block_tables, context_lens,
+                         query_starts, sampled, logit_rows, num_decode)
 
+    def _forward(self, batch: StepBatch) -> np.ndarray:
+        """One forward over all rows of the batch -> logits [R, V] of its sampled rows. Attention is the only
+        per-sequence part: each layer writes the new K/V through the slot mapping, then reads every sequence's
+        K/V through its block table. The batch was checked once in _prepare_batch, so the L calls per step skip
+        the public functions' checks and conversions (at B=16 these cost ~1 ms per step)."""
         pool, attend = self.pool, self._attend
 
         def attention(layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-            write_kv(pool.k[layer], pool.v[layer], slots, k, v)       # the new rows first: they attend to themselves
-            return attend(q, pool.k[layer], pool.v[layer], block_tables, context_lens, query_starts)
+            # the new rows first: they attend to themselves
+            write_kv_unchecked(pool.k[layer], pool.v[layer], batch.write_blocks, batch.write_offsets, k, v)
+            return attend(q, pool.k[layer], pool.v[layer], batch.block_tables, batch.context_lens,
+                          batch.query_starts)
 
         with self._threads():
-            logits = forward(self.model, tokens, positions, attention, logit_rows=logit_rows)    # [R, V]
+            logits = forward(self.model, batch.tokens, batch.positions, attention, logit_rows=batch.logit_rows)
+        if self.backend == "numba":
+            from .kernels import check_threading_layer
+            check_threading_layer()          # warns (once) if numba fell back to its slow thread pool
+        return logits
 
-        for seq, n in batch:
-            seq.num_computed_tokens += n
-            self.blocks.commit(seq)
+    def _sample_and_retire(self, batch: StepBatch, logits: np.ndarray) -> list[StepOutput]:
+        """Sample one token for every sequence that reached its end (logits [R, V], row r for batch.sampled[r]);
+        retire those that stop."""
         outputs: list[StepOutput] = []
         now = time.perf_counter()
-        num_decode = sum(1 for (seq, n), s in zip(batch, starts)     # plain decodes: 1 new row after the last sample
-                         if n == 1 and s == seq.num_tokens - 1 and seq.output_ids)
-        for r, b in enumerate(sampled):
-            seq = batch[b][0]
+        for r, b in enumerate(batch.sampled):
+            seq = batch.seqs[b]
             # the repetition penalty needs every token seen so far; skip building that list when it is off
             seen = seq.prompt_ids + seq.output_ids if seq.params.repetition_penalty != 1.0 else ()
             token = sample(logits[r], seq.params, seq.rng, seen=seen)
@@ -195,8 +249,6 @@ class Engine:
             if done:
                 self._retire(seq)
             outputs.append(StepOutput(seq.request_id, [token], done, seq.finish_reason))
-        self.stats.append(StepStats(B, len(tokens), num_decode, len(sampled), n_preempted, n_admitted,
-                                    self.blocks.allocator.num_used, time.perf_counter() - t0))
         return outputs
 
     def _retire(self, seq: Sequence) -> None:
@@ -278,8 +330,8 @@ def generate_stream(model: Model, ids: Seq[int], max_new_tokens: int | None = No
     if max_new_tokens is not None:
         params = dataclasses.replace(params, max_new_tokens=max_new_tokens)
     n_prompt = len(check_token_ids(model.config, ids))
-    positions = min(n_prompt + params.max_new_tokens, model.config.max_seq_len) - 1
-    engine = Engine(model, num_blocks=blocks_for(max(positions, 1), block_size), block_size=block_size,
+    positions = max_kv_positions(n_prompt, params.max_new_tokens, model.config.max_seq_len)
+    engine = Engine(model, num_blocks=blocks_for(positions, block_size), block_size=block_size,
                     max_batch_tokens=max_batch_tokens, backend=backend, tokenizer=tokenizer)
     engine.add_request(ids, params)
     while engine.has_unfinished():

@@ -17,6 +17,21 @@ from .config import ModelConfig
 from .gqa import grouped_attention
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks needed to hold `num_tokens` positions: ceil(num_tokens / block_size) (elementwise on an array)."""
+    return -(-num_tokens // block_size)
+
+
+def max_kv_positions(prompt_len: int, max_new_tokens: int, max_seq_len: int) -> int:
+    """The most K/V positions one request can ever hold in a cache (every strategy sizes its memory with this).
+
+    Its tokens are the prompt plus up to max_new_tokens outputs, capped by the context window; the last sampled
+    token is never fed back, hence the - 1. But never fewer than the prompt: a prompt that fills the whole
+    window still runs through the model once, to sample its one token.
+    """
+    return max(prompt_len, min(prompt_len + max_new_tokens, max_seq_len) - 1)
+
+
 class OutOfBlocks(RuntimeError):
     """The pool has no free block left; the scheduler answers this by preempting a request."""
 
@@ -116,7 +131,7 @@ def slot_mapping(block_table: Sequence[int], start: int, count: int, block_size:
         raise ValueError(f"slot_mapping: need start >= 0 and count >= 0, got start={start}, count={count}")
     table = np.asarray(block_table, dtype=np.int64)                        # [max_blocks]
     pos = np.arange(start, start + count, dtype=np.int64)                  # [count]
-    needed = -(-(start + count) // block_size)                             # ceil: blocks that positions reach
+    needed = blocks_for(start + count, block_size)                         # blocks that the positions reach
     if needed > len(table) or (count and np.any(table[pos[0] // block_size:needed] < 0)):
         raise ValueError(f"slot_mapping: positions up to {start + count - 1} need {needed} blocks of "
                          f"{block_size}, but the block table {table.tolist()} has not allocated them")
@@ -133,23 +148,37 @@ def write_kv(k_cache: np.ndarray, v_cache: np.ndarray, slots: np.ndarray, k: np.
         raise ValueError(f"write_kv: k {k.shape} and v {v.shape} must both be [T={len(slots)}, K={K}, H={H}]")
     if len(slots) and (np.min(slots) < 0 or np.max(slots) >= nb * bs):
         raise ValueError(f"write_kv: slots must lie in [0, {nb * bs}), got {np.min(slots)}..{np.max(slots)}")
+    write_kv_unchecked(k_cache, v_cache, slots // bs, slots % bs, k, v)
+
+
+def write_kv_unchecked(k_cache: np.ndarray, v_cache: np.ndarray, blocks: np.ndarray, offsets: np.ndarray,
+                       k: np.ndarray, v: np.ndarray) -> None:
+    """write_kv's store, without its checks and with the slots already split: blocks = slots // bs, offsets =
+    slots % bs, both [T]. The engine checks and splits once per step and calls this once per layer."""
     # index (block, offset) rather than reshaping to [nb * bs, K, H]: a reshape of a non-contiguous array
     # would be a copy, and the write would silently miss the pool
-    k_cache[slots // bs, slots % bs] = k
-    v_cache[slots // bs, slots % bs] = v
+    k_cache[blocks, offsets] = k
+    v_cache[blocks, offsets] = v
 
 
 def check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, query_starts) -> None:
-    """Clear ValueErrors for inputs paged attention cannot make sense of (shared by both backends).
-
-    Vectorised (a dozen NumPy calls, no loop over sequences) because it runs once per layer per step.
-    """
+    """Clear ValueErrors for inputs paged attention cannot make sense of (shared by both backends)."""
     T, N, H = q.shape
     nb, bs, K, Hk = k_cache.shape
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"paged_attention: k_cache {k_cache.shape} and v_cache {v_cache.shape} differ")
     if Hk != H or N % K:
         raise ValueError(f"paged_attention: q {q.shape} does not fit a cache of {K} KV heads x head_dim {Hk}")
+    check_block_tables(block_tables, context_lens, query_starts, T, nb, bs)
+
+
+def check_block_tables(block_tables, context_lens, query_starts, num_rows: int, num_blocks: int,
+                       block_size: int) -> None:
+    """The batch-layout half of check_paged_inputs: every sequence's rows, context and block table make sense for
+    a batch of `num_rows` (T) new rows and a pool of `num_blocks` blocks of `block_size`. It depends on the step,
+    not on the layer, so the engine runs it once per step (vectorised: a dozen NumPy calls, no loop over B)."""
+    T, nb, bs = num_rows, num_blocks, block_size
+    block_tables = np.asarray(block_tables)
     context_lens, query_starts = np.asarray(context_lens), np.asarray(query_starts)
     B = len(context_lens)
     if query_starts.shape != (B + 1,) or query_starts[0] != 0 or query_starts[-1] != T:
@@ -163,7 +192,7 @@ def check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, query_st
         b = int(np.argmax(bad))
         raise ValueError(f"paged_attention: sequence {b} has {m[b]} new rows but context_len {context_lens[b]} "
                          f"(need 1 <= new rows <= context_len)")
-    nblocks = -(-context_lens // bs)                                             # [B] blocks each sequence reads
+    nblocks = blocks_for(context_lens, bs)                                       # [B] blocks each sequence reads
     used = np.arange(block_tables.shape[1])[None, :] < nblocks[:, None]          # [B, max_blocks]
     bad = (nblocks > block_tables.shape[1]) | (used & ((block_tables < 0) | (block_tables >= nb))).any(axis=1)
     if bad.any():
@@ -186,27 +215,36 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, blo
     """
     block_tables = np.asarray(block_tables)
     check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, query_starts)
-    T, N, H = q.shape
-    _, bs, K, _ = k_cache.shape
+    return paged_attention_unchecked(q, k_cache, v_cache, block_tables, context_lens, query_starts)
+
+
+def paged_attention_unchecked(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
+                              context_lens: np.ndarray, query_starts: np.ndarray) -> np.ndarray:
+    """paged_attention without check_paged_inputs, for a batch already checked (the engine checks once per step,
+    then calls this once per layer). Same arrays in and out."""
+    _, bs, K, H = k_cache.shape
     out = np.empty_like(q)                                                       # [T, N, H]
     for b in range(len(context_lens)):
         lo, hi, ctx = int(query_starts[b]), int(query_starts[b + 1]), int(context_lens[b])
-        table = block_tables[b, :-(-ctx // bs)]                                  # the blocks this sequence uses
+        table = block_tables[b, :blocks_for(ctx, bs)]                            # the blocks this sequence uses
         k = k_cache[table].reshape(-1, K, H)[:ctx]                               # [S=ctx, K, H] (a copy)
         v = v_cache[table].reshape(-1, K, H)[:ctx]
         out[lo:hi] = grouped_attention(q[lo:hi], k, v)
     return out
 
 
-def get_paged_attention(backend: str = "numpy") -> Callable[..., np.ndarray]:
+def get_paged_attention(backend: str = "numpy", checked: bool = True) -> Callable[..., np.ndarray]:
     """The paged attention function of a backend: "numpy" (the readable reference) or "numba" (the kernel).
 
     Both take and return the same arrays. With "numba", run the step inside kernels.single_thread_blas():
     OpenBLAS's and Numba's thread pools fighting over the same cores makes a step several times slower.
+    checked=False gives the variant without input checks (and, for numba, without dtype conversions): only for
+    a caller that has run check_block_tables on the step's batch and passes int64 arrays, like the engine.
     """
     if backend == "numpy":
-        return paged_attention
+        return paged_attention if checked else paged_attention_unchecked
     if backend == "numba":
-        from .kernels.attention import paged_attention_numba  # imported lazily: numba compiles on first use
-        return paged_attention_numba
+        # imported lazily: numba compiles on first use
+        from .kernels.attention import paged_attention_numba, paged_attention_numba_unchecked
+        return paged_attention_numba if checked else paged_attention_numba_unchecked
     raise ValueError(f"unknown attention backend {backend!r}: choose 'numpy' or 'numba'")

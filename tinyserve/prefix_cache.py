@@ -47,8 +47,18 @@ class Match(NamedTuple):
     depth: int          # how many of node.blocks matched: < len(node.blocks) when the match ends inside an edge
 
 
-def _block(tokens: Sequence[int], i: int, bs: int) -> tuple[int, ...]:
+def block_tokens(tokens: Sequence[int], i: int, bs: int) -> tuple[int, ...]:
+    """Block i of tokens, tokens[i*bs : (i+1)*bs], as a tuple: hashable, so it can key a dict."""
     return tuple(tokens[i * bs:(i + 1) * bs])
+
+
+def edge_agreement(child: Node, tokens: Sequence[int], i: int, n: int, bs: int) -> int:
+    """How many blocks of child's edge equal tokens' blocks i, i+1, ... (tokens has n full blocks). At least 1:
+    the child was found under its first block."""
+    k = 1
+    while k < len(child.blocks) and i + k < n and child.tokens[k * bs:(k + 1) * bs] == block_tokens(tokens, i + k, bs):
+        k += 1
+    return k
 
 
 def match_prefix(root: Node, tokens: Sequence[int], block_size: int) -> Match:
@@ -62,13 +72,10 @@ def match_prefix(root: Node, tokens: Sequence[int], block_size: int) -> Match:
     n = len(tokens) // bs                    # full blocks in the query
     node, depth, blocks, i = root, 0, [], 0  # i: blocks of tokens matched so far
     while i < n:
-        child = node.children.get(_block(tokens, i, bs))
+        child = node.children.get(block_tokens(tokens, i, bs))
         if child is None:
             break
-        k = 1                                # the first block matched: it is the dict key
-        while k < len(child.blocks) and i + k < n and \
-                child.tokens[k * bs:(k + 1) * bs] == _block(tokens, i + k, bs):
-            k += 1
+        k = edge_agreement(child, tokens, i, n, bs)
         blocks += child.blocks[:k]
         i += k
         node, depth = child, k
@@ -105,16 +112,13 @@ def insert(root: Node, tokens: Sequence[int], blocks: Sequence[int], block_size:
     node, i = root, 0
     node.last_access = now
     while i < n:
-        key = _block(tokens, i, bs)
+        key = block_tokens(tokens, i, bs)
         child = node.children.get(key)
         if child is None:                    # the rest is new: one leaf owns all of it
             leaf = Node(tuple(tokens[i * bs:n * bs]), list(blocks[i:n]), node, {}, now)
             node.children[key] = leaf
             return list(blocks[i:n])
-        k = 1
-        while k < len(child.blocks) and i + k < n and \
-                child.tokens[k * bs:(k + 1) * bs] == _block(tokens, i + k, bs):
-            k += 1
+        k = edge_agreement(child, tokens, i, n, bs)
         if k < len(child.blocks):            # diverges (or ends) inside the edge: keep the common part as a node
             child = split(child, k, bs)
         child.last_access = now
@@ -178,6 +182,9 @@ def evict_lru(root: Node, num_blocks: int, refcount: Sequence[int], block_size: 
 
 @dataclass(slots=True)
 class CacheStats:
+    """What one cache has seen, counted at every `match`: a request re-admitted after a preemption looks up (and
+    mostly hits its own blocks) again, so under preemption this overstates the hit rate. The engine's prefix
+    metrics (PrefixMetrics) count each request once, at its first admission: BlockManager.hits."""
     lookups: int = 0
     query_tokens: int = 0       # prompt tokens looked up
     hit_tokens: int = 0         # of those, served from the cache (their K/V were not recomputed)
@@ -189,8 +196,10 @@ class CacheStats:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
 
-class PrefixCache:
-    """The trie plus its reference counting, on top of lesson 4's BlockAllocator.
+class BlockCache:
+    """What both prefix caches share (PrefixCache below, block_hash_cache.BlockHashCache): the set of blocks the
+    cache holds one reference on, and the memory accounting that follows from those references. They differ only
+    in how they find a prefix (`peek`, `match`, `insert`) and which unreferenced block goes first (`evict`).
 
     The engine's contract: `match` a new sequence's tokens (you get a reference on every returned block),
     `allocate` its other blocks through the cache (which evicts when the pool runs dry), `insert` its blocks when
@@ -200,10 +209,62 @@ class PrefixCache:
     def __init__(self, allocator: BlockAllocator):
         self.allocator = allocator
         self.block_size = allocator.block_size
-        self.root = Node()
-        self.cached: set[int] = set()   # every block the trie holds (one cache reference each)
-        self.clock = 0           # a logical clock: deterministic LRU, no wall-time ties
+        self.cached: set[int] = set()   # every block the cache holds (one cache reference each)
+        self.clock = 0                  # a logical clock: deterministic LRU, no wall-time ties
         self.stats = CacheStats()
+
+    def peek(self, tokens: Sequence[int]) -> list[int]:
+        raise NotImplementedError       # each design finds its prefix its own way
+
+    def evict(self, num_blocks: int) -> int:
+        raise NotImplementedError
+
+    def cached_prefix(self, tokens: Sequence[int]) -> int:
+        """How many tokens of a prompt `match` would serve (a peek)."""
+        return len(self.peek(tokens)) * self.block_size
+
+    def allocate(self) -> int:
+        """A fresh block (refcount 1); evicts one cached block first if the pool is dry. Raises OutOfBlocks only
+        when every block is in use by a sequence — exactly when an engine without a cache would run out too."""
+        if self.allocator.num_free == 0:
+            self.evict(1)
+        return self.allocator.allocate()
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.cached)
+
+    @property
+    def num_evictable(self) -> int:
+        """Cached blocks that only the cache holds: free memory in all but name."""
+        rc = self.allocator.refcount
+        return sum(1 for b in self.cached if rc[b] == 1)
+
+    @property
+    def num_free(self) -> int:
+        """What the scheduler may count on: free blocks plus blocks the cache would give back on demand."""
+        return self.allocator.num_free + self.num_evictable
+
+    def num_shared(self) -> int:
+        """Cached blocks in use by two or more sequences right now (each stored once: the memory sharing saves)."""
+        rc = self.allocator.refcount
+        return sum(1 for b in self.cached if rc[b] >= 3)
+
+    def users(self, block: int) -> int:
+        """How many sequences hold `block` (its refcount minus the cache's own reference)."""
+        return self.allocator.refcount[block] - (block in self.cached)
+
+    def clear(self) -> int:
+        """Drop every unreferenced block (e.g. to measure a cold start); returns how many were freed."""
+        return self.evict(self.allocator.num_blocks)
+
+
+class PrefixCache(BlockCache):
+    """The trie plus its reference counting, on top of lesson 4's BlockAllocator (contract: see BlockCache)."""
+
+    def __init__(self, allocator: BlockAllocator):
+        super().__init__(allocator)
+        self.root = Node()
 
     # --- lookup ----------------------------------------------------------------------------------------------
     def match(self, tokens: Sequence[int]) -> list[int]:
@@ -231,10 +292,6 @@ class PrefixCache:
     def peek(self, tokens: Sequence[int]) -> list[int]:
         """The blocks `match` would return, without taking references or touching the LRU clock."""
         return match_prefix(self.root, tokens[:len(tokens) - 1], self.block_size).blocks
-
-    def cached_prefix(self, tokens: Sequence[int]) -> int:
-        """How many tokens of a prompt `match` would serve (a peek)."""
-        return len(self.peek(tokens)) * self.block_size
 
     # --- publish ---------------------------------------------------------------------------------------------
     def insert(self, tokens: Sequence[int], blocks: Sequence[int], holder_keeps_blocks: bool = False) -> int:
@@ -271,41 +328,6 @@ class PrefixCache:
         self.cached.difference_update(evicted)
         self.stats.evicted_blocks += len(evicted)
         return len(evicted)
-
-    def allocate(self) -> int:
-        """A fresh block (refcount 1); evicts one cached block first if the pool is dry. Raises OutOfBlocks only
-        when every block is in use by a sequence — exactly when an engine without a cache would run out too."""
-        if self.allocator.num_free == 0:
-            self.evict(1)
-        return self.allocator.allocate()
-
-    @property
-    def num_cached(self) -> int:
-        return len(self.cached)
-
-    @property
-    def num_evictable(self) -> int:
-        """Cached blocks that only the cache holds: free memory in all but name."""
-        rc = self.allocator.refcount
-        return sum(1 for b in self.cached if rc[b] == 1)
-
-    @property
-    def num_free(self) -> int:
-        """What the scheduler may count on: free blocks plus blocks the cache would give back on demand."""
-        return self.allocator.num_free + self.num_evictable
-
-    def num_shared(self) -> int:
-        """Cached blocks in use by two or more sequences right now (each stored once: the memory sharing saves)."""
-        rc = self.allocator.refcount
-        return sum(1 for b in self.cached if rc[b] >= 3)
-
-    def users(self, block: int) -> int:
-        """How many sequences hold `block` (its refcount minus the cache's own reference)."""
-        return self.allocator.refcount[block] - (block in self.cached)
-
-    def clear(self) -> int:
-        """Drop every unreferenced block (e.g. to measure a cold start); returns how many were freed."""
-        return self.evict(self.allocator.num_blocks)
 
     # --- checks and views ------------------------------------------------------------------------------------
     def check(self) -> None:

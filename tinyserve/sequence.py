@@ -35,7 +35,6 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)   # logical block i -> physical block id in the pool
     num_computed_tokens: int = 0               # tokens whose K/V are in the cache (reset to 0 by preemption)
-    num_cached_tokens: int = 0                 # of those, how many came from a prefix cache (lesson 5)
     status: Status = Status.WAITING
     num_preemptions: int = 0
     # timestamps (time.perf_counter seconds) for the per-request metrics

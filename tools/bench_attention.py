@@ -5,7 +5,7 @@ every implementation runs on the same data; we report the median of --repeats ca
   - contiguous: gqa.grouped_attention per sequence on K/V already laid out contiguously (no paging at all)
   - numpy:      paged.paged_attention (gathers each sequence's blocks into a copy, then grouped_attention)
   - numba:      kernels.attention.paged_attention_numba (walks the block table in place), run inside
-                inside single_thread_blas() (entered once, as the engine does per step)
+                single_thread_blas() (entered once, as the engine does per step)
 Then (--model) a whole decode step of the real model at context 1024 with each attention backend, with BLAS at
 its default thread count and limited to 1 thread: the two-thread-pools trap, measured.
 

@@ -189,12 +189,24 @@ def paged_attention_numba(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarra
     block_tables = np.asarray(block_tables)
     check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, query_starts)
     # one dtype/layout per argument, so numba compiles (and caches) a single specialisation
-    q = np.ascontiguousarray(q, dtype=np.float32)
-    out = np.empty_like(q)
-    _paged_attention_kernel(q, np.ascontiguousarray(k_cache, dtype=np.float32),
-                            np.ascontiguousarray(v_cache, dtype=np.float32),
-                            np.ascontiguousarray(block_tables, dtype=np.int64),
-                            np.ascontiguousarray(context_lens, dtype=np.int64),
-                            np.ascontiguousarray(query_starts, dtype=np.int64), int(partition), out)
+    out = paged_attention_numba_unchecked(np.ascontiguousarray(q, dtype=np.float32),
+                                          np.ascontiguousarray(k_cache, dtype=np.float32),
+                                          np.ascontiguousarray(v_cache, dtype=np.float32),
+                                          np.ascontiguousarray(block_tables, dtype=np.int64),
+                                          np.ascontiguousarray(context_lens, dtype=np.int64),
+                                          np.ascontiguousarray(query_starts, dtype=np.int64), int(partition))
     check_threading_layer()
+    return out
+
+
+def paged_attention_numba_unchecked(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                                    block_tables: np.ndarray, context_lens: np.ndarray, query_starts: np.ndarray,
+                                    partition: int = PARTITION) -> np.ndarray:
+    """The kernel call alone, for a batch checked once per step (the engine): no checks, no conversions.
+    The caller guarantees C-contiguous float32 caches and int64 block_tables / context_lens / query_starts
+    (anything else would compile a second specialisation). Only q, the one per-layer array, is made
+    contiguous here."""
+    q = np.ascontiguousarray(q, dtype=np.float32)
+    out = np.empty_like(q)                                                     # [T, N, H]
+    _paged_attention_kernel(q, k_cache, v_cache, block_tables, context_lens, query_starts, partition, out)
     return out
