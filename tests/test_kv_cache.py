@@ -47,7 +47,7 @@ def test_allocate_shapes_and_bytes(tiny):
     assert kc.KVCache.allocate(cfg).max_len == cfg.max_seq_len
 
 
-@pytest.mark.parametrize("bad", [0, -1, 1025, 2.5, "10"])
+@pytest.mark.parametrize("bad", [0, -1, 1025, 2.5, "10", True])
 def test_allocate_rejects_bad_max_len(tiny, bad):
     with pytest.raises(ValueError, match="max_len"):
         kc.KVCache.allocate(tiny.config, bad)
@@ -93,6 +93,8 @@ def test_overflow_is_a_clear_error_and_writes_nothing(tiny):
 # --- the rectangular mask and attention ------------------------------------------------------------------------
 
 def test_rectangular_mask():
+    from tinyserve import gqa, layers
+    assert kc.rectangular_mask is layers.rectangular_mask is gqa.rectangular_mask   # one mask, written once
     np.testing.assert_array_equal(kc.rectangular_mask(3, 3), np.triu(np.ones((3, 3), bool), 1))
     assert not kc.rectangular_mask(1, 7).any()               # decode sees everything
     mask = kc.rectangular_mask(2, 5)                         # 3 history keys, 2 new
@@ -137,10 +139,15 @@ def test_chunked_prefill_matches_one_shot(tiny, chunk, attend):
     assert kc.prefill(tiny, kc.KVCache.allocate(tiny.config, 150), ids, chunk, attend).shape == (tiny.config.vocab_size,)
 
 
+@pytest.fixture(scope="module")
+def naive_greedy_64(tiny):
+    """naive.generate's 64 greedy tokens for each of prompts(): computed once, shared by both attends."""
+    return [(ids, naive.generate(tiny, ids, 64, GREEDY)) for ids in prompts()]
+
+
 @pytest.mark.parametrize("attend", [kc.rectangular_attention, kc.grouped_attention])
-def test_greedy_tokens_match_naive(tiny, attend):
-    for ids in prompts():
-        expected = naive.generate(tiny, ids, 64, GREEDY)
+def test_greedy_tokens_match_naive(tiny, attend, naive_greedy_64):
+    for ids, expected in naive_greedy_64:
         assert list(kc.generate_stream(tiny, ids, 64, GREEDY, attend=attend)) == expected
         assert list(kc.generate_stream(tiny, ids, 64, GREEDY, attend=attend, prefill_chunk=7)) == expected
 
@@ -180,6 +187,35 @@ def test_stops_like_naive_on_eos_and_context():
 def test_bad_input_is_a_clear_value_error(tiny, ids, kwargs, match):
     with pytest.raises(ValueError, match=match):
         list(kc.generate_stream(tiny, ids, **{"max_new_tokens": 4, **kwargs}))
+
+
+@pytest.mark.parametrize("bad_ids", [[5, -1], [5, 256], [3.0]])   # tiny: V = 256
+def test_prefill_and_decode_validate_token_ids(tiny, bad_ids):
+    # a negative id would silently read embed[-1], an id >= V fail deep inside the forward
+    cache = kc.KVCache.allocate(tiny.config, 8)
+    with pytest.raises(ValueError, match="prefill tokens: token id|prefill tokens: token ids must be integers"):
+        kc.prefill(tiny, cache, bad_ids)
+    with pytest.raises(ValueError, match="forward_with_cache tokens: token id|must be integers"):
+        kc.forward_with_cache(tiny, cache, bad_ids)
+    assert cache.length == 0 and not cache.k.any()
+
+
+@pytest.mark.parametrize("chunk", [True, 2.0, 0])
+def test_prefill_rejects_bad_chunk_size(tiny, chunk):
+    with pytest.raises(ValueError, match="chunk_size must be an integer >= 1"):
+        kc.prefill(tiny, kc.KVCache.allocate(tiny.config, 8), [1, 2, 3], chunk_size=chunk)
+
+
+def test_numpy_integers_are_counts_too(tiny):
+    # np.int64 (e.g. from a NumPy computation) is an integer everywhere; True never is
+    ids = prompts((5,))[0]
+    assert kc.generate(tiny, ids, np.int64(3), GREEDY) == naive.generate(tiny, ids, np.int64(3), GREEDY)
+    assert len(kc.generate(tiny, ids, np.int64(3), GREEDY)) == 3
+    assert kc.KVCache.allocate(tiny.config, np.int64(5)).max_len == 5
+    assert kc.prefill(tiny, kc.KVCache.allocate(tiny.config, 8), ids, chunk_size=np.int64(2)).shape == (256,)
+    for gen in (kc.generate, naive.generate):
+        with pytest.raises(ValueError, match="max_new_tokens must be an integer"):
+            gen(tiny, ids, True, GREEDY)
 
 
 def test_empty_steps_are_rejected(tiny):

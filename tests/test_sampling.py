@@ -63,6 +63,16 @@ def test_top_k_1_is_greedy_at_any_temperature(random_logits):
         assert sample(random_logits, p, p.make_rng()) == int(np.argmax(random_logits))
 
 
+def test_top_k_filter_keeps_exactly_k_on_ties():
+    logits = np.array([1.0, 3.0, 2.0, 2.0, 2.0, 0.0], dtype=np.float32)
+    out = top_k_filter(logits, 2)
+    kept = np.flatnonzero(np.isfinite(out))
+    assert len(kept) == 2                       # not 4: three tokens tie for second place, one of them is kept
+    assert 1 in kept and set(kept) - {1} <= {2, 3, 4}
+    np.testing.assert_array_equal(out[kept], logits[kept])
+    assert len(np.flatnonzero(np.isfinite(top_k_filter(np.zeros(10), 3)))) == 3   # all tied
+
+
 def test_top_k_filter_keeps_the_k_largest(random_logits):
     out = top_k_filter(random_logits, 5)
     kept = np.flatnonzero(np.isfinite(out))
@@ -178,8 +188,43 @@ def test_seeded_sampling_is_reproducible(random_logits):
     assert run(7) != run(8)
 
 
-def test_sample_returns_a_valid_index(random_logits):
-    p = SamplingParams(temperature=1.0, seed=0)
+def test_sample_only_draws_tokens_with_probability(random_logits):
+    # The last token is impossible (-inf) and top-k drops all but 50 tokens: every draw must be one of those 50.
+    # (A clamp to the last index would turn a broken draw into the impossible last token: this catches it.)
+    logits = random_logits.copy()
+    logits[-1] = -np.inf
+    p = SamplingParams(temperature=1.0, top_k=50, seed=0)
     rng = p.make_rng()
-    draws = [sample(random_logits, p, rng) for _ in range(2000)]
-    assert all(isinstance(d, int) and 0 <= d < len(random_logits) for d in draws)
+    allowed = set(np.argsort(logits)[-50:].tolist())
+    draws = [sample(logits, p, rng) for _ in range(2000)]
+    assert all(isinstance(d, int) for d in draws)
+    assert set(draws) <= allowed
+    assert len(logits) - 1 not in draws
+
+
+@pytest.mark.parametrize("temperature", [1e-310, 1e-300, 1e-30])
+def test_tiny_temperature_samples_the_argmax(random_logits, temperature):
+    # Dividing by 1e-310 before subtracting the max gave inf - inf = NaN everywhere (and the last token id).
+    p = SamplingParams(temperature=temperature, seed=0)
+    probs = probabilities(random_logits, p)
+    assert np.isfinite(probs).all()
+    assert probs[np.argmax(random_logits)] == 1.0
+    rng = p.make_rng()
+    assert {sample(random_logits, p, rng) for _ in range(20)} == {int(np.argmax(random_logits))}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("bad", ["one nan", "all nan", "all -inf", "+inf"])
+def test_nan_or_non_finite_logits_raise(random_logits, temperature, bad):
+    logits = random_logits.copy()
+    if bad == "one nan":
+        logits[3] = np.nan
+    elif bad == "all nan":
+        logits[:] = np.nan
+    elif bad == "all -inf":
+        logits[:] = -np.inf
+    else:
+        logits[3] = np.inf
+    p = SamplingParams(temperature=temperature, seed=0)
+    with pytest.raises(ValueError, match="logits contain NaN"):
+        sample(logits, p, p.make_rng())

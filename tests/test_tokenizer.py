@@ -110,6 +110,17 @@ def test_encode_chat(smol_tok):
     assert smol_tok.decode(ids[-4:]) == "<|im_start|>assistant\n"    # <|im_start|> 'ass' 'istant' '\n' 
 
 
+def test_chat_conversation_renders_turns_like_the_template(smol_tok):
+    # `python -m tinyserve chat` builds its prompt turn by turn from token ids; the first turn must be exactly
+    # what apply_chat_template gives for the same messages (one ChatML renderer, Tokenizer.render_turn).
+    from tinyserve.chat import Conversation
+    conv = Conversation(smol_tok, system="Be brief.")
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert conv.prompt_for("Hi") == smol_tok.encode_chat(msgs)
+    assert smol_tok.render_turn("user", "Hi") + smol_tok.assistant_header() == \
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
 @pytest.mark.parametrize("messages", [[], [{"role": "user"}], ["hello"], [{"content": "x"}]])
 def test_chat_template_rejects_bad_messages(smol_tok, messages):
     with pytest.raises(ValueError, match="message"):

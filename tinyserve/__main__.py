@@ -11,27 +11,17 @@ from .weights import DEFAULT_WEIGHTS_DIR, WeightsError, fetch_weights
 
 def strategies() -> dict:
     """Name -> generate_stream(model, ids, max_new_tokens, params, tokenizer) yielding token ids."""
-    from . import naive
-    table = {"naive": naive.generate_stream}
-    try:
-        from . import kv_cache
-        table["kv"] = kv_cache.generate_stream
-    except ImportError:
-        pass
-    try:
-        from . import engine
-        table["paged"] = engine.generate_stream
-    except ImportError:
-        pass
-    return table
+    # Imported here, not at the top, so `weights` and argument errors answer without loading numba; an import
+    # error in one of these is a bug to see, not a strategy to drop quietly.
+    from . import engine, kv_cache, naive
+    return {"naive": naive.generate_stream, "kv": kv_cache.generate_stream, "paged": engine.generate_stream}
 
 
 def default_strategy() -> str:
-    return "kv" if "kv" in strategies() else "naive"
+    return "kv"
 
 
 def cmd_generate(args) -> int:
-    from .model import check_token_ids
     from .sampling import SamplingParams
     from .tokenizer import load_tokenizer
     from .weights import load_model
@@ -46,8 +36,7 @@ def cmd_generate(args) -> int:
     tok = load_tokenizer(args.weights)
     model = load_model(args.weights)
     text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
-    ids = tok.encode(text)
-    check_token_ids(model.config, ids)
+    ids = tok.encode(text)   # every strategy validates it (check_token_ids) before its first token
     stream = tok.stream_decoder()
     out: list[int] = []
     t0 = time.perf_counter()
@@ -146,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, WeightsError, TypeError) as e:
+    except (ValueError, WeightsError) as e:   # bad input: one line; anything else is a bug, with its traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
 

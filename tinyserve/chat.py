@@ -34,11 +34,11 @@ class Conversation:
 
     def __init__(self, tokenizer, system: str = DEFAULT_SYSTEM_PROMPT):
         self.tok = tokenizer
-        self.ids: list[int] = tokenizer.encode(f"<|im_start|>system\n{system}<|im_end|>\n")
+        self.ids: list[int] = tokenizer.encode(tokenizer.render_turn("system", system))
 
     def prompt_for(self, user_text: str) -> list[int]:
         """The ids the model sees for this turn: history + user message + the assistant header."""
-        return self.ids + self.tok.encode(f"<|im_start|>user\n{user_text}<|im_end|>\n<|im_start|>assistant\n")
+        return self.ids + self.tok.encode(self.tok.render_turn("user", user_text) + self.tok.assistant_header())
 
     def commit(self, prompt: list[int], reply: list[int]) -> None:
         """Append the turn: the prompt it ran with, the reply as generated, closed by <|im_end|>\\n."""
@@ -70,6 +70,7 @@ def chat_turn(engine, conv: Conversation, user_text: str, params: SamplingParams
     out.flush()
     conv.commit(prompt, reply)
     cached = engine.blocks.hits.get(rid, (0, 0))[0]
+    engine.pop_finished(rid)   # a chat runs for a long time: keep nothing per finished turn
     return TurnStats(len(prompt), cached, len(reply), ttft or 0.0, time.perf_counter() - t0)
 
 

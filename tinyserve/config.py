@@ -6,7 +6,11 @@ Symbol legend (every array in the package is annotated with these):
     F  MLP intermediate size     H  head_dim (D // N)
     N  query heads               K  key/value heads (N % K == 0; g = N // K is the group size)
     V  vocabulary size           T  tokens in one forward (all sequences of a batch, flattened)
-    S  positions held in a KV cache (history), m  new positions in a step, B  sequences in a batch
+    B  sequences in a batch      m  new positions of one sequence in this step
+    S0 positions already in a sequence's KV cache (its history)
+    S  positions one step attends to: S0 history + the m new ones (prefill without history: S = m)
+    S_max  positions a KV cache is allocated for     P  positions in a RoPE table (max_pos)
+    R  rows that need logits (`logit_rows`; often one per sequence)     bs  block size of the paged KV cache
 """
 from __future__ import annotations
 
@@ -14,6 +18,18 @@ import json
 import numbers
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+
+def is_int(x) -> bool:
+    """A Python or NumPy integer, but not a bool (True is an int to Python, never a count to us)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def check_positive_int(name: str, value, what: str = "") -> int:
+    """`value` as an int if it is an integer >= 1, else a ValueError naming `name` (prefixed by `what: `)."""
+    if not is_int(value) or value < 1:
+        raise ValueError(f"{what + ': ' if what else ''}{name} must be an integer >= 1, got {value!r}")
+    return int(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +49,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "intermediate_size", "vocab_size", "max_seq_len"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # 64.0 would break reshapes later
+            if not is_int(value):  # 64.0 would break reshapes later
                 raise ValueError(f"config: {name} must be an integer, got {value!r}")
             if value <= 0:
                 raise ValueError(f"config: {name} must be positive, got {value}")

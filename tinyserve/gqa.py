@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .layers import softmax
+from .layers import rectangular_mask, softmax
 
 
 def grouped_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
@@ -25,8 +25,7 @@ def grouped_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray
     scores = qg @ k.transpose(1, 2, 0)                                       # [K, m*g, S]
     scores *= np.float32(1.0 / np.sqrt(H))
     if m > 1:
-        # key j is in the future of new row i when j > (S - m) + i (lesson 2's kv_cache.rectangular_mask)
-        future = np.arange(S)[None, :] > (S - m + np.arange(m))[:, None]     # [m, S]
+        future = rectangular_mask(m, S)                                      # [m, S]: lesson 2's mask
         scores = np.where(np.repeat(future, g, axis=0)[None], np.float32(-np.inf), scores)  # rows are (i, head)
     out = softmax(scores) @ v.transpose(1, 0, 2)                             # [K, m*g, H]
     return out.reshape(K, m, g, H).transpose(1, 0, 2, 3).reshape(m, N, H)

@@ -17,12 +17,13 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from .config import ModelConfig
+from .config import ModelConfig, check_positive_int, is_int
 from .gqa import grouped_attention
-from .layers import softmax
+from .layers import rectangular_mask, softmax
 from .model import AttentionFn, Model, check_token_ids, forward as model_forward
+from .paged import max_kv_positions
 from .sampling import SamplingParams, sample
-from .stopping import StopChecker
+from .stopping import start_request
 
 # attend(q [m, N, H], k [S, K, H], v [S, K, H]) -> [m, N, H]: rectangular causal attention, last m keys are new.
 AttendFn = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
@@ -46,7 +47,7 @@ class KVCache:
     @classmethod
     def allocate(cls, config: ModelConfig, max_len: int | None = None, dtype=np.float32) -> "KVCache":
         max_len = config.max_seq_len if max_len is None else max_len
-        if not isinstance(max_len, (int, np.integer)) or not 1 <= max_len <= config.max_seq_len:
+        if not is_int(max_len) or not 1 <= max_len <= config.max_seq_len:
             raise ValueError(f"KV cache max_len must be an integer in [1, {config.max_seq_len}] (the context "
                              f"window), got {max_len!r}")
         shape = (config.n_layers, int(max_len), config.n_kv_heads, config.head_dim)
@@ -104,16 +105,8 @@ def append_kv(cache: KVCache, layer: int, k: np.ndarray, v: np.ndarray) -> tuple
     return cache.k[layer, :end], cache.v[layer, :end]
 
 
-def rectangular_mask(m: int, S: int) -> np.ndarray:
-    """[m, S] bool, True where new row i must NOT see key j (key j is in row i's future).
-
-    The m new positions are the last m of the S keys, so row i sits at absolute position S - m + i and sees
-    every key j <= S - m + i: all S - m history keys plus new keys 0..i. Decode (m = 1) masks nothing;
-    plain prefill (S = m) is lesson 1's triangle.
-    """
-    if not 1 <= m <= S:
-        raise ValueError(f"need 1 <= m <= S (the new block is part of the keys), got m={m}, S={S}")
-    return np.arange(S)[None, :] > (S - m + np.arange(m))[:, None]
+# rectangular_mask(m, S) -> [m, S] lives in layers.py (lesson 1's attention and gqa use it too); imported above,
+# so `tinyserve.kv_cache.rectangular_mask` is still lesson 2's reference answer.
 
 
 def rectangular_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
@@ -147,10 +140,11 @@ def forward_with_cache(model: Model, cache: KVCache, tokens: Sequence[int], atte
     Returns logits [m, V] if all_logits else [1, V] (the last row: the LM head is the largest matmul, and only
     the last position's prediction is needed to continue).
     """
-    tokens = np.asarray(tokens, dtype=np.int64)
-    m = len(tokens)
-    if m == 0:
+    if len(tokens) == 0:
         raise ValueError("forward_with_cache needs at least one new token")
+    # cheap next to the forward, and a negative id would otherwise silently read embed[-1]
+    tokens = check_token_ids(model.config, tokens, what="forward_with_cache tokens")   # [m]
+    m = len(tokens)
     cache.check_room(m)  # fail before any layer has written anything
     positions = np.arange(cache.length, cache.length + m)   # RoPE positions continue from the history
     rows = None if all_logits else np.array([m - 1])
@@ -166,13 +160,10 @@ def prefill(model: Model, cache: KVCache, tokens: Sequence[int], chunk_size: int
     Chunking gives the same K/V as one shot because each chunk attends to the chunks before it through the
     cache; it bounds the size of one forward (lesson 4 mixes prefill chunks with other requests' decodes).
     """
-    tokens = np.asarray(tokens, dtype=np.int64)
     if len(tokens) == 0:
         raise ValueError("prefill needs at least one token: the logits of the last one predict the next")
-    if chunk_size is None:
-        chunk_size = len(tokens)
-    if not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
+    tokens = check_token_ids(model.config, tokens, what="prefill tokens")                # [T]
+    chunk_size = len(tokens) if chunk_size is None else check_positive_int("chunk_size", chunk_size, "prefill")
     cache.check_room(len(tokens))
     for start in range(0, len(tokens), chunk_size):
         logits = forward_with_cache(model, cache, tokens[start:start + chunk_size], attend)
@@ -184,13 +175,11 @@ def generate_stream(model: Model, ids: Sequence[int], max_new_tokens: int | None
                     prefill_chunk: int | None = None) -> Iterator[int]:
     """Yield new token ids one by one: prefill once, then one decode step per token (same stopping as naive)."""
     params = params or SamplingParams()
-    n_new = params.max_new_tokens if max_new_tokens is None else max_new_tokens
-    tokens = check_token_ids(model.config, ids)
-    stopper = StopChecker(model.config, params, tokenizer, max_new_tokens=n_new, prompt_len=len(tokens))
-    rng = params.make_rng()
-    # The last sampled token is never run through the model, so prompt + n_new - 1 positions would do;
-    # the context window caps it (StopChecker stops there too).
-    cache = KVCache.allocate(model.config, min(len(tokens) + n_new, model.config.max_seq_len))
+    tokens, stopper, rng = start_request(model.config, ids, max_new_tokens, params, tokenizer)  # prompt: [T]
+    # prompt + max_new_tokens - 1 positions (the last sampled token is never run through the model), capped by
+    # the context window (StopChecker stops there too): the one formula every strategy sizes its memory with
+    cache = KVCache.allocate(model.config,
+                             max_kv_positions(len(tokens), stopper.max_new_tokens, model.config.max_seq_len))
     logits = prefill(model, cache, tokens, prefill_chunk, attend)          # [V]: predicts the first new token
     seq = list(tokens)                                                     # prompt + output: repetition penalty
     out: list[int] = []

@@ -28,19 +28,31 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:  
     return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
-def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:  # [..., n] -> [..., n], each row sums to 1 along axis
     # Subtracting the row max changes nothing mathematically and keeps exp() from overflowing.
     e = np.exp(x - np.max(x, axis=axis, keepdims=True))
     return e / np.sum(e, axis=axis, keepdims=True)
 
 
-def silu(x: np.ndarray) -> np.ndarray:
+def silu(x: np.ndarray) -> np.ndarray:  # any shape -> same (elementwise x * sigmoid(x))
     return x / (1.0 + np.exp(-x))
 
 
 def swiglu_mlp(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray) -> np.ndarray:
     # [T, D], [D, F], [D, F], [F, D] -> [T, D]: a gated MLP; the gate decides, per feature, how much of `up` passes.
     return (silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+
+def rectangular_mask(m: int, S: int) -> np.ndarray:
+    """[m, S] bool, True where new row i must NOT see key j (key j is in row i's future).
+
+    The m new positions are the last m of the S keys, so row i sits at absolute position S - m + i and sees
+    every key j <= S - m + i: all S - m history keys plus new keys 0..i. Decode (m = 1) masks nothing;
+    plain prefill (S = m) is lesson 1's triangle.
+    """
+    if not 1 <= m <= S:
+        raise ValueError(f"need 1 <= m <= S (the new block is part of the keys), got m={m}, S={S}")
+    return np.arange(S)[None, :] > (S - m + np.arange(m))[:, None]
 
 
 def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
@@ -55,6 +67,5 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
     v = np.repeat(v, g, axis=1)
     scores = q.transpose(1, 0, 2) @ k.transpose(1, 2, 0)            # [N, T, T]
     scores *= np.float32(1.0 / np.sqrt(H))
-    future = np.triu(np.ones((T, T), dtype=bool), k=1)              # True above the diagonal: key after query
-    scores[:, future] = -np.inf
+    scores[:, rectangular_mask(T, T)] = -np.inf                    # [T, T]: True above the diagonal (key after query)
     return (softmax(scores) @ v.transpose(1, 0, 2)).transpose(1, 0, 2)  # [N, T, H] -> [T, N, H]

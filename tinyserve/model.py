@@ -87,7 +87,7 @@ def forward(model: Model, tokens: np.ndarray, positions: np.ndarray, attention: 
     cos, sin = model.rope_cos[positions], model.rope_sin[positions]   # [T, H/2]
     x = model.embed[tokens]                                             # [T, D]
     for i, w in enumerate(model.layers):
-        h = rms_norm(x, w.attn_norm, cfg.norm_eps)
+        h = rms_norm(x, w.attn_norm, cfg.norm_eps)                        # [T, D]
         q = apply_rope((h @ w.wq).reshape(T, N, H), cos, sin)           # [T, N, H]
         k = apply_rope((h @ w.wk).reshape(T, K, H), cos, sin)           # [T, K, H]
         v = (h @ w.wv).reshape(T, K, H)                                 # [T, K, H]

@@ -13,7 +13,7 @@ import numpy as np
 from .layers import causal_attention
 from .model import Model, check_token_ids, forward as model_forward
 from .sampling import SamplingParams, sample
-from .stopping import StopChecker
+from .stopping import start_request
 
 
 def forward(model: Model, ids: Sequence[int]) -> np.ndarray:
@@ -31,10 +31,7 @@ def next_token_logits(model: Model, ids: np.ndarray) -> np.ndarray:  # [T] -> [V
 def generate_stream(model: Model, ids: Sequence[int], max_new_tokens: int | None = None,
                     params: SamplingParams | None = None, tokenizer=None) -> Iterator[int]:
     params = params or SamplingParams()
-    n_new = params.max_new_tokens if max_new_tokens is None else max_new_tokens
-    tokens = check_token_ids(model.config, ids)
-    stopper = StopChecker(model.config, params, tokenizer, max_new_tokens=n_new, prompt_len=len(tokens))
-    rng = params.make_rng()
+    tokens, stopper, rng = start_request(model.config, ids, max_new_tokens, params, tokenizer)  # prompt: [T]
     out: list[int] = []
     while True:
         seq = np.concatenate([tokens, np.asarray(out, dtype=np.int64)])

@@ -11,6 +11,8 @@ from typing import Sequence
 
 import numpy as np
 
+from .config import is_int
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -30,7 +32,7 @@ class SamplingParams:
 
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             bad(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             bad(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             bad(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
@@ -39,14 +41,14 @@ class SamplingParams:
         if not _is_number(self.repetition_penalty) or not math.isfinite(self.repetition_penalty) \
                 or self.repetition_penalty <= 0:
             bad(f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty!r}")
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             bad(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         if not all(isinstance(s, str) and s for s in self.stop):
             bad(f"stop must be a sequence of non-empty strings, got {self.stop!r}")
         object.__setattr__(self, "stop", tuple(self.stop))
-        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
+        if self.seed is not None and (not is_int(self.seed) or self.seed < 0):
             bad(f"seed must be a non-negative integer or None, got {self.seed!r}")
 
     @property
@@ -61,11 +63,7 @@ def _is_number(x) -> bool:
     return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
-def apply_repetition_penalty(logits: np.ndarray, seen: Sequence[int], penalty: float) -> np.ndarray:
+def apply_repetition_penalty(logits: np.ndarray, seen: Sequence[int], penalty: float) -> np.ndarray:  # [V] -> [V]
     # CTRL's rule (as in transformers): divide positive logits, multiply negative ones, so a seen token
     # always becomes less likely whatever its sign.
     if penalty == 1.0 or len(seen) == 0:
@@ -80,8 +78,11 @@ def apply_repetition_penalty(logits: np.ndarray, seen: Sequence[int], penalty: f
 def top_k_filter(logits: np.ndarray, k: int) -> np.ndarray:  # [V] -> [V], -inf outside the k largest
     if k <= 0 or k >= logits.shape[-1]:
         return logits
-    kth = np.partition(logits, -k)[-k]
-    return np.where(logits >= kth, logits, -np.inf)
+    # exactly k, even on ties: `logits >= kth value` would keep every token tied with the k-th one
+    keep = np.argpartition(logits, -k)[-k:]
+    out = np.full_like(logits, -np.inf)
+    out[keep] = logits[keep]
+    return out
 
 
 def top_p_filter(probs: np.ndarray, p: float) -> np.ndarray:  # [V] probabilities -> [V], renormalised
@@ -109,20 +110,35 @@ def min_p_filter(probs: np.ndarray, min_p: float) -> np.ndarray:  # [V] -> [V], 
 
 def probabilities(logits: np.ndarray, params: SamplingParams, seen: Sequence[int] = ()) -> np.ndarray:
     """The distribution a non-greedy sample is drawn from: [V] logits -> [V] float64 probabilities."""
-    x = apply_repetition_penalty(logits.astype(np.float64), seen, params.repetition_penalty)
-    x = top_k_filter(x, params.top_k)
-    x = x / params.temperature
-    probs = np.exp(x - x.max())
+    x = apply_repetition_penalty(logits.astype(np.float64), seen, params.repetition_penalty)  # [V]
+    x = top_k_filter(x, params.top_k)                                                         # [V]
+    best = _check_best(x.max())
+    # Subtract the max *before* dividing by the temperature: the best token's exponent is exactly 0, so a tiny
+    # temperature (1e-310) sends the others to exp(-inf) = 0 instead of turning everything into inf - inf = NaN.
+    with np.errstate(over="ignore"):  # (x - best) / 1e-310 overflowing to -inf is exactly what we want
+        probs = np.exp((x - best) / params.temperature)                                       # [V]
     probs /= probs.sum()
     probs = top_p_filter(probs, params.top_p)
     return min_p_filter(probs, params.min_p)
 
 
+def _check_best(best: float) -> float:
+    # NaN anywhere makes the max NaN; all -inf (everything filtered) or a +inf logit leaves no distribution.
+    if not np.isfinite(best):
+        raise ValueError(f"logits contain NaN or no finite maximum (max = {best}): cannot sample a token")
+    return best
+
+
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, seen: Sequence[int] = ()) -> int:
     """One token id from one row of logits [V]."""
     if params.greedy:
-        return int(np.argmax(apply_repetition_penalty(logits, seen, params.repetition_penalty)))
-    probs = probabilities(logits, params, seen)
+        x = apply_repetition_penalty(logits, seen, params.repetition_penalty)                 # [V]
+        idx = int(np.argmax(x))   # the first NaN if there is one, so checking this one value is enough
+        _check_best(x[idx])
+        return idx
+    probs = probabilities(logits, params, seen)                                               # [V]
+    assert np.isfinite(probs).all() and probs.sum() > 0, "the sampling distribution must be finite and positive"
     # inverse-CDF draw: one uniform number per token keeps a seeded request reproducible
-    idx = int(np.searchsorted(np.cumsum(probs), rng.random() * probs.sum(), side="right"))
-    return min(idx, len(probs) - 1)
+    cdf = np.cumsum(probs)                                                                    # [V]
+    # rng.random() < 1, so u < cdf[-1] and the index is a real token (no clamp needed to stay in range)
+    return int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))

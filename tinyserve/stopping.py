@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
-from .config import ModelConfig
+import numpy as np
+
+from .config import ModelConfig, check_positive_int
+from .model import check_token_ids
 from .sampling import SamplingParams
 
 
@@ -19,8 +23,7 @@ class StopChecker:
     def __post_init__(self) -> None:
         if self.max_new_tokens is None:
             self.max_new_tokens = self.params.max_new_tokens
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        self.max_new_tokens = check_positive_int("max_new_tokens", self.max_new_tokens)
         if self.params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer to decode the output")
 
@@ -38,3 +41,17 @@ class StopChecker:
             if any(s in tail for s in self.params.stop):
                 self.reason = "stop"
         return self.reason is not None
+
+
+def start_request(config: ModelConfig, ids: Sequence[int], max_new_tokens: int | None = None,
+                  params: SamplingParams | None = None,
+                  tokenizer=None) -> tuple[np.ndarray, StopChecker, np.random.Generator]:
+    """What every generate loop does first: validate the prompt, set up stopping and the request's own rng.
+
+    Returns (tokens [T] int64, stopper, rng). `max_new_tokens` overrides params.max_new_tokens when given.
+    """
+    params = params or SamplingParams()
+    n_new = params.max_new_tokens if max_new_tokens is None else max_new_tokens
+    tokens = check_token_ids(config, ids)
+    stopper = StopChecker(config, params, tokenizer, max_new_tokens=n_new, prompt_len=len(tokens))
+    return tokens, stopper, params.make_rng()

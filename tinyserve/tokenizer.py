@@ -71,11 +71,21 @@ class Tokenizer:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
             if i == 0 and m["role"] != "system":
-                out.append(f"<|im_start|>system\n{DEFAULT_SYSTEM_PROMPT}<|im_end|>\n")
-            out.append(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n")
+                out.append(self.render_turn("system", DEFAULT_SYSTEM_PROMPT))
+            out.append(self.render_turn(m["role"], m["content"]))
         if add_generation_prompt:
-            out.append("<|im_start|>assistant\n")
+            out.append(self.assistant_header())
         return "".join(out)
+
+    @staticmethod
+    def render_turn(role: str, content: str) -> str:
+        """One finished ChatML turn: <|im_start|>{role}\\n{content}<|im_end|>\\n."""
+        return f"<|im_start|>{role}\n{content}<|im_end|>\n"
+
+    @staticmethod
+    def assistant_header() -> str:
+        """What the model's reply follows (the generation prompt): the opening of an assistant turn."""
+        return "<|im_start|>assistant\n"
 
     def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
         return self.encode(self.apply_chat_template(messages, add_generation_prompt))

