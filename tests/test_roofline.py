@@ -48,3 +48,15 @@ def test_attention_decode_flops_and_bytes():
 def test_arithmetic_intensity_is_the_group_size(cfg, g):
     assert rl.attention_arithmetic_intensity(cfg, bytes_per_value=2) == g          # FLOPs per byte, fp16 cache
     assert rl.attention_arithmetic_intensity(cfg, bytes_per_value=4) == g / 2      # fp32 halves it
+
+
+def test_speculative_expected_tokens_by_hand():
+    from tinyserve.roofline import speculative_best_k, speculative_tokens_per_step
+    assert speculative_tokens_per_step(0.0, 4) == 1.0
+    assert speculative_tokens_per_step(1.0, 4) == 5.0
+    assert abs(speculative_tokens_per_step(0.5, 2) - 1.75) < 1e-12          # 1 + 0.5 + 0.25
+    assert speculative_best_k(0.0, 0.1, 1.0) == 0                           # drafts never accepted: don't draft
+    assert speculative_best_k(0.9, 0.0, 1.0, k_max=8) == 8                  # free drafts: draft as many as allowed
+    # a = 0.8, draft 0.1 of a verify: k=1 -> 1.8/1.1 = 1.64, k=4 -> 3.36/1.4 = 2.40, k=6 -> 3.95/1.6 = 2.47,
+    # k=7 -> 4.16/1.7 = 2.45: the best is 6
+    assert speculative_best_k(0.8, 0.1, 1.0) == 6

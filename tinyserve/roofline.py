@@ -65,3 +65,34 @@ def attention_arithmetic_intensity(config: ModelConfig, bytes_per_value: int = 2
     each K/V value fetched from memory serves g query heads. MHA (g = 1) sits deep in the memory-bound region.
     """
     return attention_decode_flops(config, 1) / attention_decode_bytes(config, 1, bytes_per_value)
+
+
+# --- speculative decoding (lesson 6; lesson 9's calculator reuses these) -------------------------------------------
+
+def speculative_tokens_per_step(acceptance: float, k: int) -> float:
+    """Expected tokens one verify step yields with k drafted tokens, each accepted with probability `acceptance`.
+
+    Token i (1-based) of the draft survives only if all i before it did: P = a^i. The step always yields one token
+    from the target (the correction, or the bonus when all k agree), so E = 1 + a + a^2 + ... + a^k
+    = (1 - a^(k+1)) / (1 - a), which is k + 1 at a = 1 and 1 at a = 0.
+    """
+    if not 0.0 <= acceptance <= 1.0:
+        raise ValueError(f"acceptance must be a probability in [0, 1], got {acceptance!r}")
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+        raise ValueError(f"k (tokens drafted per step) must be an integer >= 0, got {k!r}")
+    if acceptance == 1.0:
+        return float(k + 1)
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+def speculative_best_k(acceptance: float, draft_cost: float, verify_cost: float, k_max: int = 16) -> int:
+    """The draft length k in 0..k_max with the most expected tokens per unit of time.
+
+    One step costs k * draft_cost + verify_cost (the target scores k + 1 rows in one forward, which at small batch
+    costs about as much as one decode: the weights are read once) and yields speculative_tokens_per_step(a, k).
+    k = 0 is plain decoding. Costs in any one unit (seconds, or relative to a decode step).
+    """
+    if draft_cost < 0 or verify_cost <= 0:
+        raise ValueError(f"need draft_cost >= 0 and verify_cost > 0, got {draft_cost!r}, {verify_cost!r}")
+    rate = [speculative_tokens_per_step(acceptance, k) / (k * draft_cost + verify_cost) for k in range(k_max + 1)]
+    return max(range(k_max + 1), key=rate.__getitem__)
