@@ -60,3 +60,23 @@ def test_speculative_expected_tokens_by_hand():
     # a = 0.8, draft 0.1 of a verify: k=1 -> 1.8/1.1 = 1.64, k=4 -> 3.36/1.4 = 2.40, k=6 -> 3.95/1.6 = 2.47,
     # k=7 -> 4.16/1.7 = 2.45: the best is 6
     assert speculative_best_k(0.8, 0.1, 1.0) == 6
+
+
+# --- lesson 9: the calculator ------------------------------------------------------------------------------------
+
+def test_measure_bandwidth_is_a_plausible_rate():
+    read = rl.measure_bandwidth(nbytes=64 * 2**20, repeat=3)
+    copy = rl.measure_bandwidth(nbytes=64 * 2**20, repeat=3, kind="copy")
+    for bw in (read, copy):                       # bytes/s: any machine this runs on lies between 100 MB/s and 10 TB/s
+        assert isinstance(bw, float) and 1e8 < bw < 1e13
+    with pytest.raises(ValueError, match="kind"):
+        rl.measure_bandwidth(kind="write")
+    with pytest.raises(ValueError, match="nbytes"):
+        rl.measure_bandwidth(nbytes=0)
+
+
+def test_this_cpu_uses_given_or_measured_figures():
+    chip = rl.this_cpu(bandwidth=2e10, flops=1e11)
+    assert (chip.hbm_bandwidth, chip.flops) == (2e10, 1e11) and chip.hbm_bytes > 1e9
+    measured = rl.this_cpu()
+    assert 1e8 < measured.hbm_bandwidth < 1e13 and 1e8 < measured.flops < 1e15

@@ -6,9 +6,9 @@ hand-computed values. FLOPs count a multiply-add as 2.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
-from .config import ModelConfig
+from .config import ModelConfig, check_positive_int
 
 # Published shapes of well-known models, for comparison with SmolLM2 (only the fields the formulas use matter).
 LLAMA2_7B = ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, intermediate_size=11008,
@@ -96,3 +96,161 @@ def speculative_best_k(acceptance: float, draft_cost: float, verify_cost: float,
         raise ValueError(f"need draft_cost >= 0 and verify_cost > 0, got {draft_cost!r}, {verify_cost!r}")
     rate = [speculative_tokens_per_step(acceptance, k) / (k * draft_cost + verify_cost) for k in range(k_max + 1)]
     return max(range(k_max + 1), key=rate.__getitem__)
+
+
+# --- lesson 9: the calculator for inference at scale -----------------------------------------------------------------
+#
+# Decode reads every weight once per step whatever the batch (B rows share one read), does 2 FLOPs per weight per
+# row, and reads every sequence's KV cache. A step therefore costs max(weight read, matmul FLOPs) + KV read: below
+# the critical batch the weights' bytes dominate (memory-bound, step time flat in B), above it the FLOPs do
+# (compute-bound, step time grows with B). The KV read is never shared between sequences, so it adds on top.
+# Units: bytes, seconds, FLOP/s. GB here means 1e9 bytes, as chip datasheets use it.
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """The shapes that set a transformer's size, written out so any published model can be entered as given.
+
+    head_dim is its own field: it need not be d_model // n_heads (the LLaMA-2-13B-like problem has 32 x 256).
+    MoE: each layer has n_experts MLPs of d_ff each and a token uses experts_per_token of them.
+    """
+    n_layers: int             # L
+    d_model: int              # D
+    d_ff: int                 # F (per expert)
+    n_heads: int              # N
+    n_kv_heads: int           # K
+    head_dim: int             # H
+    vocab: int                # V
+    tied_embeddings: bool = True
+    n_experts: int = 1
+    experts_per_token: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("n_layers", "d_model", "d_ff", "n_heads", "n_kv_heads", "head_dim", "vocab", "n_experts",
+                     "experts_per_token"):
+            check_positive_int(name, getattr(self, name), "ModelShape")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"ModelShape: n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+        if self.experts_per_token > self.n_experts:
+            raise ValueError(f"ModelShape: experts_per_token {self.experts_per_token} > n_experts {self.n_experts}")
+
+    @classmethod
+    def from_config(cls, config: ModelConfig) -> "ModelShape":
+        """The shape of a tinyserve model (SmolLM2: tied embeddings, dense)."""
+        return cls(config.n_layers, config.dim, config.intermediate_size, config.n_heads, config.n_kv_heads,
+                   config.head_dim, config.vocab_size)
+
+    def attention_params(self) -> int:
+        """Per layer: W_q [D, N*H] and W_o [N*H, D], W_k and W_v [D, K*H] each."""
+        return 2 * self.d_model * self.head_dim * (self.n_heads + self.n_kv_heads)
+
+    def mlp_params(self) -> int:
+        """Per layer and expert: gate and up [D, F], down [F, D] (SwiGLU has three matrices, not two)."""
+        return 3 * self.d_model * self.d_ff
+
+    def embedding_params(self) -> int:
+        """The token embedding [V, D], plus a separate LM head [D, V] unless it is tied to the embedding."""
+        return self.vocab * self.d_model * (1 if self.tied_embeddings else 2)
+
+    def params(self) -> int:
+        """All weights: attention + every expert's MLP + embedding(s). Norms (2*L*D + D, < 0.1 %) are left out,
+        and so is an MoE router (D * n_experts per layer)."""
+        return self.n_layers * (self.attention_params() + self.n_experts * self.mlp_params()) + self.embedding_params()
+
+    def active_params(self) -> int:
+        """Weights one token multiplies with: its experts_per_token experts' MLPs, not all n_experts."""
+        return (self.n_layers * (self.attention_params() + self.experts_per_token * self.mlp_params())
+                + self.embedding_params())
+
+    def kv_bytes_per_token(self, bytes_per_value: float = 2) -> float:
+        """2 (K and V) * L * K * H * bytes per value (int8: 1, bf16: 2, fp32: 4)."""
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * bytes_per_value
+
+
+@dataclass(frozen=True, slots=True)
+class Chip:
+    """One accelerator (or this CPU): memory size and bandwidth, and peak matmul FLOP/s.
+
+    link_bandwidth: bytes/s one chip sends to its neighbour, one way (ICI, NVLink, ...), for collectives;
+    0 means no such link.
+    """
+    name: str
+    hbm_bytes: float          # B
+    hbm_bandwidth: float      # B/s
+    flops: float              # FLOP/s (bf16 on accelerators, fp32 on this CPU)
+    link_bandwidth: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (self.hbm_bytes > 0 and self.hbm_bandwidth > 0 and self.flops > 0 and self.link_bandwidth >= 0):
+            raise ValueError(f"Chip {self.name!r}: memory, bandwidth and FLOP/s must be positive, got {self!r}")
+
+
+# Public datasheet figures (bf16 dense). TPU v5e: ICI 4.5e10 B/s one way per link. H100 SXM: NVLink 4 is 900 GB/s
+# both ways together, 4.5e11 one way.
+TPU_V5E = Chip("TPU v5e", 16e9, 8.1e11, 1.97e14, link_bandwidth=4.5e10)
+H100 = Chip("H100 SXM", 80e9, 3.35e12, 9.89e14, link_bandwidth=4.5e11)
+
+
+def measure_bandwidth(nbytes: int = 256 * 2**20, repeat: int = 7, kind: str = "read") -> float:
+    """Memory bandwidth of this machine in bytes/s, measured now: the median of `repeat` timed passes.
+
+    kind="read" (the default, what decode needs): a float32 matrix-vector product over an `nbytes` matrix, the
+    very access pattern of streaming weights; it runs on BLAS's threads (all cores: 2 here), and counts the
+    matrix's bytes only. kind="copy": np.copyto between two `nbytes` buffers, one thread, counting read + write
+    (2 * nbytes); usually above one core's read figure, below the all-core read figure.
+    Choose nbytes well above the last-level cache (32 MiB here) or you measure the cache. Shared machines are
+    noisy: the median of a few repeats, and only ratios measured in one run are worth comparing.
+    """
+    import statistics
+    import time
+
+    import numpy as np
+
+    nbytes = check_positive_int("nbytes", nbytes, "measure_bandwidth")
+    repeat = check_positive_int("repeat", repeat, "measure_bandwidth")
+    cols = 4096
+    rows = max(1, nbytes // (4 * cols))
+    a = np.ones((rows, cols), np.float32)                     # [rows, cols]: every page touched, so really mapped
+    if kind == "read":
+        x = np.ones(cols, np.float32)
+        run, moved = (lambda: a @ x), a.nbytes
+    elif kind == "copy":
+        b = np.empty_like(a)
+        run, moved = (lambda: np.copyto(b, a)), 2 * a.nbytes
+    else:
+        raise ValueError(f"measure_bandwidth: kind must be 'read' or 'copy', got {kind!r}")
+    run()                                                     # warm-up: page faults, BLAS threads waking up
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return moved / statistics.median(times)
+
+
+def measure_flops(n: int = 1024, repeat: int = 5) -> float:
+    """float32 matmul FLOP/s of this machine (BLAS, all its threads): median of `repeat` [n, n] @ [n, n] products."""
+    import statistics
+    import time
+
+    import numpy as np
+
+    n = check_positive_int("n", n, "measure_flops")
+    a = np.ones((n, n), np.float32)
+    a @ a
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        a @ a
+        times.append(time.perf_counter() - t0)
+    return 2 * n**3 / statistics.median(times)
+
+
+def this_cpu(bandwidth: float | None = None, flops: float | None = None) -> Chip:
+    """This machine as a Chip: its RAM, its read bandwidth and fp32 matmul FLOP/s measured on the spot (~1 s)
+    unless given. The bandwidth is measure_bandwidth(kind="read"): what streaming the weights can reach."""
+    import os
+
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return Chip(f"this CPU ({os.cpu_count()} cores)", float(ram),
+                measure_bandwidth() if bandwidth is None else bandwidth,
+                measure_flops() if flops is None else flops)
