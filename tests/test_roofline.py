@@ -80,3 +80,44 @@ def test_this_cpu_uses_given_or_measured_figures():
     assert (chip.hbm_bandwidth, chip.flops) == (2e10, 1e11) and chip.hbm_bytes > 1e9
     measured = rl.this_cpu()
     assert 1e8 < measured.hbm_bandwidth < 1e13 and 1e8 < measured.flops < 1e15
+
+
+def test_model_shape_of_smollm2_counts_the_real_weights(tiny):
+    shape = rl.ModelShape.from_config(SMOL)
+    norms = 30 * 2 * 576 + 576
+    assert shape.params() == 134_515_008 - norms == shape.active_params()
+    assert shape.kv_bytes_per_token(4) == rl.kv_bytes_per_token(SMOL)
+    tiny_shape = rl.ModelShape.from_config(tiny.config)
+    c = tiny.config
+    assert tiny_shape.params() == tiny.num_parameters() - (2 * c.n_layers + 1) * c.dim
+
+
+def test_calculator_refuses_impossible_inputs():
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        rl.ModelShape(2, 64, 128, 4, 3, 16, 100)
+    with pytest.raises(ValueError, match="experts_per_token"):
+        rl.ModelShape(2, 64, 128, 4, 2, 16, 100, n_experts=2, experts_per_token=3)
+    with pytest.raises(ValueError, match="kv_shards"):
+        rl.decode_step_time(rl.TPU_V5E, 4, 1, 1e9, 1e6, 2, kv_shards=8)
+    with pytest.raises(ValueError, match="batch"):
+        rl.decode_step_time(rl.TPU_V5E, 4, 0, 1e9, 1e6, 2)
+    with pytest.raises(ValueError, match="positive"):
+        rl.Chip("broken", 16e9, 0, 1e14)
+
+
+def test_max_batch_and_latency_bound_agree_with_step_time():
+    # the latency bound is tight: B fits under the target, B + 1 does not
+    for ctx in (512, 2048, 8192, 32768):
+        kv = ctx * 2 * 80 * 8 * 128
+        B = rl.largest_batch_within(rl.TPU_V5E, 16, 12e-3, 70e9, kv, 1)
+        assert rl.decode_step_time(rl.TPU_V5E, 16, B, 70e9, kv, 1) <= 12e-3 < \
+            rl.decode_step_time(rl.TPU_V5E, 16, B + 1, 70e9, kv, 1)
+    # the capacity bound is tight: B sequences' KV fits beside the weights, B + 1 does not
+    B = rl.max_batch(rl.H100, 8, 4096, 70e9, 327_680, 2)
+    free = 80e9 - 70e9 * 2 / 8
+    assert B * 4096 * 327_680 / 8 <= free < (B + 1) * 4096 * 327_680 / 8
+
+
+def test_prefill_time_is_compute_bound_for_long_prompts():
+    assert rl.prefill_time(rl.TPU_V5E, 16, 8192, 70e9, 1) == pytest.approx(2 * 70e9 * 8192 / (16 * 1.97e14))
+    assert rl.prefill_time(rl.TPU_V5E, 16, 1, 70e9, 1) == pytest.approx(70e9 / (16 * 8.1e11))   # one token: a read

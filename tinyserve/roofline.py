@@ -254,3 +254,131 @@ def this_cpu(bandwidth: float | None = None, flops: float | None = None) -> Chip
     return Chip(f"this CPU ({os.cpu_count()} cores)", float(ram),
                 measure_bandwidth() if bandwidth is None else bandwidth,
                 measure_flops() if flops is None else flops)
+
+
+def _check_chips(n_chips, kv_shards) -> int:
+    check_positive_int("n_chips", n_chips)
+    kv_shards = n_chips if kv_shards is None else check_positive_int("kv_shards", kv_shards)
+    if kv_shards > n_chips:
+        raise ValueError(f"kv_shards ({kv_shards}) cannot exceed n_chips ({n_chips}): the KV cache is spread over "
+                         "at most all the chips")
+    return kv_shards
+
+
+def critical_batch(chip: Chip, bytes_per_param: float, n_experts: int = 1, experts_per_token: int = 1) -> float:
+    """The decode batch at which the weight matmuls turn from memory-bound to compute-bound.
+
+    A step reads P * bytes_per_param bytes of weights (time P*b / W) and does 2*P*B FLOPs (time 2*P*B / F): equal
+    at B = F * b / (2 * W), whatever the model's size. bf16 weights on a TPU v5e: ~243; int8 weights: half that
+    (fewer bytes per weight, the same FLOPs). MoE: each expert sees only B * experts_per_token / n_experts of the
+    batch's tokens, so the batch must be n_experts / experts_per_token times larger before every expert's matmul
+    is compute-bound.
+    """
+    check_positive_int("n_experts", n_experts)
+    check_positive_int("experts_per_token", experts_per_token)
+    if not bytes_per_param > 0:
+        raise ValueError(f"bytes_per_param must be positive, got {bytes_per_param!r}")
+    return chip.flops * bytes_per_param / (2 * chip.hbm_bandwidth) * n_experts / experts_per_token
+
+
+def decode_step_time(chip: Chip, n_chips: int, batch: int, params: float, kv_bytes_per_sequence: float,
+                     bytes_per_param: float, kv_shards: int | None = None) -> float:
+    """Lower bound on one decode step, seconds: max(weight read, matmul FLOPs) + the KV read, per chip.
+
+    The weights are split over n_chips (each reads its 1/n_chips share), so are the FLOPs; the KV cache of the
+    batch is split over kv_shards chips (default: all; sharding by KV head gives at most n_kv_heads, the other
+    chips hold replicas, so each reads 1/kv_shards of it). Attention FLOPs and communication are left out.
+    """
+    kv_shards = _check_chips(n_chips, kv_shards)
+    check_positive_int("batch", batch, "decode_step_time")
+    weights = params * bytes_per_param / (n_chips * chip.hbm_bandwidth)
+    flops = 2 * params * batch / (n_chips * chip.flops)
+    kv = batch * kv_bytes_per_sequence / (kv_shards * chip.hbm_bandwidth)
+    return max(weights, flops) + kv
+
+
+def max_batch(chip: Chip, n_chips: int, context: int, params: float, kv_bytes_per_token: float,
+              bytes_per_param: float, reserved_bytes: float = 0, kv_shards: int | None = None) -> int:
+    """How many sequences of `context` tokens fit beside the weights: the capacity bound on the batch.
+
+    Per chip: hbm_bytes - reserved_bytes (activations, runtime) - its 1/n_chips of the weights is left for KV;
+    each sequence puts context * kv_bytes_per_token / kv_shards bytes on every chip. 0 if the weights alone
+    do not fit.
+    """
+    kv_shards = _check_chips(n_chips, kv_shards)
+    check_positive_int("context", context)
+    free = chip.hbm_bytes - reserved_bytes - params * bytes_per_param / n_chips
+    if free <= 0:
+        return 0
+    return int(free // (context * kv_bytes_per_token / kv_shards))
+
+
+def largest_batch_within(chip: Chip, n_chips: int, step_time: float, params: float, kv_bytes_per_sequence: float,
+                         bytes_per_param: float, kv_shards: int | None = None) -> int:
+    """The largest batch whose decode_step_time stays within `step_time` (an inter-token latency target).
+
+    max(w, c*B) + k*B <= T holds iff both w + k*B <= T (memory-bound branch) and (c + k)*B <= T (compute-bound
+    branch), so B = floor(min((T - w) / k, T / (c + k))). 0 if even reading the weights takes longer than T.
+    """
+    kv_shards = _check_chips(n_chips, kv_shards)
+    w = params * bytes_per_param / (n_chips * chip.hbm_bandwidth)
+    c = 2 * params / (n_chips * chip.flops)
+    k = kv_bytes_per_sequence / (kv_shards * chip.hbm_bandwidth)
+    if step_time < w:
+        return 0
+    return int(min((step_time - w) / k if k else float("inf"), step_time / (c + k)))
+
+
+def prefill_time(chip: Chip, n_chips: int, tokens: int, params: float, bytes_per_param: float) -> float:
+    """Lower bound on prefilling `tokens` prompt tokens, seconds: max(2 * P * T FLOPs, one weight read) per chip.
+
+    A long prompt is a batch of `tokens` rows for the matmuls: far above the critical batch, so compute-bound.
+    Attention's own FLOPs (4 * L * N * H * T^2 / 2 with the causal mask) are left out: small below ~10k tokens.
+    """
+    check_positive_int("n_chips", n_chips)
+    check_positive_int("tokens", tokens)
+    return max(2 * params * tokens / (n_chips * chip.flops), params * bytes_per_param / (n_chips * chip.hbm_bandwidth))
+
+
+@dataclass(frozen=True, slots=True)
+class DisaggregatedRates:
+    prefill: float       # requests/s the prefill group can start
+    decode: float        # requests/s the decode group can finish
+    handover: float      # requests/s whose KV cache the link between the groups can carry
+
+
+def disaggregated_rates(chip: Chip, prefill_chips: int, decode_chips: int, prompt_len: int, output_len: int,
+                        decode_batch: int, params: float, kv_bytes_per_token: float, bytes_per_param: float,
+                        link_bandwidth: float) -> DisaggregatedRates:
+    """Request rates of a disaggregated deployment: a prefill group, a decode group and the link between them.
+
+    The prefill group runs one prompt at a time (compute-bound, so batching prompts would not help): 1 / prefill
+    time. The decode group keeps decode_batch sequences of prompt + output/2 tokens on average (the context grows
+    during decode) and finishes decode_batch requests every output_len steps. Every request's KV cache
+    (prompt_len * kv_bytes_per_token) must cross the link once. The slowest of the three is the system's rate.
+    """
+    check_positive_int("output_len", output_len)
+    check_positive_int("decode_batch", decode_batch)
+    if not link_bandwidth > 0:
+        raise ValueError(f"link_bandwidth must be positive, got {link_bandwidth!r}")
+    prefill = 1.0 / prefill_time(chip, prefill_chips, prompt_len, params, bytes_per_param)
+    mean_context = prompt_len + output_len / 2
+    step = decode_step_time(chip, decode_chips, decode_batch, params, mean_context * kv_bytes_per_token,
+                            bytes_per_param)
+    decode = decode_batch / (step * output_len)
+    handover = link_bandwidth / (prompt_len * kv_bytes_per_token)
+    return DisaggregatedRates(prefill, decode, handover)
+
+
+def tensor_parallel_bytes_per_token(shape: ModelShape, n_devices: int, bytes_per_value: float = 4,
+                                    logits: bool = True) -> float:
+    """Bytes all devices together send per token in Megatron-style tensor parallelism with ring collectives.
+
+    Each layer ends its attention (row-parallel W_o) and its MLP (row-parallel W_down) with partial sums of the
+    [D] residual update: two all-reduces of D values. A ring all-reduce of n bytes over P devices sends
+    2 * (P - 1) / P * n per device (reduce-scatter, then all-gather), 2 * (P - 1) * n in all. The vocab-parallel
+    LM head then all-gathers the [V] logits: (P - 1) / P * V values per device, (P - 1) * V in all.
+    """
+    P = check_positive_int("n_devices", n_devices)
+    per_layer = 2 * 2 * (P - 1) * shape.d_model * bytes_per_value
+    return shape.n_layers * per_layer + ((P - 1) * shape.vocab * bytes_per_value if logits else 0)
