@@ -121,3 +121,16 @@ def test_max_batch_and_latency_bound_agree_with_step_time():
 def test_prefill_time_is_compute_bound_for_long_prompts():
     assert rl.prefill_time(rl.TPU_V5E, 16, 8192, 70e9, 1) == pytest.approx(2 * 70e9 * 8192 / (16 * 1.97e14))
     assert rl.prefill_time(rl.TPU_V5E, 16, 1, 70e9, 1) == pytest.approx(70e9 / (16 * 8.1e11))   # one token: a read
+
+
+def test_tensor_parallel_comm_time_by_hand():
+    shape = rl.ModelShape(80, 8192, 28672, 64, 8, 128, 32000)          # LLaMA-2-70B
+    # 8 H100s, bf16, batch 1: per device 2 * 80 layers * 2 * 7/8 * 8192 * 2 B + 7/8 * 32000 * 2 B
+    per_device = 2 * 80 * 2 * 7 / 8 * 8192 * 2 + 7 / 8 * 32000 * 2
+    assert rl.tensor_parallel_comm_time(rl.H100, shape, 8, 1) == pytest.approx(per_device / 4.5e11)
+    # each of the 160 all-reduces takes 2 * 7 ring steps, the logits' all-gather 7: 2247 hops of 1 us
+    assert rl.tensor_parallel_comm_time(rl.H100, shape, 8, 16, hop_latency=1e-6) == \
+        pytest.approx(16 * per_device / 4.5e11 + 2247e-6)
+    assert rl.tensor_parallel_comm_time(rl.H100, shape, 1, 64) == 0.0
+    with pytest.raises(ValueError, match="link_bandwidth"):
+        rl.tensor_parallel_comm_time(rl.Chip("no link", 1e9, 1e10, 1e11), shape, 2, 1)

@@ -382,3 +382,23 @@ def tensor_parallel_bytes_per_token(shape: ModelShape, n_devices: int, bytes_per
     P = check_positive_int("n_devices", n_devices)
     per_layer = 2 * 2 * (P - 1) * shape.d_model * bytes_per_value
     return shape.n_layers * per_layer + ((P - 1) * shape.vocab * bytes_per_value if logits else 0)
+
+
+def tensor_parallel_comm_time(chip: Chip, shape: ModelShape, n_devices: int, batch: int,
+                              bytes_per_value: float = 2, hop_latency: float = 0.0) -> float:
+    """Seconds per decode step each device spends in tensor-parallel collectives over chip.link_bandwidth.
+
+    Its share (1/P) of tensor_parallel_bytes_per_token for `batch` tokens, sent one way round a ring, plus
+    hop_latency for every ring step: 2 * (P - 1) per all-reduce, 2 * L all-reduces, and P - 1 for the logits.
+    Bytes grow with the batch while a device's weight read does not: at large batch the link, not the memory,
+    sets the step time — which is why tensor parallelism stays inside one fast-linked node (8 GPUs, a TPU slice).
+    """
+    P = check_positive_int("n_devices", n_devices)
+    check_positive_int("batch", batch)
+    if P == 1:
+        return 0.0
+    if not chip.link_bandwidth > 0:
+        raise ValueError(f"{chip.name} has no link_bandwidth: give the Chip one to time collectives")
+    per_device = batch * tensor_parallel_bytes_per_token(shape, P, bytes_per_value) / P
+    hops = shape.n_layers * 2 * 2 * (P - 1) + (P - 1)
+    return per_device / chip.link_bandwidth + hops * hop_latency
