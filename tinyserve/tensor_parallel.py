@@ -141,6 +141,9 @@ class TensorParallelModel:
     def allocate_caches(self, max_len: int) -> None:
         """A fresh KV cache on every device, for its K/P heads: [L, max_len, K/P, H] each."""
         cfg = self.model.config
+        max_len = check_positive_int("max_len", max_len, "allocate_caches")
+        if max_len > cfg.max_seq_len:
+            raise ValueError(f"allocate_caches: max_len {max_len} exceeds the context window ({cfg.max_seq_len})")
         shape = (cfg.n_layers, max_len, cfg.n_kv_heads // self.n_devices, cfg.head_dim)
         for dev in self.devices:
             dev.cache = KVCache(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
@@ -150,36 +153,37 @@ class TensorParallelModel:
         kv_cache.forward_with_cache: logits [m, V] if all_logits else [1, V] (the last row)."""
         if self.devices[0].cache is None:
             raise ValueError("allocate_caches(max_len) first: each device needs its own KV cache")
-        m_, cfg = self.model, self.model.config
-        tokens = check_token_ids(cfg, tokens, what="tensor-parallel forward tokens")     # [m]
+        model, cfg = self.model, self.model.config
+        tokens = check_token_ids(cfg, tokens, what="tensor-parallel forward tokens")                # [m]
         T, H = len(tokens), cfg.head_dim
         for dev in self.devices:
             dev.cache.check_room(T)
         start = self.devices[0].cache.length
         positions = np.arange(start, start + T)
-        cos, sin = m_.rope_cos[positions], m_.rope_sin[positions]                           # [T, H/2]
-        x = m_.embed[tokens]                                                                 # [T, D] on every device
-        for i, w in enumerate(m_.layers):
-            h = rms_norm(x, w.attn_norm, cfg.norm_eps)                                       # [T, D] replicated
+        cos, sin = model.rope_cos[positions], model.rope_sin[positions]                             # [T, H/2]
+        x = model.embed[tokens]                                                  # [T, D], the same on every device
+        for i, w in enumerate(model.layers):
+            h = rms_norm(x, w.attn_norm, cfg.norm_eps)                                              # [T, D] replicated
             partial = []
-            for dev in self.devices:                                   # each device: its heads, no communication
+            for dev in self.devices:                            # each device: its own heads, no communication
                 s = dev.layers[i]
-                q = apply_rope((h @ s.wq).reshape(T, -1, H), cos, sin)                       # [T, N/P, H]
-                k = apply_rope((h @ s.wk).reshape(T, -1, H), cos, sin)                       # [T, K/P, H]
-                v = (h @ s.wv).reshape(T, -1, H)                                             # [T, K/P, H]
-                k_all, v_all = append_kv(dev.cache, i, k, v)                                 # [S, K/P, H]
-                partial.append(grouped_attention(q, k_all, v_all).reshape(T, -1) @ s.wo)     # [T, D] partial
-            x = x + all_reduce(partial, self.link)[0]                 # every device now holds the same sum
+                q = apply_rope((h @ s.wq).reshape(T, -1, H), cos, sin)                              # [T, N/P, H]
+                k = apply_rope((h @ s.wk).reshape(T, -1, H), cos, sin)                              # [T, K/P, H]
+                v = (h @ s.wv).reshape(T, -1, H)                                                    # [T, K/P, H]
+                k_all, v_all = append_kv(dev.cache, i, k, v)                                        # [S, K/P, H]
+                partial.append(grouped_attention(q, k_all, v_all).reshape(T, -1) @ s.wo)            # [T, D] partial
+            # every device now holds the same sum (the ring copies finished chunks): one copy serves as all of them
+            x = x + all_reduce(partial, self.link)[0]
             h = rms_norm(x, w.mlp_norm, cfg.norm_eps)
-            partial = [swiglu_mlp(h, s.w_gate, s.w_up, s.w_down)                             # [T, D] partial
+            partial = [swiglu_mlp(h, s.w_gate, s.w_up, s.w_down)                                    # [T, D] partial
                        for s in (dev.layers[i] for dev in self.devices)]
             x = x + all_reduce(partial, self.link)[0]
         for dev in self.devices:
             dev.cache.length += T
         if not all_logits:
             x = x[-1:]
-        h = rms_norm(x, m_.final_norm, cfg.norm_eps)                                         # [R, D]
-        return all_gather([h @ dev.lm_head.T for dev in self.devices], self.link)[0]        # [R, V]
+        h = rms_norm(x, model.final_norm, cfg.norm_eps)                                             # [R, D]
+        return all_gather([h @ dev.lm_head.T for dev in self.devices], self.link)[0]                # [R, V]
 
     def generate(self, ids: Sequence[int], max_new_tokens: int) -> list[int]:
         """Greedy decoding (prefill once, then one token per step), on fresh caches: the new token ids."""
