@@ -103,3 +103,22 @@ def test_bytes_per_token_formula_by_hand():
     assert rf.tensor_parallel_bytes_per_token(smol, 3, 4) == 30 * 2 * 2 * 2 * 576 * 4 + 2 * 49152 * 4 == 946_176
     assert rf.tensor_parallel_bytes_per_token(smol, 3, 2, logits=False) == 276_480
     assert rf.tensor_parallel_bytes_per_token(smol, 1, 4) == 0
+
+
+def test_clear_errors_on_misuse(tiny):
+    with pytest.raises(ValueError, match="one shape"):
+        all_reduce([np.zeros(4, np.float32), np.zeros(5, np.float32)], Link())
+    with pytest.raises(ValueError, match="one array per device"):
+        all_reduce([], Link())
+    with pytest.raises(ValueError, match="last axis"):
+        all_gather([np.zeros((2, 4)), np.zeros((3, 4))], Link())
+    tp = TensorParallelModel.shard(tiny, 2)
+    with pytest.raises(ValueError, match="allocate_caches"):
+        tp.forward([1, 2])
+    with pytest.raises(ValueError, match="context window"):
+        tp.allocate_caches(tiny.config.max_seq_len + 1)
+    tp.allocate_caches(4)
+    with pytest.raises(ValueError, match="out of range"):
+        tp.forward([tiny.config.vocab_size])
+    with pytest.raises(ValueError, match="full"):
+        tp.forward([1, 2, 3, 4, 5])

@@ -1,8 +1,10 @@
 """Back-of-the-envelope formulas: predict a number before measuring it.
 
-Started in lesson 3 with the KV cache and attention; later lessons add step-time bounds. Every function takes
-a ModelConfig (shapes in the legend of config.py) and counts exactly what it says, so tests can check it against
-hand-computed values. FLOPs count a multiply-add as 2.
+Started in lesson 3 with the KV cache and attention (functions of a ModelConfig, shapes in the legend of
+config.py); lesson 6 adds the speculative-decoding expectations; lesson 9 the calculator for inference at scale
+(ModelShape, Chip, step time, batch bounds, tensor-parallel traffic), with the chips' datasheet figures and this
+machine's measured ones. Every function counts exactly what it says, so tests check it against hand-computed values.
+FLOPs count a multiply-add as 2.
 """
 from __future__ import annotations
 

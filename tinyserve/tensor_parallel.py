@@ -49,6 +49,9 @@ def all_reduce(parts: list[np.ndarray], link: Link) -> list[np.ndarray]:
     round the ring. Every device sends 2 * (P - 1) chunks of n / P: the ring moves 2 * (P - 1) / P of the array
     per device whatever P is, which is why rings are what NCCL and TPUs use for large arrays.
     """
+    if not parts or any(p.shape != parts[0].shape for p in parts):
+        raise ValueError(f"all_reduce needs one array per device, all of one shape; got "
+                         f"{[p.shape for p in parts]}")
     P = len(parts)
     chunks = [np.array_split(p.copy(), P, axis=-1) for p in parts]       # [P devices][P chunks]
     for s in range(P - 1):                                                # reduce-scatter
@@ -69,6 +72,9 @@ def all_gather(parts: list[np.ndarray], link: Link) -> list[np.ndarray]:
     parts: P arrays [..., n_d] -> P arrays [..., sum(n_d)]. In step s device d passes slice (d - s) % P on to
     device d + 1: (P - 1) slices sent per device.
     """
+    if not parts or any(p.shape[:-1] != parts[0].shape[:-1] for p in parts):
+        raise ValueError(f"all_gather needs one array per device, alike but for the last axis; got "
+                         f"{[p.shape for p in parts]}")
     P = len(parts)
     have = [{d: parts[d]} for d in range(P)]                              # device -> {slice index: array}
     for s in range(P - 1):
