@@ -25,24 +25,24 @@ class ModelShape:
     def params(self) -> int:
         """All weights: attention + every expert's MLP + the embedding (and the LM head if not tied). No norms."""
         raise NotImplementedError(
-            "params: per layer, W_q and W_o are [D, N*H] and [N*H, D], W_k and W_v [D, K*H]; the SwiGLU MLP has "
-            "three [D, F] matrices (gate, up, down), n_experts of them; the embedding is [V, D]")
+            "params: write out the shape of every weight matrix of one layer (attention has four, and only two of "
+            "them are as wide as the query heads; how many matrices does a SwiGLU MLP have?), then the embedding")
 
     def active_params(self) -> int:
         """The weights one token multiplies with: experts_per_token of the n_experts MLPs per layer."""
-        raise NotImplementedError("active_params: like params, with experts_per_token MLPs per layer")
+        raise NotImplementedError("active_params: which of the weights counted in params does one token skip?")
 
     def kv_bytes_per_token(self, bytes_per_value: float = 2) -> float:
         """Bytes of KV cache per token: K and V, every layer, every KV head."""
-        raise NotImplementedError("kv_bytes_per_token: 2 * L * K * H * bytes per value")
+        raise NotImplementedError(
+            "kv_bytes_per_token: what does one token store, in every layer, for every KV head? (lesson 3)")
 
 
 def critical_batch(chip: Chip, bytes_per_param: float, n_experts: int = 1, experts_per_token: int = 1) -> float:
     """The decode batch at which the weight matmuls turn from memory-bound to compute-bound (MoE: per expert)."""
     raise NotImplementedError(
-        "critical_batch: reading P weights takes P * bytes_per_param / bandwidth, multiplying them with B rows "
-        "2 * P * B / flops; solve for the B where they are equal. MoE: each expert sees only "
-        "B * experts_per_token / n_experts of the tokens")
+        "critical_batch: write the time to read P weights and the time to multiply them with B rows; at which B "
+        "are they equal (does P matter)? MoE: how many of the batch's tokens reach one expert?")
 
 
 def decode_step_time(chip: Chip, n_chips: int, batch: int, params: float, kv_bytes_per_sequence: float,
@@ -50,23 +50,24 @@ def decode_step_time(chip: Chip, n_chips: int, batch: int, params: float, kv_byt
     """Seconds per decode step, per chip: max(weight read, matmul FLOPs) + the KV read.
     Weights and FLOPs are split over n_chips; the batch's KV cache over kv_shards chips (None: all n_chips)."""
     raise NotImplementedError(
-        "decode_step_time: weights params * bytes_per_param / (n_chips * bandwidth); FLOPs 2 * params * batch / "
-        "(n_chips * flops); KV batch * kv_bytes_per_sequence / (kv_shards * bandwidth)")
+        "decode_step_time: three times per chip: its share of the weights read, its share of the FLOPs, its share "
+        "of the batch's KV read. Which two overlap (the chip does them at once), and which one does not?")
 
 
 def max_batch(chip: Chip, n_chips: int, context: int, params: float, kv_bytes_per_token: float,
               bytes_per_param: float, reserved_bytes: float = 0, kv_shards: int | None = None) -> int:
     """How many sequences of `context` tokens fit beside the weights (reserved_bytes is per chip). 0 if none."""
     raise NotImplementedError(
-        "max_batch: per chip, memory minus reserved minus its share of the weights is left for KV; each sequence "
-        "puts context * kv_bytes_per_token / kv_shards bytes on every chip; round down")
+        "max_batch: how many bytes are left on one chip once it holds its share of the weights, and how many "
+        "bytes does one sequence put on each chip? A partial sequence does not fit")
 
 
 def largest_batch_within(chip: Chip, n_chips: int, step_time: float, params: float, kv_bytes_per_sequence: float,
                          bytes_per_param: float, kv_shards: int | None = None) -> int:
     """The largest batch whose decode_step_time stays within `step_time` seconds (0 if none)."""
     raise NotImplementedError(
-        "largest_batch_within: max(w, c*B) + k*B <= T needs both w + k*B <= T and (c + k)*B <= T")
+        "largest_batch_within: the step time is max(w, c*B) + k*B. When is max(a, b) + x <= T? Both branches "
+        "must hold; solve each for B")
 
 
 def disaggregated_rates(chip: Chip, prefill_chips: int, decode_chips: int, prompt_len: int, output_len: int,
@@ -76,14 +77,14 @@ def disaggregated_rates(chip: Chip, prefill_chips: int, decode_chips: int, promp
     group (decode_batch sequences at a mean context of prompt_len + output_len / 2, finishing decode_batch requests
     every output_len steps) and the link that hands each request's prompt KV cache over."""
     raise NotImplementedError(
-        "disaggregated_rates: DisaggregatedRates(prefill=1 / prefill time, decode=decode_batch / (step time * "
-        "output_len), handover=link_bandwidth / (prompt_len * kv_bytes_per_token))")
+        "disaggregated_rates: the time of one prefill (a prompt is a batch of prompt_len rows: which regime?), the "
+        "time for the decode group to finish decode_batch requests, and the bytes each request sends over the link")
 
 
 def all_reduce(parts: list[np.ndarray], link: Link) -> list[np.ndarray]:
     """Ring all-reduce: P devices hold partial arrays [..., n]; afterwards every device holds the same sum.
     Every transfer goes through link.send(chunk); do not modify `parts`."""
     raise NotImplementedError(
-        "all_reduce: split each array into P chunks on the last axis (np.array_split). Reduce-scatter: in step s "
-        "of P - 1, device d sends chunk (d - s) % P to device (d + 1) % P, which adds it to its own copy. Then "
-        "device d holds the finished chunk (d + 1) % P; P - 1 more steps pass the finished chunks round the ring")
+        "all_reduce: cut each device's array into P chunks (np.array_split). In a ring, device d only ever sends to "
+        "d + 1: which chunk should it pass on at each of P - 1 steps so that every chunk collects all P "
+        "contributions somewhere, and how do the finished chunks then reach everyone?")
