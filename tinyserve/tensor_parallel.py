@@ -125,6 +125,8 @@ class TensorParallelModel:
         MLP features and vocabulary rows as evenly as possible."""
         cfg = model.config
         P = check_positive_int("n_devices", n_devices, "TensorParallelModel.shard")
+        if getattr(model, "quant", "none") != "none":   # lesson 7's int8 weights are not plain arrays to slice
+            raise ValueError("TensorParallelModel.shard splits the float32 weights: load the model without quant")
         if cfg.n_kv_heads % P:
             raise ValueError(f"cannot shard attention {P} ways: the model has {cfg.n_kv_heads} KV heads (each "
                              "device needs whole KV heads and their query heads; use a divisor of it)")
