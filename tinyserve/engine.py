@@ -14,6 +14,12 @@ new K/V into the pool through the slot mapping and runs paged attention with eve
 
 Impossible requests are refused by `add_request` with a ValueError (bad ids, bad params, longer than the context
 window, or needing more KV blocks than the whole pool); the requests already queued are not affected.
+
+One request never takes the others down. If sampling or stopping fails for one request, that request alone finishes
+with finish_reason "error" (StepOutput.error says why) and its blocks are freed; if the batched forward itself
+raises, every request of that batch finishes so, and the waiting ones carry on. Ctrl-C (KeyboardInterrupt) is held
+back during the bookkeeping and let through only where nothing has been advanced (the forward), so after it the
+engine is as before the step and the next step redoes that work. `abort(request_id)` ends a request at once.
 """
 from __future__ import annotations
 
@@ -26,21 +32,26 @@ from typing import Iterator, NamedTuple, Sequence as Seq
 
 import numpy as np
 
+from .attention_backends import get_paged_attention
 from .block_manager import BlockManager
+from .config import check_positive_int, is_int
 from .model import Model, check_token_ids, forward
-from .paged import (KVPool, blocks_for, check_block_tables, get_paged_attention, max_kv_positions, slot_mapping,
-                    write_kv_unchecked)
+from .kv_sizing import blocks_for, max_kv_positions
+from .interrupts import interrupts_deferred
+from .paged import KVPool, write_kv_unchecked
 from .sampling import SamplingParams, sample
-from .scheduler import plan_step
+from .scheduler import bind, plan_step
 from .sequence import Sequence, Status
+from .step_batch import StepBatch, prepare_batch
 from .stopping import StopChecker
 
 
 class StepOutput(NamedTuple):
     request_id: int
-    new_tokens: list[int]          # the token sampled this step (empty never appears in step()'s result)
+    new_tokens: list[int]          # the token sampled this step (empty only when the request failed this step)
     finished: bool
-    finish_reason: str | None      # "eos" | "length" | "context" | "stop" once finished
+    finish_reason: str | None      # "eos" | "length" | "context" | "stop" | "error" | "abort" once finished
+    error: str | None = None       # finish_reason "error": what went wrong (the rest of the batch carried on)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,31 +66,12 @@ class StepStats:
     seconds: float
 
 
-@dataclass(slots=True)
-class StepBatch:
-    """One step's chunks of B sequences, flattened into T rows (sequence b owns rows query_starts[b]:[b+1]).
-    Built and checked once per step; every layer's attention reads the same arrays."""
-    seqs: list[Sequence]          # [B] in batch order
-    counts: list[int]             # [B] rows each runs this step
-    tokens: np.ndarray            # [T] int64
-    positions: np.ndarray         # [T] int64
-    write_blocks: np.ndarray      # [T] int64 pool block of each row's new K/V (slot // bs) ...
-    write_offsets: np.ndarray     # [T] int64 ... and its offset in that block (slot % bs): split once, not per layer
-    block_tables: np.ndarray      # [B, max_blocks] int64, -1 padded
-    context_lens: np.ndarray      # [B] int64 positions of each sequence after this step
-    query_starts: np.ndarray      # [B+1] int64
-    sampled: list[int]            # [R] the b whose chunk reaches their last token: they sample this step
-    logit_rows: np.ndarray        # [R] their last rows, the only ones the LM head runs on
-    num_decode: int               # of the B, plain decodes (1 row after the last sample)
-
-
 class Engine:
     def __init__(self, model: Model, num_blocks: int = 256, block_size: int = 16, max_batch_tokens: int = 256,
                  max_running: int = 64, backend: str | None = None, tokenizer=None, prefix_caching: bool = False):
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
                             ("max_batch_tokens", max_batch_tokens), ("max_running", max_running)):
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"Engine: {name} must be an integer >= 1, got {value!r}")
+            check_positive_int(name, value, "Engine")
         self.model = model
         self.config = model.config
         self.block_size = block_size
@@ -131,6 +123,20 @@ class Engine:
                 return seq
         return self.finished[request_id]
 
+    def abort(self, request_id: int) -> bool:
+        """End a request now (a client went away, Ctrl-C in the chat). Returns True if it was waiting or running:
+        its blocks are freed at once and it moves to `finished` with finish_reason "abort" (no StepOutput is
+        emitted for it). Returns False if it had already finished (popped or not). Raises KeyError for an id this
+        engine never handed out."""
+        with interrupts_deferred():
+            for seq in (*self.running, *self.waiting):
+                if seq.request_id == request_id:
+                    self._finish(seq, "abort")
+                    return True
+        if is_int(request_id) and 0 <= request_id < self._next_id:
+            return False
+        raise KeyError(f"no request {request_id!r}: this engine handed out ids 0..{self._next_id - 1}")
+
     def pop_finished(self, request_id: int) -> Sequence:
         """Hand back a finished request and forget it (its Sequence and its prefix-cache hit count). A long-running
         engine calls this once it has read what it needs, or `finished` grows by one Sequence per request."""
@@ -146,77 +152,59 @@ class Engine:
         plan = plan_step([self.blocks.seq_state(s) for s in self.running],
                          [self.blocks.seq_state(s) for s in waiting],
                          self.blocks.num_free, self.max_batch_tokens, self.block_size, self.max_running)
-        batch = [(self.running[i], n) for i, n in plan.run]
-        for i in plan.preempt:                   # youngest first, so the oldest victim ends up at the front
-            seq = self.running[i]
-            self.blocks.free(seq)                # its K/V are gone; its output tokens are kept for the recompute
+        chosen = bind(plan, self.running, waiting)     # the plan's indices, turned into the sequences they name
+        for seq in chosen.preempt:                     # youngest first, so the oldest victim ends up at the front
+            self.blocks.free(seq)                      # its K/V are gone; its output tokens are kept for the recompute
             seq.status = Status.WAITING
             seq.num_preemptions += 1
+            self.running.remove(seq)
             self.waiting.appendleft(seq)
-        gone = set(plan.preempt)
-        self.running = [s for i, s in enumerate(self.running) if i not in gone]
-        assert [w for w, _ in plan.admit] == list(range(len(plan.admit))), "FCFS: admit a prefix of the queue"
         now = time.perf_counter()
-        for _, n in plan.admit:
-            seq = self.waiting.popleft()
+        for seq, _ in chosen.admit:
+            assert self.waiting[0] is seq, "FCFS: admit from the front of the queue, in order"
+            self.waiting.popleft()
             self.blocks.admit(seq)
             seq.status = Status.RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
             self.running.append(seq)
-            batch.append((seq, n))
+        batch = chosen.run + chosen.admit
         for seq, n in batch:
             self.blocks.allocate(seq, n)
-        return batch, len(plan.preempt), len(plan.admit)
+        return batch, len(chosen.preempt), len(chosen.admit)
 
     def step(self) -> list[StepOutput]:
-        """Schedule, run one batched forward, sample, retire. Returns one StepOutput per sampled token."""
+        """Schedule, run one batched forward, sample, retire. Returns one StepOutput per sampled token, and one
+        per request that failed in this step (finish_reason "error")."""
         t0 = time.perf_counter()
-        scheduled, n_preempted, n_admitted = self._schedule()
-        if not scheduled:
-            # add_request refuses what could never fit, so an empty plan with work left is a scheduler bug
-            assert n_preempted or not self.has_unfinished(), "the scheduler made no progress: a livelock"
-            return []
-        batch = self._prepare_batch(scheduled)
-        logits = self._forward(batch)                                                             # [R, V]
-        for seq, n in zip(batch.seqs, batch.counts):
-            seq.num_computed_tokens += n
-            self.blocks.commit(seq)
-        outputs = self._sample_and_retire(batch, logits)
+        with interrupts_deferred():          # the queues and block tables change together or not at all
+            scheduled, n_preempted, n_admitted = self._schedule()
+            if not scheduled:
+                # add_request refuses what could never fit, so an empty plan with work left is a scheduler bug
+                assert n_preempted or not self.has_unfinished(), "the scheduler made no progress: a livelock"
+                return []
+            batch = prepare_batch(scheduled, self.pool.num_blocks, self.block_size)   # step_batch.py
+        try:
+            # Nothing is advanced until the forward has returned: if it raises, every sequence is as it was (its
+            # new blocks stay allocated and hold nothing yet), and the next step runs the same chunks again.
+            logits = self._forward(batch)                                                         # [R, V]
+        except Exception as e:
+            # one forward serves the whole batch, so its failure cannot be pinned on one request: all of them end,
+            # the waiting ones carry on. (KeyboardInterrupt is not an Exception: it propagates, nothing is lost.)
+            with interrupts_deferred():
+                outputs = [self._fail(seq, e) for seq in batch.seqs]
+        else:
+            with interrupts_deferred():
+                outputs = self._advance(batch, logits)
         self.stats.append(StepStats(len(batch.seqs), len(batch.tokens), batch.num_decode, len(batch.sampled),
                                     n_preempted, n_admitted, self.blocks.allocator.num_used,
                                     time.perf_counter() - t0))
         return outputs
 
-    def _prepare_batch(self, scheduled: list[tuple[Sequence, int]]) -> StepBatch:
-        """Flatten the scheduled chunks into one batch of rows, and check its layout once for all layers."""
-        bs = self.block_size
-        seqs = [seq for seq, _ in scheduled]
-        counts = [n for _, n in scheduled]
-        starts = [seq.num_computed_tokens for seq in seqs]             # each chunk continues where its K/V end
-        tokens = np.concatenate([np.asarray(seq.token_slice(s, s + n), dtype=np.int64)
-                                 for seq, s, n in zip(seqs, starts, counts)])                   # [T]
-        positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, counts)])        # [T]
-        slots = np.concatenate([slot_mapping(seq.block_table, s, n, bs)
-                                for seq, s, n in zip(seqs, starts, counts)])                     # [T]
-        width = max(len(seq.block_table) for seq in seqs)
-        block_tables = np.full((len(seqs), width), -1, dtype=np.int64)                            # [B, max_blocks]
-        for b, seq in enumerate(seqs):
-            block_tables[b, :len(seq.block_table)] = seq.block_table
-        context_lens = np.array([s + n for s, n in zip(starts, counts)], dtype=np.int64)          # [B]
-        query_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)                 # [B+1]
-        check_block_tables(block_tables, context_lens, query_starts, len(tokens), self.pool.num_blocks, bs)
-        # Only the sequences whose chunk reaches their last token sample; only their last rows need the LM head.
-        sampled = [b for b, seq in enumerate(seqs) if starts[b] + counts[b] == seq.num_tokens]
-        logit_rows = query_starts[1:][sampled] - 1                                                # [R]
-        num_decode = sum(seq.is_decoding for seq in seqs)
-        return StepBatch(seqs, counts, tokens, positions, slots // bs, slots % bs, block_tables, context_lens,
-                         query_starts, sampled, logit_rows, num_decode)
-
     def _forward(self, batch: StepBatch) -> np.ndarray:
         """One forward over all rows of the batch -> logits [R, V] of its sampled rows. Attention is the only
         per-sequence part: each layer writes the new K/V through the slot mapping, then reads every sequence's
-        K/V through its block table. The batch was checked once in _prepare_batch, so the L calls per step skip
+        K/V through its block table. The batch was checked once in prepare_batch, so the L calls per step skip
         the public functions' checks and conversions (at B=16 these cost ~1 ms per step)."""
         pool, attend = self.pool, self._attend
 
@@ -233,28 +221,56 @@ class Engine:
             check_threading_layer()          # warns (once) if numba fell back to its slow thread pool
         return logits
 
-    def _sample_and_retire(self, batch: StepBatch, logits: np.ndarray) -> list[StepOutput]:
-        """Sample one token for every sequence that reached its end (logits [R, V], row r for batch.sampled[r]);
-        retire those that stop."""
+    def _advance(self, batch: StepBatch, logits: np.ndarray) -> list[StepOutput]:
+        """After the forward: count every chunk's K/V as computed (and publish full blocks), sample one token for
+        every sequence whose chunk reached its end (logits [R, V], row r for batch.sampled[r]), retire those that
+        stop. A failure while sampling or stopping one sequence ends that sequence only."""
         outputs: list[StepOutput] = []
+        row = {b: r for r, b in enumerate(batch.sampled)}      # batch index -> its row of logits
         now = time.perf_counter()
-        for r, b in enumerate(batch.sampled):
-            seq = batch.seqs[b]
-            # the repetition penalty needs every token seen so far; skip building that list when it is off
-            seen = seq.prompt_ids + seq.output_ids if seq.params.repetition_penalty != 1.0 else ()
-            token = sample(logits[r], seq.params, seq.rng, seen=seen)
+        for b, (seq, n) in enumerate(zip(batch.seqs, batch.counts)):
+            if b not in row:                  # a prefill chunk short of the end: its K/V are in, nothing to sample
+                seq.num_computed_tokens += n
+                self.blocks.commit(seq)
+                continue
+            try:
+                # the repetition penalty needs every token seen so far; skip building that list when it is off
+                seen = seq.prompt_ids + seq.output_ids if seq.params.repetition_penalty != 1.0 else ()
+                token = sample(logits[row[b]], seq.params, seq.rng, seen=seen)
+            except Exception as e:            # e.g. NaN logits: this request ends, the batch goes on
+                outputs.append(self._fail(seq, e))
+                continue
             seq.output_ids.append(token)
             seq.token_times.append(now)
-            done = seq.stopper.should_stop(seq.output_ids)
+            seq.num_computed_tokens += n
+            self.blocks.commit(seq)
+            try:
+                done = seq.stopper.should_stop(seq.output_ids)
+            except Exception as e:            # e.g. the tokenizer failed to decode for a stop string
+                outputs.append(self._fail(seq, e, [token]))
+                continue
             if done:
-                self._retire(seq)
+                self._finish(seq)
             outputs.append(StepOutput(seq.request_id, [token], done, seq.finish_reason))
         return outputs
 
-    def _retire(self, seq: Sequence) -> None:
+    def _fail(self, seq: Sequence, error: Exception, new_tokens: list[int] | None = None) -> StepOutput:
+        """End `seq` because something raised while serving it; the message goes to the caller."""
+        self._finish(seq, "error", f"{type(error).__name__}: {error}")
+        return StepOutput(seq.request_id, new_tokens or [], True, "error", seq.error)
+
+    def _finish(self, seq: Sequence, reason: str | None = None, error: str | None = None) -> None:
+        """Retire a running or waiting sequence: free its blocks, move it to `finished`. `reason` overrides the
+        stopper's ("error", "abort"): the stopper's `reason` is the one place a finish reason lives."""
+        if reason is not None:
+            seq.stopper.reason = reason
+            seq.error = error
         self.blocks.free(seq)
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
         seq.status = Status.FINISHED
-        self.running.remove(seq)
         self.finished[seq.request_id] = seq
 
     def _threads(self):
@@ -285,6 +301,9 @@ class Engine:
             self._new_sequence(p, sp)            # validate them all before queueing any
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
         self.run()
+        failed = [(i, self.finished[i].error) for i in ids if self.finished[i].finish_reason == "error"]
+        if failed:   # never hand back a cut-off output as if it were complete
+            raise RuntimeError("; ".join(f"request {i} failed: {e}" for i, e in failed))
         return [list(self.finished[i].output_ids) for i in ids]
 
     @property
