@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import single_thread_blas
+from .layer import lm_head, mlp_down, post_attention, pre_attention
 from .matmul import (matmul_w8a8, matmul_w8a32, pack_vnni, pack_w8a32, quantize_rows, rms_norm_quant,
                      rms_norm_rows, split_rope, swiglu_quant, swiglu_rows)
 
@@ -114,6 +115,8 @@ def fast_forward(model, tokens: np.ndarray, positions: np.ndarray, attention, lo
     if model.fast is None:
         model.fast = prepare(model)
     fw: FastWeights = model.fast
+    if fw.mode == "w8a8":
+        return _forward_w8a8(model, fw, tokens, positions, attention, logit_rows)
     cfg = model.config
     T, N, K, H = len(tokens), cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     lin = _Linear(fw.mode, cfg.norm_eps)
@@ -131,3 +134,25 @@ def fast_forward(model, tokens: np.ndarray, positions: np.ndarray, attention, lo
         if logit_rows is not None:
             x = np.ascontiguousarray(x[logit_rows])                                 # [R, D]
         return lin.norm(x, model.final_norm, fw.lm_head)                            # [R, V]
+
+
+def _forward_w8a8(model, fw: FastWeights, tokens, positions, attention, logit_rows) -> np.ndarray:
+    """The W8A8 forward in three fused Numba calls per layer (kernels/layer.py), bit-identical to the reference."""
+    cfg = model.config
+    T, N, K, H, F = len(tokens), cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate_size
+    eps = np.float32(cfg.norm_eps)
+    cos, sin = model.rope_cos[positions], model.rope_sin[positions]                # [T, H/2]
+    x = model.embed[tokens]                                                         # [T, D] (a copy: ours to update)
+    gu = np.empty((T, 2 * F), np.float32)                                           # [T, 2F], reused by every layer
+    with single_thread_blas():
+        for i, w in enumerate(fw.layers):
+            q, k, v = np.empty((T, N, H), np.float32), np.empty((T, K, H), np.float32), np.empty((T, K, H), np.float32)
+            pre_attention(x, w.attn_norm, eps, w.qkv.w, w.qkv.wsum, w.qkv.scale, cos, sin, N, K, q, k, v)
+            a = np.ascontiguousarray(attention(i, q, k, v)).reshape(T, N * H)     # [T, N H]
+            post_attention(x, a, w.o.w, w.o.wsum, w.o.scale, w.mlp_norm, eps, w.gate_up.w, w.gate_up.wsum,
+                           w.gate_up.scale, gu)
+            e = np.exp(-gu[:, :F])                                                  # NumPy's exp, as layers.silu
+            mlp_down(x, gu, e, w.down.w, w.down.wsum, w.down.scale)
+        if logit_rows is not None:
+            x = np.ascontiguousarray(x[logit_rows])                                 # [R, D]
+        return lm_head(x, model.final_norm, eps, fw.lm_head.w, fw.lm_head.wsum, fw.lm_head.scale)    # [R, V]

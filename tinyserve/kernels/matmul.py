@@ -24,9 +24,28 @@ from .vnni import HAVE_VNNI, make_fma_microkernel, make_microkernel
 BLOCK = 16            # output channels per packed block: one vector of 16 int32 accumulators
 ROWS = 4              # R: rows (tokens) per tile: each weight load serves 4 rows
 COLS = 4              # C: packed blocks per tile: each activation broadcast serves 4 x 16 = 64 outputs
-_tile_RC = make_microkernel(ROWS, COLS)
-_tile_1C = make_microkernel(1, COLS)
-_tile_11 = make_microkernel(1, 1)
+
+
+def _portable_tile(R: int, C: int):
+    """The same contract as vnni.make_microkernel(R, C) in plain Numba, for CPUs without avx512vnni: LLVM turns it
+    into vpmaddwd-style code (slower, same exact int32 results). Each product is cast back to int32, or Numba
+    widens the sum to int64 (2-3x slower, perf-notes)."""
+    @njit(inline="always")
+    def tile(x, x_off, x_stride, w, w_off, w_stride, n4, out, o_off, o_stride):
+        for r in range(R):
+            for c in range(C):
+                for lane in range(BLOCK):
+                    s = np.int32(0)
+                    for i in range(n4):
+                        for k in range(4):
+                            s = np.int32(s + np.int32(x[x_off + r * x_stride + 4 * i + k])
+                                         * np.int32(w[w_off + c * w_stride + 64 * i + 4 * lane + k]))
+                    out[o_off + r * o_stride + BLOCK * c + lane] = s
+    return tile
+
+
+_make_tile = make_microkernel if HAVE_VNNI else _portable_tile
+_tile_RC, _tile_1C, _tile_11 = _make_tile(ROWS, COLS), _make_tile(1, COLS), _make_tile(1, 1)
 _ftile_RC = make_fma_microkernel(ROWS, COLS, b_int8=True)
 _ftile_1C = make_fma_microkernel(1, COLS, b_int8=True)
 _ftile_11 = make_fma_microkernel(1, 1, b_int8=True)
@@ -165,22 +184,9 @@ def split_rope(qkv, cos, sin, n_heads, n_kv_heads, q, k, v):
 
 # --- W8A8 --------------------------------------------------------------------------------------------------------
 
-@njit(cache=True)
-def _dot_u8s8_fallback(xf, x_off, wf, w_off, n4, acc):
-    """Portable stand-in for one (1 row x 1 block) VNNI tile: acc[l] = sum_i x[i] * W[l, i], int32 throughout
-    (each product cast back to int32, or Numba widens the sum to int64: 2-3x slower, perf-notes)."""
-    for l in range(BLOCK):
-        acc[l] = 0
-    for i in range(n4):
-        for l in range(BLOCK):
-            s = acc[l]
-            for k in range(4):
-                s = np.int32(s + np.int32(xf[x_off + 4 * i + k]) * np.int32(wf[w_off + 64 * i + 4 * l + k]))
-            acc[l] = s
-
-
-@njit(cache=True, parallel=True)
-def _matmul_w8a8(xu, sx, wp, wsum, sw, out, accumulate):
+@njit(cache=True, inline="always")
+def matmul_w8a8_body(xu, sx, wp, wsum, sw, out, accumulate):
+    """The W8A8 matmul's parallel loop; inlined into _matmul_w8a8 and into the fused layer kernels (layer.py)."""
     T, D = xu.shape
     n_blocks = wp.shape[0]
     n4 = D // 4
@@ -195,19 +201,16 @@ def _matmul_w8a8(xu, sx, wp, wsum, sw, out, accumulate):
         r0, b0 = rt * ROWS, g * COLS
         nr, nc = min(ROWS, T - r0), min(COLS, n_blocks - b0)
         acc = np.empty(ROWS * COLS * BLOCK, np.int32)  # [nr, nc*16] row-major, row stride COLS*16
-        if HAVE_VNNI and nr == ROWS and nc == COLS:
+        if nr == ROWS and nc == COLS:
             _tile_RC(xf, r0 * D, D, wf, b0 * step, step, n4, acc, 0, COLS * BLOCK)
-        elif HAVE_VNNI and nc == COLS:
+        elif nc == COLS:
             for r in range(nr):
                 _tile_1C(xf, (r0 + r) * D, D, wf, b0 * step, step, n4, acc, r * COLS * BLOCK, COLS * BLOCK)
         else:
             for r in range(nr):
                 for c in range(nc):
-                    o = r * COLS * BLOCK + c * BLOCK
-                    if HAVE_VNNI:
-                        _tile_11(xf, (r0 + r) * D, D, wf, (b0 + c) * step, step, n4, acc, o, COLS * BLOCK)
-                    else:
-                        _dot_u8s8_fallback(xf, (r0 + r) * D, wf, (b0 + c) * step, n4, acc[o:o + BLOCK])
+                    _tile_11(xf, (r0 + r) * D, D, wf, (b0 + c) * step, step, n4, acc, r * COLS * BLOCK + c * BLOCK,
+                             COLS * BLOCK)
         # epilogue: undo the +128 offset of the activations (exact, in int32), then the two float scales
         for r in range(nr):
             t = r0 + r
@@ -218,6 +221,11 @@ def _matmul_w8a8(xu, sx, wp, wsum, sw, out, accumulate):
                     out[t, o] += y
                 else:
                     out[t, o] = y
+
+
+@njit(cache=True, parallel=True)
+def _matmul_w8a8(xu, sx, wp, wsum, sw, out, accumulate):
+    matmul_w8a8_body(xu, sx, wp, wsum, sw, out, accumulate)
 
 
 def matmul_w8a8(xu: np.ndarray, sx: np.ndarray, wp: np.ndarray, wsum: np.ndarray, sw: np.ndarray,

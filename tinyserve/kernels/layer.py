@@ -1,0 +1,159 @@
+"""A W8A8 LLaMA layer in three Numba calls (plus attention, and NumPy's exp for SiLU).
+
+At decode a layer is ~10 small steps (norm, quantise, matmul, RoPE, ...), each a few microseconds of work; called
+one by one from Python they cost more in call overhead than in arithmetic (~5 ms of a ~15 ms step, measured with
+one thread). Here each run of steps between two things Numba cannot do for us becomes one call:
+
+    pre_attention   RMSNorm -> quantise -> [Q|K|V] matmul -> RoPE             x -> q, k, v
+    (attention: the strategy's function: KV cache, paged blocks, ...)
+    post_attention  quantise(a) -> x += a @ Wo -> RMSNorm -> quantise -> [gate|up] matmul      -> gu
+    (NumPy: e = exp(-gate), see below)
+    mlp_down        silu(gate) * up -> quantise -> x += act @ Wdown
+
+Bit-identical to the NumPy W8A8 reference (tinyserve.quant through model.forward): the integer matmuls are exact,
+the elementwise steps are the reference's float32 operations in the reference's order, RMSNorm's mean of squares
+is NumPy's own pairwise summation (`_pairwise_sum`), and SiLU's exp is NumPy's (its SIMD exp differs from libm's
+in the last bit now and then, and a last-bit difference before rounding to int8 can become a whole int8 step).
+The row-wise steps run serially: at decode there is one row; at prefill they are ~5 % of the work.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from .matmul import _quantize_row, matmul_w8a8_body
+
+
+@njit(cache=True)
+def _block_sum(a, lo, n):
+    """NumPy's sum of a run of n <= 128 float32: 8 running sums, combined as a tree, then the tail."""
+    if n < 8:
+        res = np.float32(0.0)
+        for i in range(n):
+            res += a[lo + i]
+        return res
+    r = a[lo:lo + 8].copy()
+    i = 8
+    while i < n - n % 8:
+        for j in range(8):
+            r[j] += a[lo + i + j]
+        i += 8
+    res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]))
+    while i < n:
+        res += a[lo + i]
+        i += 1
+    return res
+
+
+@njit(cache=True)
+def _pairwise_sum(a, lo, n):
+    """sum(a[lo:lo+n]) exactly as NumPy adds a contiguous float32 run (np.add.reduce): runs of > 128 are split in
+    halves (the first a multiple of 8 long) and the two sums added; shorter runs go to _block_sum. NumPy recurses;
+    this walks the same tree with an explicit stack (Numba's recursion does not survive inlining into parallel
+    kernels). Tested equal to NumPy on random rows (tests/test_fast_forward.py)."""
+    f_lo, f_n, f_stage = np.empty(64, np.int64), np.empty(64, np.int64), np.empty(64, np.int64)
+    vals = np.empty(64, np.float32)
+    f_lo[0], f_n[0], f_stage[0] = lo, n, 0
+    sp, vp = 1, 0
+    while sp > 0:
+        top = sp - 1
+        lo_, n_ = f_lo[top], f_n[top]
+        if n_ <= 128:
+            vals[vp] = _block_sum(a, lo_, n_)
+            vp += 1
+            sp -= 1
+            continue
+        n2 = n_ // 2
+        n2 -= n2 % 8
+        if f_stage[top] == 0:                      # left half first
+            f_stage[top] = 1
+            f_lo[sp], f_n[sp], f_stage[sp] = lo_, n2, 0
+            sp += 1
+        elif f_stage[top] == 1:                    # then the right half
+            f_stage[top] = 2
+            f_lo[sp], f_n[sp], f_stage[sp] = lo_ + n2, n_ - n2, 0
+            sp += 1
+        else:                                      # both done: left + right
+            vals[vp - 2] = vals[vp - 2] + vals[vp - 1]
+            vp -= 1
+            sp -= 1
+    return vals[0]
+
+
+@njit(cache=True, inline="always")
+def _rms_norm_quant_rows(x, weight, eps, xu, sx):
+    """layers.rms_norm then quant.quantize_rows, row by row: x [T, D] -> xu [T, D] uint8 (+128), sx [T]."""
+    T, D = x.shape
+    sq = np.empty(D, np.float32)
+    h = np.empty(D, np.float32)
+    for t in range(T):
+        for i in range(D):
+            sq[i] = x[t, i] * x[t, i]
+        ms = _pairwise_sum(sq, 0, D) / np.float32(D)
+        inv = np.float32(1.0) / np.sqrt(ms + eps)
+        for i in range(D):
+            h[i] = x[t, i] * inv * weight[i]
+        sx[t] = _quantize_row(h, xu[t])
+
+
+@njit(cache=True, parallel=True)
+def pre_attention(x, norm_w, eps, wp, wsum, sw, cos, sin, n_heads, n_kv_heads, q, k, v):
+    """x [T, D] -> q [T, N, H], k [T, K, H] (RoPE applied), v [T, K, H]."""
+    T, D = x.shape
+    H = q.shape[2]
+    half = H // 2
+    xu, sx = np.empty((T, D), np.uint8), np.empty(T, np.float32)
+    _rms_norm_quant_rows(x, norm_w, eps, xu, sx)
+    qkv = np.empty((T, wp.shape[0] * 16), np.float32)                      # [T, (N + 2K) H]
+    matmul_w8a8_body(xu, sx, wp, wsum, sw, qkv, False)
+    for t in range(T):                                                     # layers.apply_rope's operations
+        for hd in range(n_heads + n_kv_heads):
+            base = hd * H
+            for i in range(half):
+                x1, x2 = qkv[t, base + i], qkv[t, base + half + i]
+                c, s = cos[t, i], sin[t, i]
+                if hd < n_heads:
+                    q[t, hd, i] = x1 * c - x2 * s
+                    q[t, hd, half + i] = x2 * c + x1 * s
+                else:
+                    k[t, hd - n_heads, i] = x1 * c - x2 * s
+                    k[t, hd - n_heads, half + i] = x2 * c + x1 * s
+        for hd in range(n_kv_heads):
+            for i in range(H):
+                v[t, hd, i] = qkv[t, (n_heads + n_kv_heads + hd) * H + i]
+
+
+@njit(cache=True, parallel=True)
+def post_attention(x, a, wo, wo_sum, wo_scale, norm_w, eps, wgu, wgu_sum, wgu_scale, gu):
+    """x += a @ Wo (a [T, N H], the attention output), then gu [T, 2F] = RMSNorm(x) @ [Wgate | Wup]."""
+    T = a.shape[0]
+    au, sa = np.empty(a.shape, np.uint8), np.empty(T, np.float32)
+    for t in range(T):
+        sa[t] = _quantize_row(a[t], au[t])
+    matmul_w8a8_body(au, sa, wo, wo_sum, wo_scale, x, True)
+    xu, sx = np.empty(x.shape, np.uint8), np.empty(T, np.float32)
+    _rms_norm_quant_rows(x, norm_w, eps, xu, sx)
+    matmul_w8a8_body(xu, sx, wgu, wgu_sum, wgu_scale, gu, False)
+
+
+@njit(cache=True, parallel=True)
+def mlp_down(x, gu, e, wd, wd_sum, wd_scale):
+    """x += (silu(gate) * up) @ Wdown with e = exp(-gate) from NumPy: silu(g) = g / (1 + e)."""
+    T, F = e.shape
+    act = np.empty(F, np.float32)
+    au, sa = np.empty((T, F), np.uint8), np.empty(T, np.float32)
+    for t in range(T):
+        for i in range(F):
+            act[i] = gu[t, i] / (np.float32(1.0) + e[t, i]) * gu[t, F + i]
+        sa[t] = _quantize_row(act, au[t])
+    matmul_w8a8_body(au, sa, wd, wd_sum, wd_scale, x, True)
+
+
+@njit(cache=True, parallel=True)
+def lm_head(x, norm_w, eps, w, w_sum, w_scale):
+    """logits [R, V] = RMSNorm(x) @ W_head for the R rows that sample."""
+    xu, sx = np.empty(x.shape, np.uint8), np.empty(x.shape[0], np.float32)
+    _rms_norm_quant_rows(x, norm_w, eps, xu, sx)
+    out = np.empty((x.shape[0], w.shape[0] * 16), np.float32)
+    matmul_w8a8_body(xu, sx, w, w_sum, w_scale, out, False)
+    return out
