@@ -171,6 +171,6 @@ def set_backend(model: Model, quant: str = "none", backend: str = "numpy", weigh
         model = with_mode(model, quant) if quant != "none" else model
         if quant == "none":
             raise ValueError("this model is already quantised; load the float32 weights again for quant='none'")
-    elif quant != "none":
+    elif quant != "none" and model.quant == "none":     # (already quantised in this mode: only the backend changes)
         model = load_or_quantize(model, weights_dir, quant)
     return dataclasses.replace(model, backend=backend)
