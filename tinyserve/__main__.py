@@ -75,6 +75,11 @@ def cmd_chat(args) -> int:
     return chat.main(args)
 
 
+def cmd_serve(args) -> int:
+    from . import server
+    return server.main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tinyserve", description="tinyserve: a from-scratch LLM engine")
     sub = p.add_subparsers(dest="command", required=True)
@@ -128,6 +133,27 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-prefix-cache", action="store_true", help="recompute the whole history every turn")
     c.add_argument("--weights", default=str(DEFAULT_WEIGHTS_DIR))
     c.set_defaults(func=cmd_chat)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
+                                     "/v1/models, /health, /metrics), streamed; lesson 8")
+    s.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"])
+    s.add_argument("--served-model-name", default=None, help="the `model` clients must name (default: the model's)")
+    s.add_argument("--num-blocks", type=int, default=512, help="KV pool size (x block size = positions)")
+    s.add_argument("--block-size", type=int, default=16)
+    s.add_argument("--max-batch-tokens", type=int, default=256, help="per-step token budget (chunked prefill)")
+    s.add_argument("--max-running", type=int, default=64, help="most requests in one running batch")
+    s.add_argument("--max-waiting", type=int, default=128, help="waiting queue bound; beyond it: HTTP 429")
+    s.add_argument("--backend", default=None, help="attention backend for the Engine (numpy | numba; default: "
+                                                   "the Engine's)")
+    s.add_argument("--quant", default=None, help="weight format passed to load_model (default: load_model's)")
+    s.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix trie (lesson 5) off")
+    s.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let streams in flight finish before cancelling them")
+    s.add_argument("--log-level", default="warning")
+    s.add_argument("--weights", default=str(DEFAULT_WEIGHTS_DIR))
+    s.set_defaults(func=cmd_serve)
     return p
 
 
