@@ -67,6 +67,8 @@ def cmd_weights(args) -> int:
 
 def cmd_bench(args) -> int:
     from . import bench
+    if args.server:      # lesson 8: the same workload against a running server
+        return bench.run_server(args)
     return bench.main(args)
 
 
@@ -118,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--sweep", default="1,4,16", help="also measure aggregate tokens/s at these batch sizes ('' = off)")
     b.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"])
     b.add_argument("--weights", default=str(DEFAULT_WEIGHTS_DIR))
+    b.add_argument("--server", default=None, help="drive a running server at this URL instead (lesson 8)")
+    b.add_argument("--concurrency", type=int, default=16, help="with --server: streaming clients in flight")
+    b.add_argument("--rate", type=float, default=None, help="with --server: Poisson arrivals per second")
+    b.add_argument("--hangup-every", type=int, default=0, help="with --server: every Nth client hangs up early")
     b.set_defaults(func=cmd_bench)
 
     c = sub.add_parser("chat", help="interactive multi-turn chat (stdin lines; /quit or EOF ends), streamed; "

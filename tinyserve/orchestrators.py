@@ -319,15 +319,15 @@ def _decode_worker(spec: ModelSpec, engine_kw: dict, handover, results, ready, b
 
 def run_disaggregated(spec: ModelSpec, trace: list[TraceRequest], rate: float = 0.0, token_budget: int = 256,
                       num_blocks: int = 256, block_size: int = 16, max_running: int = 32,
-                      blas_threads: int | None = 1, timeout: float = 600.0) -> DesignResult:
+                      blas_threads: int | None = 1, timeout: float = 600.0, **engine_kw) -> DesignResult:
     """A prefill process and a decode process (one BLAS thread each by default: each owns one core of two).
     The prefill engine runs whole prompts (budget `token_budget`); the decode engine only ever decodes."""
     ctx = mp.get_context("spawn")       # fork would copy this process's BLAS/numba thread pools mid-flight
     inbox, handover, results, ready = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
     pre_kw = dict(num_blocks=num_blocks, block_size=block_size, max_batch_tokens=token_budget,
-                  max_running=max_running)
+                  max_running=max_running, **engine_kw)
     dec_kw = dict(num_blocks=num_blocks, block_size=block_size, max_batch_tokens=max_running,
-                  max_running=max_running)
+                  max_running=max_running, **engine_kw)
     procs = [ctx.Process(target=_prefill_worker, args=(spec, pre_kw, inbox, handover, results, ready, blas_threads),
                          daemon=True),
              ctx.Process(target=_decode_worker, args=(spec, dec_kw, handover, results, ready, blas_threads),
@@ -362,3 +362,38 @@ def run_disaggregated(spec: ModelSpec, trace: list[TraceRequest], rate: float = 
             if p.is_alive():
                 p.kill()
     return DesignResult("disaggregated", rate, timings, max(t.token_times[-1] for t in timings) - t0, moved)
+
+
+# --- the comparison -------------------------------------------------------------------------------------------
+
+
+def compare_designs(spec: ModelSpec, rates: list[float], num_requests: int = 24,
+                    prompt_len: tuple[int, int] = (16, 128), output_len: tuple[int, int] = (8, 48), seed: int = 0,
+                    max_batch: int = 8, token_budget: int = 64, engine_kw: dict | None = None,
+                    progress=None) -> list[dict]:
+    """Every design at every rate on the same trace; one row (DesignResult.row) per run. The batched and
+    interleaved designs run in this process (the BLAS threads as configured); the disaggregated one in two
+    processes with one BLAS thread each. Runs are interleaved by rate, so slow drift of a shared machine hits all
+    three designs alike."""
+    engine_kw = engine_kw or {}
+    model = spec.load()
+    rows = []
+    for rate in rates:
+        trace = poisson_trace(rate, num_requests, prompt_len, output_len, model.config.vocab_size, seed)
+        for result in (run_batched(model, trace, rate, max_batch=max_batch, **engine_kw),
+                       run_interleaved(model, trace, rate, token_budget=token_budget, **engine_kw),
+                       run_disaggregated(spec, trace, rate, token_budget=max(token_budget, prompt_len[1]),
+                                         **engine_kw)):
+            rows.append(result.row())
+            if progress is not None:
+                progress(format_rows(rows[-1:], header=len(rows) == 1))
+    return rows
+
+
+def format_rows(rows: list[dict], header: bool = True) -> str:
+    cols = ["design", "rate", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tokens_per_s",
+            "kv_mb_moved"]
+    fmt = lambda v: f"{v:.1f}" if isinstance(v, float) else str(v)  # noqa: E731
+    lines = ["  ".join(f"{c:>13}" for c in cols)] if header else []
+    lines += ["  ".join(f"{fmt(r[c]):>13}" for c in cols) for r in rows]
+    return "\n".join(lines)

@@ -350,7 +350,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, max_waiting: int = 64
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "tinyserve", "max_model_len": max_context}]}
+                                            "owned_by": "tinyserve", "max_model_len": max_context,
+                                            "vocab_size": cfg.vocab_size}]}
 
     @app.get("/health")
     async def health():
