@@ -252,6 +252,34 @@ def test_queue_full_answers_429():
         assert 'tinyserve_requests_rejected_total{reason="queue_full"} 2.0' in metrics
 
 
+def test_a_request_that_fails_in_the_engine_gets_an_error_and_the_others_carry_on(srv, client, monkeypatch):
+    """One request's sampling raises inside step() (Engine: finish_reason "error"): its client is told, in the
+    stream or with a 500, and a request running beside it is not disturbed."""
+    import tinyserve.engine as engine_module
+    real_sample = engine_module.sample
+
+    def sample(logits, params, rng, seen=()):
+        if params.temperature == 1.25:
+            raise FloatingPointError("injected failure")
+        return real_sample(logits, params, rng, seen=seen)
+
+    monkeypatch.setattr(engine_module, "sample", sample)
+    before = wait_idle(srv)
+    r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "boom", "max_tokens": 5,
+                                                      "temperature": 1.25}, timeout=30)
+    assert r.status_code == 500 and "injected failure" in r.json()["error"]["message"]
+    with httpx.stream("POST", srv.url + "/v1/completions", timeout=30,
+                      json={"model": "tiny", "prompt": "boom", "max_tokens": 5, "temperature": 1.25,
+                            "stream": True}) as resp:
+        events = list(parse_sse(resp.iter_lines()))
+    assert "injected failure" in events[-2]["error"]["message"] and events[-1] == "[DONE]"
+    ok = client.completions.create(model="tiny", prompt="fine", max_tokens=5, temperature=0)
+    assert ok.choices[0].finish_reason in ("length", "stop")
+    after = wait_idle(srv)
+    assert after["errors"] == before["errors"] + 2
+    assert_no_leak(srv)
+
+
 # --- disconnects ---------------------------------------------------------------------------------------------
 
 def test_a_client_that_disconnects_mid_stream_is_aborted_and_its_blocks_freed(srv):

@@ -24,7 +24,6 @@ from typing import AsyncIterator, Sequence as Seq
 
 from .engine import Engine
 from .sampling import SamplingParams
-from .sequence import Status
 
 
 class Rejected(Exception):
@@ -84,23 +83,6 @@ class Observer:
     def on_token(self, handle: RequestHandle, now: float) -> None: ...
     def on_finish(self, handle: RequestHandle, reason: str, hit_tokens: int, prompt_tokens: int) -> None: ...
     def on_step(self, engine: Engine, loop: "EngineLoop") -> None: ...
-
-
-def abort_request(engine: Engine, request_id: int) -> bool:
-    """Stop a request now and free its KV blocks; it finishes with reason "abort". Engine.abort when the engine
-    has it; until then the same through the engine's public queues (running, waiting, blocks, finished)."""
-    if hasattr(engine, "abort"):
-        return engine.abort(request_id)
-    for queue_ in (engine.running, engine.waiting):
-        for seq in queue_:
-            if seq.request_id == request_id:
-                queue_.remove(seq)
-                engine.blocks.free(seq)
-                seq.status = Status.FINISHED
-                seq.stopper.reason = "abort"
-                engine.finished[request_id] = seq
-                return True
-    return False
 
 
 class EngineLoop:
@@ -243,9 +225,8 @@ class EngineLoop:
                 handle.num_output += len(out.new_tokens)
                 self.observer.on_token(handle, now)
                 handle.last_token_time = now
-            error = getattr(out, "error", None)       # StepOutput.error: a request that failed inside step()
-            if out.finished:
-                self._finish(handle, out.finish_reason or "error", tokens=list(out.new_tokens), error=error)
+            if out.finished:            # out.error: a request that failed inside step() (finish_reason "error")
+                self._finish(handle, out.finish_reason or "error", tokens=list(out.new_tokens), error=out.error)
             else:
                 handle._push(Event(list(out.new_tokens)))
 
@@ -253,11 +234,10 @@ class EngineLoop:
                 error: str | None = None, abort: bool = False) -> None:
         rid = handle.request_id
         if abort:
-            abort_request(self.engine, rid)
+            self.engine.abort(rid)      # frees its blocks now; it moves to `finished` with reason "abort"
         self._unqueue(handle)
         hit, n_prompt = self.engine.blocks.hits.get(rid, (0, len(handle.prompt_ids)))
-        if rid in self.engine.finished:
-            self.engine.pop_finished(rid)
+        self.engine.pop_finished(rid)
         del self._live[rid]
         handle.done = True
         if reason == "abort":

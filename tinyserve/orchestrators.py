@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .engine import Engine
-from .engine_loop import abort_request
 from .paged import blocks_for, slot_mapping, write_kv
 from .sampling import SamplingParams
 from .sequence import Sequence, Status
@@ -263,7 +262,7 @@ def _prefill_worker(spec: ModelSpec, engine_kw: dict, inbox, handover, results, 
             rng_state = seq.rng.bit_generator.state
             del buf
             shm.close()
-            abort_request(engine, out.request_id)      # its blocks are free for the next prompt at once
+            engine.abort(out.request_id)               # its blocks are free for the next prompt at once
             engine.pop_finished(out.request_id)
             handover.put((i, req, token, now, rng_state, shm.name, k.shape, str(k.dtype)))
     handover.put(None)
