@@ -352,41 +352,68 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_serve_subcommand_drains_streams_in_flight_on_sigterm():
+def _start(*args: str):
     port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "tinyserve", "serve", "--model", "tiny", "--port", str(port)],
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OPENBLAS_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "tinyserve", "serve", "--model", "tiny", "--port", str(port), *args],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
+    t0 = time.perf_counter()
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.perf_counter() - t0 > 60:
+            proc.kill()
+            raise AssertionError(f"the server did not come up: {proc.stderr.read()}")
+        time.sleep(0.1)
+
+
+def _sigterm_mid_stream(proc, url: str, max_tokens: int) -> list:
+    body = {"model": "tiny", "prompt": "drain me", "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    events = []
     try:
-        t0 = time.perf_counter()
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None, proc.stderr.read()
-            assert time.perf_counter() - t0 < 60, "the server did not come up"
-            time.sleep(0.1)
-        body = {"model": "tiny", "prompt": "drain me", "max_tokens": 300, "temperature": 0, "stream": True,
-                "ignore_eos": True, "stream_options": {"include_usage": True}}
-        events = []
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
             for line in lines:
                 if line.startswith("data:"):
                     break
             proc.send_signal(signal.SIGTERM)               # mid-stream
-            events = list(parse_sse(lines))
+            for event in parse_sse(lines):
+                events.append(event)
+    except httpx.RemoteProtocolError:                      # the server cut the stream (drain timeout)
+        pass
+    # uvicorn re-raises the signal once it has shut down cleanly: the process ends "killed by SIGTERM"
+    assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+    with pytest.raises(httpx.TransportError):
+        httpx.get(url + "/health", timeout=2)
+    return events
+
+
+def test_serve_subcommand_drains_streams_in_flight_on_sigterm():
+    proc, url = _start()
+    try:
+        events = _sigterm_mid_stream(proc, url, 300)
         assert events[-1] == "[DONE]", "the stream in flight was cut instead of drained"
         assert events[-2]["usage"]["completion_tokens"] == 300
-        # uvicorn re-raises the signal once it has shut down cleanly: the process ends "killed by SIGTERM"
-        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
         err = proc.stderr.read()
         assert "1 completed, 0 cancelled" in err and "0 KV blocks still held" in err, err
-        with pytest.raises(httpx.TransportError):
-            httpx.get(url + "/health", timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_sigterm_cancels_what_does_not_finish_within_the_drain_timeout():
+    proc, url = _start("--drain-timeout", "0.2")
+    try:
+        events = _sigterm_mid_stream(proc, url, 1000)
+        assert "[DONE]" not in events and len(events) < 1000
+        err = proc.stderr.read()
+        assert "0 completed, 1 cancelled" in err and "0 KV blocks still held" in err, err
     finally:
         if proc.poll() is None:
             proc.kill()
