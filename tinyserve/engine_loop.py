@@ -57,7 +57,10 @@ class RequestHandle:
     done: bool = False
 
     def _push(self, ev: Event) -> None:            # engine thread -> this request's event loop
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
+        except RuntimeError:                       # that loop is closed (server gone): nobody is listening
+            pass
 
     async def events(self) -> AsyncIterator[Event]:
         while True:

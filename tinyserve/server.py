@@ -87,7 +87,8 @@ class Metrics(Observer):
 
     def on_step(self, engine: Engine, loop: EngineLoop) -> None:
         snap = loop.snapshot()
-        self.step.observe(engine.stats[-1].seconds) if engine.stats else None
+        if engine.stats:
+            self.step.observe(engine.stats[-1].seconds)
         engine.stats.clear()                 # a server runs for days: keep the step stats from growing
         self.waiting.set(snap["waiting"])
         self.running.set(snap["running"])
