@@ -344,6 +344,17 @@ def test_load_many_concurrent_streams_nothing_lost_greedy_exact_no_leak():
         assert summary["completed"] == 240 - len(cancelled) and summary["errors"] == 0
 
 
+def test_bench_drives_a_running_server(srv, capsys):
+    from tinyserve.__main__ import main
+    before = wait_idle(srv)
+    assert main(["bench", "--server", srv.url, "--requests", "9", "--prompt-len", "4:40", "--output-len", "4:12",
+                 "--concurrency", "3", "--hangup-every", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "6 completed, 3 cancelled by their client, 0 rejected (429), 0 errors" in out, out
+    assert "TTFT p50" in out and "0 KV blocks held by requests" in out
+    assert wait_idle(srv)["submitted"] == before["submitted"] + 9
+
+
 # --- the process: CLI, SIGTERM -------------------------------------------------------------------------------
 
 def _free_port() -> int:

@@ -176,7 +176,11 @@ def run_server(args) -> int:
           f"{'rate %.2f/s' % args.rate if args.rate else 'closed loop'}, hang-up every {every or '-'}")
     report = drive(url, info["id"], reqs, concurrency=args.concurrency, rate=args.rate, seed=args.seed)
     s = report.summary()
-    health = httpx.get(url + "/health", timeout=30).json()
+    for _ in range(300):     # hang-ups are aborted at the server's next step boundary: let it settle (<= 30 s)
+        health = httpx.get(url + "/health", timeout=30).json()
+        if health["running"] == 0 and health["waiting"] == 0:
+            break
+        time.sleep(0.1)
     print(f"{s['completed']} completed, {s['cancelled']} cancelled by their client, {s['rejected_429']} rejected (429), "
           f"{s['errors']} errors in {s['seconds']:.1f} s: {s['requests_per_s']:.2f} requests/s, "
           f"{s['output_tokens_per_s']:.1f} output tokens/s")
