@@ -151,9 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch-tokens", type=int, default=256, help="per-step token budget (chunked prefill)")
     s.add_argument("--max-running", type=int, default=64, help="most requests in one running batch")
     s.add_argument("--max-waiting", type=int, default=128, help="waiting queue bound; beyond it: HTTP 429")
-    s.add_argument("--backend", default=None, help="attention backend for the Engine (numpy | numba; default: "
-                                                   "the Engine's)")
-    s.add_argument("--quant", default=None, help="weight format passed to load_model (default: load_model's)")
+    s.add_argument("--backend", default=None, help="numpy | numba, for load_model and the Engine (default: theirs)")
+    s.add_argument("--quant", default=None, help="weight format for load_model, e.g. int8 (default: load_model's)")
     s.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix trie (lesson 5) off")
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let streams in flight finish before cancelling them")

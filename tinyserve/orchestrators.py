@@ -207,13 +207,14 @@ class ModelSpec:
     """How a worker process gets the model (a model object is not sent between processes: each one loads)."""
     kind: str = "tiny"                 # "tiny" | "smollm2"
     weights: str | None = None
-    quant: str | None = None
+    quant: str | None = None           # passed to load_model only when given (e.g. "int8")
+    backend: str | None = None         # the same (e.g. "numba": the fused kernels of lesson 7)
 
     def load(self):
         from .weights import load_model, tiny_model
         if self.kind == "tiny":
             return tiny_model(seed=0)
-        kw = {"quant": self.quant} if self.quant else {}
+        kw = {k: v for k, v in (("quant", self.quant), ("backend", self.backend)) if v}
         return load_model(self.weights, **kw) if self.weights else load_model(**kw)
 
 

@@ -418,9 +418,10 @@ def build(args) -> tuple[FastAPI, str]:
         model, tok, name = tiny_model(seed=0), CharTokenizer(), "tiny"
     else:
         from .tokenizer import load_tokenizer
-        # --quant is handed to load_model only when given, --backend to the Engine only when given: the fastest
-        # path can be switched on without touching this file
-        model = load_model(args.weights, **({"quant": args.quant} if args.quant else {}))
+        # --quant and --backend are handed to load_model (and --backend to the Engine) only when given: the
+        # defaults stay theirs, and the fastest path is switched on from the command line
+        load_kw = {k: v for k, v in (("quant", args.quant), ("backend", args.backend)) if v}
+        model = load_model(args.weights, **load_kw)
         tok, name = load_tokenizer(args.weights), "smollm2-135m-instruct"
     engine_kw = {"backend": args.backend} if args.backend else {}
     engine = Engine(model, num_blocks=args.num_blocks, block_size=args.block_size,

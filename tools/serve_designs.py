@@ -24,12 +24,13 @@ def main() -> int:
     p.add_argument("--prompt-len", default="16:128")
     p.add_argument("--output-len", default="8:48")
     p.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"])
-    p.add_argument("--backend", default=None)
+    p.add_argument("--backend", default=None, help="numpy | numba (load_model and the engines)")
+    p.add_argument("--quant", default=None, help="e.g. int8 (load_model)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(ROOT / "build" / "serve_designs.json"))
     a = p.parse_args()
     lo_hi = lambda s: tuple(int(x) for x in s.split(":"))  # noqa: E731
-    rows = compare_designs(ModelSpec(a.model), [float(r) for r in a.rates.split(",")], a.requests,
+    rows = compare_designs(ModelSpec(a.model, quant=a.quant, backend=a.backend), [float(r) for r in a.rates.split(",")], a.requests,
                            lo_hi(a.prompt_len), lo_hi(a.output_len), seed=a.seed,
                            engine_kw={"backend": a.backend} if a.backend else {}, progress=print)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
