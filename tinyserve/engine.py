@@ -85,7 +85,7 @@ class StepBatch:
 
 class Engine:
     def __init__(self, model: Model, num_blocks: int = 256, block_size: int = 16, max_batch_tokens: int = 256,
-                 max_running: int = 64, backend: str = "numpy", tokenizer=None, prefix_caching: bool = False):
+                 max_running: int = 64, backend: str | None = None, tokenizer=None, prefix_caching: bool = False):
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
                             ("max_batch_tokens", max_batch_tokens), ("max_running", max_running)):
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
@@ -95,9 +95,9 @@ class Engine:
         self.block_size = block_size
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
-        self.backend = backend
+        self.backend = backend or model.backend   # the attention kernel follows the model's backend (lesson 7)
         self.tokenizer = tokenizer                # only needed for stop strings
-        self._attend = get_paged_attention(backend, checked=False)   # each step checks its batch once
+        self._attend = get_paged_attention(self.backend, checked=False)   # each step checks its batch once
         self.pool = KVPool.create(self.config, num_blocks, block_size)   # [L, num_blocks, bs, K, H] x2
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)  # all block bookkeeping
         self.waiting: deque[Sequence] = deque()   # arrival order; preempted requests go back to the front
@@ -408,7 +408,7 @@ def interrupts_deferred():
 
 
 def generate_stream(model: Model, ids: Seq[int], max_new_tokens: int | None = None,
-                    params: SamplingParams | None = None, tokenizer=None, backend: str = "numpy",
+                    params: SamplingParams | None = None, tokenizer=None, backend: str | None = None,
                     block_size: int = 16, max_batch_tokens: int = 512) -> Iterator[int]:
     """One prompt through the engine (the CLI's --strategy paged): yields token ids as they are sampled.
     The pool is sized for exactly this request."""
