@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -33,9 +34,15 @@ def cmd_generate(args) -> int:
     strategy = args.strategy or default_strategy()
     if strategy not in table:
         raise ValueError(f"unknown strategy {strategy!r}; choose from {sorted(table)}")
+    prompt = args.prompt
+    if prompt == "-":   # `generate -`: the prompt comes from stdin (a file, a pipe), without its final newline
+        prompt = sys.stdin.read().removesuffix("\n")
+        if not prompt:
+            raise ValueError("generate -: stdin was empty; pipe a prompt in, e.g. `echo hi | python -m tinyserve "
+                             "generate -`")
     tok = load_tokenizer(args.weights)
     model = load_model(args.weights)
-    text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if args.chat else prompt
     ids = tok.encode(text)   # every strategy validates it (check_token_ids) before its first token
     stream = tok.stream_decoder()
     out: list[int] = []
@@ -48,15 +55,17 @@ def cmd_generate(args) -> int:
         if not args.json:
             print(stream.push(token), end="", flush=True)
     total = time.perf_counter() - t0
-    decode_rate = (len(out) - 1) / (total - ttft) if len(out) > 1 and total > ttft else float("nan")
+    # no rate after a single token: null in JSON (NaN is not JSON), "n/a" in the summary
+    decode_rate = (len(out) - 1) / (total - ttft) if len(out) > 1 and total > ttft else None
     if args.json:
         print(json.dumps({"strategy": strategy, "prompt_ids": ids, "output_ids": out,
                           "text": tok.decode(out, skip_special_tokens=True), "ttft_s": ttft,
-                          "tokens_per_s": decode_rate, "total_s": total}))
+                          "tokens_per_s": decode_rate, "total_s": total}, allow_nan=False))
     else:
         print(stream.flush())
+        rate = "n/a" if decode_rate is None else f"{decode_rate:.1f}"
         print(f"\n[{strategy}: {len(ids)} prompt tokens, {len(out)} new; TTFT {ttft * 1e3:.0f} ms, "
-              f"{decode_rate:.1f} tokens/s after the first]", file=sys.stderr)
+              f"{rate} tokens/s after the first]", file=sys.stderr)
     return 0
 
 
@@ -86,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tinyserve", description="tinyserve: a from-scratch LLM engine")
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text from a prompt, streamed")
-    g.add_argument("prompt")
+    g.add_argument("prompt", help="the prompt text, or - to read it from stdin")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--strategy", default=None, help="naive | kv | paged (default: the fastest available)")
     g.add_argument("--max-new-tokens", type=int, default=128)
@@ -169,6 +178,22 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, WeightsError) as e:   # bad input: one line; anything else is a bug, with its traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:                 # Ctrl-C: one line, the shell's status for SIGINT (128 + 2)
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:                   # stdout closed early (`| head`): nothing left to say, say nothing
+        _discard_stdout()
+        return 141                            # 128 + SIGPIPE, what a tool killed by the closed pipe reports
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null, so that Python's final flush of the closed pipe does not print a second error
+    (the recipe in the `signal` module's documentation)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):   # stdout is not a real file (tests): nothing will flush it
+        pass
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from .block_hash_cache import block_hashes
 from .cache_base import BlockCache, NoPrefixCache
-from .paged import BlockAllocator, blocks_for
+from .kv_sizing import blocks_for
+from .paged import BlockAllocator
 from .prefix_cache import PrefixCache
 from .scheduler import SeqState
 from .sequence import Sequence, Status

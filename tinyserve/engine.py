@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import signal
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -34,14 +32,17 @@ from typing import Iterator, NamedTuple, Sequence as Seq
 
 import numpy as np
 
+from .attention_backends import get_paged_attention
 from .block_manager import BlockManager
-from .config import is_int
+from .config import check_positive_int, is_int
 from .model import Model, check_token_ids, forward
-from .paged import (KVPool, blocks_for, check_block_tables, get_paged_attention, max_kv_positions, slot_mapping,
-                    write_kv_unchecked)
+from .kv_sizing import blocks_for, max_kv_positions
+from .interrupts import interrupts_deferred
+from .paged import KVPool, write_kv_unchecked
 from .sampling import SamplingParams, sample
-from .scheduler import plan_step
+from .scheduler import bind, plan_step
 from .sequence import Sequence, Status
+from .step_batch import StepBatch, prepare_batch
 from .stopping import StopChecker
 
 
@@ -65,31 +66,12 @@ class StepStats:
     seconds: float
 
 
-@dataclass(slots=True)
-class StepBatch:
-    """One step's chunks of B sequences, flattened into T rows (sequence b owns rows query_starts[b]:[b+1]).
-    Built and checked once per step; every layer's attention reads the same arrays."""
-    seqs: list[Sequence]          # [B] in batch order
-    counts: list[int]             # [B] rows each runs this step
-    tokens: np.ndarray            # [T] int64
-    positions: np.ndarray         # [T] int64
-    write_blocks: np.ndarray      # [T] int64 pool block of each row's new K/V (slot // bs) ...
-    write_offsets: np.ndarray     # [T] int64 ... and its offset in that block (slot % bs): split once, not per layer
-    block_tables: np.ndarray      # [B, max_blocks] int64, -1 padded
-    context_lens: np.ndarray      # [B] int64 positions of each sequence after this step
-    query_starts: np.ndarray      # [B+1] int64
-    sampled: list[int]            # [R] the b whose chunk reaches their last token: they sample this step
-    logit_rows: np.ndarray        # [R] their last rows, the only ones the LM head runs on
-    num_decode: int               # of the B, plain decodes (1 row after the last sample)
-
-
 class Engine:
     def __init__(self, model: Model, num_blocks: int = 256, block_size: int = 16, max_batch_tokens: int = 256,
                  max_running: int = 64, backend: str | None = None, tokenizer=None, prefix_caching: bool = False):
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
                             ("max_batch_tokens", max_batch_tokens), ("max_running", max_running)):
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"Engine: {name} must be an integer >= 1, got {value!r}")
+            check_positive_int(name, value, "Engine")
         self.model = model
         self.config = model.config
         self.block_size = block_size
@@ -170,28 +152,26 @@ class Engine:
         plan = plan_step([self.blocks.seq_state(s) for s in self.running],
                          [self.blocks.seq_state(s) for s in waiting],
                          self.blocks.num_free, self.max_batch_tokens, self.block_size, self.max_running)
-        batch = [(self.running[i], n) for i, n in plan.run]
-        for i in plan.preempt:                   # youngest first, so the oldest victim ends up at the front
-            seq = self.running[i]
-            self.blocks.free(seq)                # its K/V are gone; its output tokens are kept for the recompute
+        chosen = bind(plan, self.running, waiting)     # the plan's indices, turned into the sequences they name
+        for seq in chosen.preempt:                     # youngest first, so the oldest victim ends up at the front
+            self.blocks.free(seq)                      # its K/V are gone; its output tokens are kept for the recompute
             seq.status = Status.WAITING
             seq.num_preemptions += 1
+            self.running.remove(seq)
             self.waiting.appendleft(seq)
-        gone = set(plan.preempt)
-        self.running = [s for i, s in enumerate(self.running) if i not in gone]
-        assert [w for w, _ in plan.admit] == list(range(len(plan.admit))), "FCFS: admit a prefix of the queue"
         now = time.perf_counter()
-        for _, n in plan.admit:
-            seq = self.waiting.popleft()
+        for seq, _ in chosen.admit:
+            assert self.waiting[0] is seq, "FCFS: admit from the front of the queue, in order"
+            self.waiting.popleft()
             self.blocks.admit(seq)
             seq.status = Status.RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
             self.running.append(seq)
-            batch.append((seq, n))
+        batch = chosen.run + chosen.admit
         for seq, n in batch:
             self.blocks.allocate(seq, n)
-        return batch, len(plan.preempt), len(plan.admit)
+        return batch, len(chosen.preempt), len(chosen.admit)
 
     def step(self) -> list[StepOutput]:
         """Schedule, run one batched forward, sample, retire. Returns one StepOutput per sampled token, and one
@@ -203,7 +183,7 @@ class Engine:
                 # add_request refuses what could never fit, so an empty plan with work left is a scheduler bug
                 assert n_preempted or not self.has_unfinished(), "the scheduler made no progress: a livelock"
                 return []
-            batch = self._prepare_batch(scheduled)
+            batch = prepare_batch(scheduled, self.pool.num_blocks, self.block_size)   # step_batch.py
         try:
             # Nothing is advanced until the forward has returned: if it raises, every sequence is as it was (its
             # new blocks stay allocated and hold nothing yet), and the next step runs the same chunks again.
@@ -221,35 +201,10 @@ class Engine:
                                     time.perf_counter() - t0))
         return outputs
 
-    def _prepare_batch(self, scheduled: list[tuple[Sequence, int]]) -> StepBatch:
-        """Flatten the scheduled chunks into one batch of rows, and check its layout once for all layers."""
-        bs = self.block_size
-        seqs = [seq for seq, _ in scheduled]
-        counts = [n for _, n in scheduled]
-        starts = [seq.num_computed_tokens for seq in seqs]             # each chunk continues where its K/V end
-        tokens = np.concatenate([np.asarray(seq.token_slice(s, s + n), dtype=np.int64)
-                                 for seq, s, n in zip(seqs, starts, counts)])                   # [T]
-        positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, counts)])        # [T]
-        slots = np.concatenate([slot_mapping(seq.block_table, s, n, bs)
-                                for seq, s, n in zip(seqs, starts, counts)])                     # [T]
-        width = max(len(seq.block_table) for seq in seqs)
-        block_tables = np.full((len(seqs), width), -1, dtype=np.int64)                            # [B, max_blocks]
-        for b, seq in enumerate(seqs):
-            block_tables[b, :len(seq.block_table)] = seq.block_table
-        context_lens = np.array([s + n for s, n in zip(starts, counts)], dtype=np.int64)          # [B]
-        query_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)                 # [B+1]
-        check_block_tables(block_tables, context_lens, query_starts, len(tokens), self.pool.num_blocks, bs)
-        # Only the sequences whose chunk reaches their last token sample; only their last rows need the LM head.
-        sampled = [b for b, seq in enumerate(seqs) if starts[b] + counts[b] == seq.num_tokens]
-        logit_rows = query_starts[1:][sampled] - 1                                                # [R]
-        num_decode = sum(seq.is_decoding for seq in seqs)
-        return StepBatch(seqs, counts, tokens, positions, slots // bs, slots % bs, block_tables, context_lens,
-                         query_starts, sampled, logit_rows, num_decode)
-
     def _forward(self, batch: StepBatch) -> np.ndarray:
         """One forward over all rows of the batch -> logits [R, V] of its sampled rows. Attention is the only
         per-sequence part: each layer writes the new K/V through the slot mapping, then reads every sequence's
-        K/V through its block table. The batch was checked once in _prepare_batch, so the L calls per step skip
+        K/V through its block table. The batch was checked once in prepare_batch, so the L calls per step skip
         the public functions' checks and conversions (at B=16 these cost ~1 ms per step)."""
         pool, attend = self.pool, self._attend
 
@@ -383,28 +338,6 @@ class Engine:
         return "\n".join(lines)
 
     __str__ = describe
-
-
-@contextlib.contextmanager
-def interrupts_deferred():
-    """Hold back Ctrl-C (SIGINT) until the block has ended, then raise KeyboardInterrupt.
-
-    The engine's bookkeeping (queues, block tables, refcounts, the prefix trie) must change all together or not at
-    all: a KeyboardInterrupt landing between popping a request off the queue and adding it to `running` would lose
-    it, with its blocks. Only in the main thread, and only while Python's own handler is installed (an
-    application that installed its own SIGINT handler keeps it)."""
-    if threading.current_thread() is not threading.main_thread() \
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        yield
-        return
-    caught: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if caught:
-        raise KeyboardInterrupt
 
 
 def generate_stream(model: Model, ids: Seq[int], max_new_tokens: int | None = None,
