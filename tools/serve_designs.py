@@ -2,7 +2,7 @@
 """Lesson 8's comparison at full size: the three orchestrator designs on SmolLM2 under one seeded Poisson trace at
 several rates (the notebook runs a smaller version). Prints a table and writes build/serve_designs.json.
 
-    python tools/serve_designs.py --rates 0.5,1,2 --requests 24 --backend numba
+    python tools/serve_designs.py --rates 0.5,1,2 --requests 24 --quant int8 --backend numba
 """
 from __future__ import annotations
 
