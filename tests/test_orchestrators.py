@@ -87,3 +87,8 @@ def test_disaggregated_hands_kv_over_and_counts_the_bytes(tiny, trace, reference
     expect = sum(len(q.prompt) for q in trace if q.max_tokens > 1) * kv_bytes_per_token(tiny.config)
     assert r.kv_bytes_moved == expect
     assert (r.ttft >= 0).all()
+
+
+def test_a_worker_that_dies_fails_the_run_at_once(trace):
+    with pytest.raises(RuntimeError, match="exited with code"):
+        run_disaggregated(ModelSpec("smollm2", weights="/nonexistent/weights"), trace[:2], 40.0, timeout=120)

@@ -334,9 +334,20 @@ def run_disaggregated(spec: ModelSpec, trace: list[TraceRequest], rate: float = 
                          daemon=True)]
     for p in procs:
         p.start()
+    def get(q):                          # a queue read that notices a worker which died (its traceback is above)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return q.get(timeout=0.5)
+            except queue_mod.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(f"disaggregated run: {dead[0].name} exited with code {dead[0].exitcode}"
+                                       if dead else f"disaggregated run: no answer in {timeout} s") from None
+
     try:
         for _ in procs:                  # both models loaded before the clock starts
-            ready.get(timeout=timeout)
+            get(ready)
         t0 = time.monotonic()
         timings = [Timing(t0 + r.arrival) for r in trace]
         for i, req in enumerate(trace):
@@ -348,7 +359,7 @@ def run_disaggregated(spec: ModelSpec, trace: list[TraceRequest], rate: float = 
         moved = None
         pending = len(trace)
         while pending or moved is None:
-            msg = results.get(timeout=timeout)
+            msg = get(results)
             if msg[0] == "moved":
                 moved = msg[1]
                 continue
