@@ -10,7 +10,7 @@ export PYTHONPATH := $(CURDIR)
 PROMPT ?= Explain in three sentences why the sky is blue.
 LESSONS := $(sort $(patsubst lessons/%/,%,$(wildcard lessons/[0-9][0-9]_*/)))
 
-.PHONY: help install weights run test test-fast check-stubs lessons bench fixtures clean
+.PHONY: help install weights run test test-fast check-stubs lessons bench fixtures clean serve
 .DEFAULT_GOAL := help
 
 help:
@@ -23,6 +23,7 @@ help:
 	@echo "make lesson-N   execute lesson N's notebook headless into build/ and print what it found"
 	@echo "make check-N    run lesson N's self-check tests against your lessons/NN_*/exercises.py"
 	@echo "make bench      benchmarks (tokens/s, ratios measured side by side)"
+	@echo "make serve      OpenAI-compatible server on http://127.0.0.1:8000/v1 (SERVE_ARGS=... for options)"
 	@echo "make fixtures   regenerate the PyTorch reference fixture (own venv with torch + transformers)"
 
 $(STAMP): pyproject.toml
@@ -62,6 +63,10 @@ check-%: $(STAMP) weights
 bench: $(STAMP) weights
 	$(PYTHON) -m tinyserve bench
 	$(PYTHON) -m tinyserve speed
+
+SERVE_ARGS ?=
+serve: $(STAMP) weights
+	$(PYTHON) -m tinyserve serve $(SERVE_ARGS)
 
 # The reference fixture needs PyTorch + transformers in a venv of their own (tinyserve never imports torch).
 fixtures: $(STAMP) weights

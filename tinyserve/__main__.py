@@ -95,12 +95,19 @@ def cmd_weights(args) -> int:
 
 def cmd_bench(args) -> int:
     from . import bench
+    if args.server:      # lesson 8: the same workload against a running server
+        return bench.run_server(args)
     return bench.main(args)
 
 
 def cmd_chat(args) -> int:
     from . import chat
     return chat.main(args)
+
+
+def cmd_serve(args) -> int:
+    from . import server
+    return server.main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -142,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"])
     b.add_argument("--weights", default=str(DEFAULT_WEIGHTS_DIR))
     add_backend_args(b)
+    b.add_argument("--server", default=None, help="drive a running server at this URL instead (lesson 8)")
+    b.add_argument("--concurrency", type=int, default=16, help="with --server: streaming clients in flight")
+    b.add_argument("--rate", type=float, default=None, help="with --server: Poisson arrivals per second")
+    b.add_argument("--hangup-every", type=int, default=0, help="with --server: every Nth client hangs up early")
     b.set_defaults(func=cmd_bench)
 
     sp = sub.add_parser("speed", help="tokens/s per backend against the memory roofline (lesson 7; tinyserve/speed.py)")
@@ -166,6 +177,26 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--weights", default=str(DEFAULT_WEIGHTS_DIR))
     add_backend_args(c)
     c.set_defaults(func=cmd_chat)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
+                                     "/v1/models, /health, /metrics), streamed; lesson 8")
+    s.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"])
+    s.add_argument("--served-model-name", default=None, help="the `model` clients must name (default: the model's)")
+    s.add_argument("--num-blocks", type=int, default=512, help="KV pool size (x block size = positions)")
+    s.add_argument("--block-size", type=int, default=16)
+    s.add_argument("--max-batch-tokens", type=int, default=256, help="per-step token budget (chunked prefill)")
+    s.add_argument("--max-running", type=int, default=64, help="most requests in one running batch")
+    s.add_argument("--max-waiting", type=int, default=128, help="waiting queue bound; beyond it: HTTP 429")
+    s.add_argument("--backend", default=None, help="numpy | numba, for load_model and the Engine (default: theirs)")
+    s.add_argument("--quant", default=None, help="weight format for load_model, e.g. int8 (default: load_model's)")
+    s.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix trie (lesson 5) off")
+    s.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let streams in flight finish before cancelling them")
+    s.add_argument("--log-level", default="warning")
+    s.add_argument("--weights", default=str(DEFAULT_WEIGHTS_DIR))
+    s.set_defaults(func=cmd_serve)
     return p
 
 

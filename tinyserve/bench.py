@@ -155,3 +155,38 @@ def main(args) -> int:
         print("decode steps alone (B / median ITL): " + ", ".join(
             f"B={r.num_requests}: {r.num_requests / np.median(r.itl):.1f} tokens/s" for r in sweep))
     return 0
+
+
+def run_server(args) -> int:
+    """`bench --server URL`: the same workload against a running server (lesson 8), as concurrent streaming
+    clients over HTTP; TTFT and ITL are measured at the client. --rate R sends Poisson arrivals at R requests/s
+    (else: closed loop, --concurrency in flight); --hangup-every N makes every Nth client hang up after 2 chunks."""
+    import httpx
+
+    from .loadgen import ClientRequest, drive
+
+    url = args.server.rstrip("/")
+    info = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]
+    parse = lambda s: tuple(int(x) for x in s.split(":")) * (1 if ":" in s else 2)  # noqa: E731
+    workload = Workload(args.requests, parse(args.prompt_len), parse(args.output_len), args.seed)
+    every = args.hangup_every
+    reqs = [ClientRequest(prompt, p.max_new_tokens, disconnect_after=2 if every and i % every == every - 1 else None)
+            for i, (prompt, p) in enumerate(workload.requests(info["vocab_size"]))]
+    print(f"server {url} ({info['id']}): {len(reqs)} requests, prompt {workload.prompt_len[0]}..{workload.prompt_len[1]}"
+          f" tokens, output {workload.output_len[0]}..{workload.output_len[1]}, concurrency {args.concurrency}, "
+          f"{'rate %.2f/s' % args.rate if args.rate else 'closed loop'}, hang-up every {every or '-'}")
+    report = drive(url, info["id"], reqs, concurrency=args.concurrency, rate=args.rate, seed=args.seed)
+    s = report.summary()
+    for _ in range(300):     # hang-ups are aborted at the server's next step boundary: let it settle (<= 30 s)
+        health = httpx.get(url + "/health", timeout=30).json()
+        if health["running"] == 0 and health["waiting"] == 0:
+            break
+        time.sleep(0.1)
+    print(f"{s['completed']} completed, {s['cancelled']} cancelled by their client, {s['rejected_429']} rejected (429), "
+          f"{s['errors']} errors in {s['seconds']:.1f} s: {s['requests_per_s']:.2f} requests/s, "
+          f"{s['output_tokens_per_s']:.1f} output tokens/s")
+    print(f"TTFT p50 {s['ttft_p50_ms']:.0f} ms, p99 {s['ttft_p99_ms']:.0f} ms; ITL p50 {s['itl_p50_ms']:.0f} ms, "
+          f"p99 {s['itl_p99_ms']:.0f} ms (client side)")
+    print(f"server after the run: {health['kv_blocks_used']} KV blocks held by requests, {health['running']} running, "
+          f"{health['waiting']} waiting; {health['aborted']} aborted so far")
+    return 1 if s["errors"] else 0

@@ -1,0 +1,61 @@
+"""Lesson 8 exercises: the wire format of a token stream (SSE framing, stop strings held back), the interleaved
+design's per-step budget, and the K/V hand-over of the disaggregated design.
+
+Replace each `raise NotImplementedError(...)` with your code, then run `make check-8`: it runs the checks in
+tests/lessons/test_lesson_08.py against this file and tells you, exercise by exercise, what passes.
+The reference answers live in tinyserve/protocol.py, tinyserve/queueing.py and tinyserve/orchestrators.py: try
+first, compare after.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+
+def sse_event(data: dict | str) -> str:
+    """One server-sent event carrying `data`: a dict is sent as compact JSON (separators "," and ":", non-ASCII
+    escaped: json.dumps' default), a str (e.g. "[DONE]") as is.
+
+    The frame is `data: <payload>` followed by a blank line, i.e. "data: <payload>\\n\\n". A payload containing a
+    newline (CR or LF) cannot be one data line: raise ValueError.
+    """
+    raise NotImplementedError(
+        "sse_event: payload = data if it is a str, else json.dumps(data, separators=(',', ':')); refuse '\\n' or "
+        "'\\r' in it; return 'data: ' + payload + two newlines")
+
+
+def held_back(text: str, stops: tuple[str, ...]) -> int:
+    """How many characters at the end of `text` a stream must hold back because they could still become a stop
+    string: the length of the longest tail of `text` that is a *proper* prefix of one of `stops` (0 if none).
+
+    A complete stop string is not held back (the caller finds it and cuts the text there); only its beginnings are.
+    E.g. held_back("the END", ("END",)) == 0 (complete: found, not held), held_back("the EN", ("END",)) == 2.
+    """
+    raise NotImplementedError(
+        "held_back: for each stop s, for k from len(s) - 1 down to 1: if text ends with s[:k], that s gives k; "
+        "return the largest k over all stops (0 if none)")
+
+
+def interleave_budget(num_decoding: int, prefill_remaining: Sequence[int], token_budget: int
+                      ) -> tuple[int, list[int]]:
+    """One interleaved step's token budget. Decodes first, one token each (at most token_budget of them run); the
+    rest goes to the waiting prompts in arrival order, each taking up to its remaining prompt tokens.
+
+    Returns (decodes that run, [tokens for each prompt in prefill_remaining]).
+    """
+    raise NotImplementedError(
+        "interleave_budget: decodes = min(num_decoding, token_budget); left = budget - decodes; for each prompt "
+        "take min(remaining, left) and subtract it from left")
+
+
+def export_kv(engine, seq, num_positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """The K and V of positions 0 .. num_positions-1 of a running sequence, gathered from the engine's paged
+    pool into two contiguous arrays [L, P, K, H] (what the prefill worker copies into shared memory).
+
+    engine.pool.k / engine.pool.v are [L, num_blocks, bs, K, H]; seq.block_table[i] is the physical block holding
+    positions i*bs .. i*bs+bs-1; engine.block_size is bs. Only the blocks that hold the P positions are read.
+    """
+    raise NotImplementedError(
+        "export_kv: table = seq.block_table[:ceil(P / bs)]; engine.pool.k[:, table] is [L, n, bs, K, H]: reshape "
+        "to [L, n*bs, K, H] and keep the first P positions; the same for v")

@@ -1,0 +1,200 @@
+"""Lesson 8: the OpenAI wire format — request bodies, response bodies, server-sent events, stop strings in a stream.
+
+Everything here is pure (no engine, no network), so it can be read and tested on its own:
+
+  - the request models (pydantic: FastAPI validates a body against them; an invalid one becomes a 400 with an
+    OpenAI-style error body, see server.py),
+  - `sse_event` / `parse_sse`: one server-sent event per chunk, `data: {json}\\n\\n`, ended by `data: [DONE]`,
+  - `TextStream`: token ids -> text pieces safe to send: whole UTF-8 characters only (the tokenizer's
+    StreamDecoder), and never the beginning of a stop string that may still complete (it is held back; when it
+    completes, the text is cut before it and the request ends).
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Iterable, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# --- requests ------------------------------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """The fields both endpoints share. Unknown fields are accepted and ignored (clients send e.g. `user`);
+    fields that would change the answer and that tinyserve cannot honour (n > 1, logprobs, echo) are refused."""
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)        # OpenAI's default and range; 0 = greedy
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=1)                          # one choice per request
+    logprobs: Any = None
+    # extensions (as vLLM names them): more sampling knobs, and fixed-length outputs for benchmarks
+    top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    ignore_eos: bool = False
+
+    def stop_strings(self) -> tuple[str, ...]:
+        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        if len(stops) > 4:
+            raise ValueError(f"at most 4 stop strings, got {len(stops)}")
+        return stops
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str]
+    echo: bool = False
+    max_tokens: int | None = Field(16, ge=1)               # OpenAI's default for /v1/completions
+
+
+class ContentPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[ContentPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)   # the newer name of max_tokens
+
+
+# --- responses -----------------------------------------------------------------------------------------------
+
+# the engine's finish reasons -> OpenAI's: an end-of-sequence token and a stop string are both "stop"; running
+# out of max_tokens or out of context are both "length"
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+
+
+def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+
+
+def completion_response(rid: str, model: str, text: str, finish_reason: str, n_prompt: int, n_out: int) -> dict:
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+            "usage": usage(n_prompt, n_out)}
+
+
+def chat_response(rid: str, model: str, text: str, finish_reason: str, n_prompt: int, n_out: int) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                         "finish_reason": finish_reason}],
+            "usage": usage(n_prompt, n_out)}
+
+
+# --- server-sent events --------------------------------------------------------------------------------------
+
+def sse_event(data: dict | str) -> str:
+    """One server-sent event carrying `data`: a dict is sent as compact JSON, a str (e.g. "[DONE]") as is.
+
+    The frame is `data: <payload>\\n\\n`: the blank line ends the event. JSON never contains a raw newline (it
+    escapes them), so one `data:` line is always enough. Non-ASCII is escaped as well (\\u00e9): SSE lines end
+    only at CR or LF, but many clients split with str.splitlines(), which also breaks at U+0085, U+2028, U+001C...
+    """
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    if "\n" in payload or "\r" in payload:
+        raise ValueError("an SSE data line cannot contain a newline: send JSON, which escapes them")
+    return f"data: {payload}\n\n"
+
+
+def parse_sse(lines: Iterable[str]) -> Iterable[dict | str]:
+    """The inverse, for clients: yields each event's payload (parsed JSON, or the string "[DONE]")."""
+    for line in lines:
+        line = line.rstrip("\r\n")
+        if not line.startswith("data:"):
+            continue               # blank separators, comments (": ping") and other fields
+        payload = line[5:].lstrip(" ")
+        yield payload if payload == "[DONE]" else json.loads(payload)
+
+
+# --- text of a token stream, with stop strings ----------------------------------------------------------------
+
+class TextStream:
+    """Token ids in, text pieces out: whole characters only, and never a prefix of a stop string too early.
+
+    A stop string may arrive split over several tokens ("\\n\\n" as "\\n" + "\\n", "END" as "E" + "ND"): the text
+    that could still become one is held back until it either completes (then everything from it on is dropped
+    and `stopped` is set) or cannot any more (then it is released). OpenAI's rule: the stop string itself is
+    never part of the output.
+    """
+
+    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+        self.decoder = tokenizer.stream_decoder()
+        self.stop = stop
+        self.held = ""            # decoded, not yet sent: may be the start of a stop string
+        self.stopped = False
+        self.text = ""            # everything sent so far
+
+    def push(self, tokens: Iterable[int]) -> str:
+        return self._release(self.held + "".join(self.decoder.push(t) for t in tokens), final=False)
+
+    def flush(self) -> str:
+        return self._release(self.held + self.decoder.flush(), final=True)
+
+    def _release(self, text: str, final: bool) -> str:
+        if self.stopped:
+            return ""
+        cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if cuts:
+            out, self.held, self.stopped = text[:min(cuts)], "", True
+        elif final:
+            out, self.held = text, ""
+        else:
+            keep = held_back(text, self.stop)
+            out, self.held = text[:len(text) - keep], text[len(text) - keep:]
+        self.text += out
+        return out
+
+
+def held_back(text: str, stops: tuple[str, ...]) -> int:
+    """How many characters at the end of `text` must wait: the longest tail that is a proper prefix of a stop
+    string (it could still complete with the next token)."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best

@@ -1,0 +1,446 @@
+"""Lesson 8: an OpenAI-compatible HTTP server on the continuous-batching Engine (`python -m tinyserve serve`).
+
+    POST /v1/completions, /v1/chat/completions    streamed as server-sent events (stream=true) or one JSON body
+    GET  /v1/models, /health, /metrics            the served model; liveness + pool state; Prometheus text format
+
+FastAPI parses and validates requests and uvicorn speaks HTTP (the libraries vLLM and SGLang use for this); the
+Engine runs in its own thread (engine_loop.py). Each request is a coroutine that tokenizes, submits, and then
+only waits on its own queue of tokens, so a slow client or a long prompt never blocks anyone else. The rules:
+
+  - a full waiting queue answers 429 at once (bounded memory, and the client learns to back off),
+  - malformed JSON, an unknown model, bad parameters and prompts longer than the context answer 400 with an
+    OpenAI-style body {"error": {"message", "type", "param", "code"}},
+  - a client that disconnects is aborted: its KV blocks return to the pool at the next step boundary,
+  - SIGTERM stops accepting connections, lets the streams in flight finish (up to --drain-timeout), then cancels
+    what is left and exits. Binds 127.0.0.1 unless told otherwise.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .engine import Engine
+from .engine_loop import EngineLoop, Observer, Rejected, RequestHandle
+from .protocol import (FINISH_REASONS, ChatCompletionRequest, CompletionRequest, TextStream, chat_chunk,
+                       chat_response, completion_chunk, completion_response, error_body, new_id, sse_event, usage)
+from .sampling import SamplingParams
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5.0)
+
+
+class Metrics(Observer):
+    """Prometheus metrics, fed by the engine thread (prometheus_client is thread-safe). One registry per server,
+    so several servers in one process (the tests) do not mix their numbers."""
+
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.ttft = Histogram("tinyserve_time_to_first_token_seconds", "request arrival -> first token",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("tinyserve_inter_token_latency_seconds", "gap between two tokens of one request",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("tinyserve_e2e_request_latency_seconds", "request arrival -> finished",
+                             buckets=TTFT_BUCKETS, registry=r)
+        self.step = Histogram("tinyserve_engine_step_seconds", "one engine step (schedule + forward + sample)",
+                              buckets=ITL_BUCKETS, registry=r)
+        self.waiting = Gauge("tinyserve_num_requests_waiting", "requests queued, not yet admitted", registry=r)
+        self.running = Gauge("tinyserve_num_requests_running", "requests in the running batch", registry=r)
+        self.blocks_used = Gauge("tinyserve_kv_blocks_used", "KV blocks held by requests", registry=r)
+        self.blocks_cached = Gauge("tinyserve_kv_blocks_cached", "KV blocks in the prefix cache", registry=r)
+        self.blocks_total = Gauge("tinyserve_kv_blocks_total", "KV blocks in the pool", registry=r)
+        self.hit_rate = Gauge("tinyserve_prefix_cache_hit_rate", "prompt tokens served from the prefix cache / "
+                              "prompt tokens, over all finished requests", registry=r)
+        self.requests = Counter("tinyserve_requests", "finished requests", ["finish_reason"], registry=r)
+        self.rejected = Counter("tinyserve_requests_rejected", "requests answered 4xx/5xx before running",
+                                ["reason"], registry=r)
+        self.prompt_tokens = Counter("tinyserve_prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("tinyserve_generation_tokens", "tokens generated", registry=r)
+        self.hit_tokens = Counter("tinyserve_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache",
+                                  registry=r)
+        self._hits = [0, 0]
+
+    def on_token(self, handle: RequestHandle, now: float) -> None:
+        if handle.last_token_time is None:        # the loop sets it after this call: this is the first token
+            self.ttft.observe(now - handle.arrival)
+        else:
+            self.itl.observe(now - handle.last_token_time)
+        self.generation_tokens.inc()
+
+    def on_finish(self, handle: RequestHandle, reason: str, hit_tokens: int, prompt_tokens: int) -> None:
+        self.e2e.observe(time.perf_counter() - handle.arrival)
+        self.requests.labels(reason).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.hit_tokens.inc(hit_tokens)
+        self._hits[0] += hit_tokens
+        self._hits[1] += prompt_tokens
+        self.hit_rate.set(self._hits[0] / self._hits[1] if self._hits[1] else 0.0)
+
+    def on_step(self, engine: Engine, loop: EngineLoop) -> None:
+        snap = loop.snapshot()
+        if engine.stats:
+            self.step.observe(engine.stats[-1].seconds)
+        engine.stats.clear()                 # a server runs for days: keep the step stats from growing
+        self.waiting.set(snap["waiting"])
+        self.running.set(snap["running"])
+        self.blocks_used.set(snap["kv_blocks_used"])
+        self.blocks_cached.set(snap["kv_blocks_cached"])
+        self.blocks_total.set(snap["kv_blocks_total"])
+
+
+class CharTokenizer:
+    """For `--model tiny` (a random 256-token model): token id i is the character chr(i), ids 0-2 are special
+    (2 = EOS). Enough to exercise the server end to end in milliseconds; its outputs are random characters."""
+
+    def __init__(self, vocab_size: int = 256, eos_id: int = 2):
+        self.vocab_size, self.eos_id, self.bos_id = vocab_size, eos_id, 1
+        self.eos_token = "</s>"
+
+    def encode(self, text: str) -> list[int]:
+        bad = next((c for c in text if not 3 <= ord(c) < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"the tiny model's tokenizer only knows characters U+0003..U+{self.vocab_size - 1:04X}, "
+                             f"got {bad!r}")
+        return [ord(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return "".join(chr(i) for i in ids if i >= 3 or not skip_special_tokens)
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant: " if add_generation_prompt
+                                                                             else "")
+
+    def stream_decoder(self, skip_special_tokens: bool = True):
+        from .tokenizer import StreamDecoder
+        return StreamDecoder(self, skip_special_tokens)
+
+
+def _error(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+           code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param, code), status_code=status)
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+@dataclass(slots=True)
+class _Prepared:
+    ids: list[int]
+    params: SamplingParams
+    stop: tuple[str, ...]
+
+
+def create_app(engine: Engine, tokenizer, model_name: str, max_waiting: int = 64) -> FastAPI:
+    """The FastAPI app serving `engine` under `model_name`. Its lifespan starts the engine thread and, at
+    shutdown (after uvicorn has drained the connections), cancels whatever is still in."""
+    if engine.tokenizer is None:
+        engine.tokenizer = tokenizer         # the engine's stop checker decodes with it
+    metrics = Metrics()
+    loop = EngineLoop(engine, max_waiting=max_waiting, observer=metrics)
+    cfg = engine.config
+    # the most positions one request may use: the model's window, and the pool (a request may not need more
+    # blocks than the whole pool, or it could never run)
+    max_context = min(cfg.max_seq_len, engine.blocks.num_blocks * engine.block_size)
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loop.start()
+        try:
+            yield
+        finally:
+            loop.stop(drain=False)       # uvicorn has let the streams finish (or timed out): cancel the rest
+            snap = loop.snapshot()
+            print(f"tinyserve: stopped ({snap['completed']} completed, {snap['aborted']} cancelled, "
+                  f"{snap['errors']} errors, {snap['rejected']} rejected; {snap['kv_blocks_used']} KV blocks still "
+                  f"held)", file=sys.stderr, flush=True)
+
+    app = FastAPI(title="tinyserve", lifespan=lifespan)
+    app.state.loop, app.state.metrics, app.state.engine = loop, metrics, engine
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        err = exc.errors()[0] if exc.errors() else {"msg": "invalid request", "loc": ()}
+        if err.get("type") == "json_invalid":
+            metrics.rejected.labels("invalid").inc()
+            return _error(400, f"the body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}",
+                          code="invalid_json")
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        metrics.rejected.labels("invalid").inc()
+        return _error(400, f"{'.'.join(loc) or 'body'}: {err['msg']}", param=loc[0] if loc else None,
+                      code="invalid_parameter")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return _error(exc.status_code, str(exc.detail), type_="invalid_request_error" if exc.status_code < 500
+                      else "server_error")
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(request: Request, exc: BadRequest):
+        metrics.rejected.labels("invalid").inc()
+        return _error(400, str(exc), param=exc.param, code=exc.code)
+
+    def prepare(body, prompt_ids: list[int], max_tokens: int | None) -> _Prepared:
+        if body.model != model_name:
+            raise BadRequest(f"model {body.model!r} is not served here; this server serves {model_name!r}",
+                             param="model", code="model_not_found")
+        if body.logprobs not in (None, False, 0):
+            raise BadRequest("logprobs are not supported by tinyserve", param="logprobs", code="unsupported")
+        n = len(prompt_ids)
+        if n == 0:
+            raise BadRequest("the prompt is empty", param="prompt", code="invalid_parameter")
+        if n >= max_context:
+            raise BadRequest(f"the prompt has {n} tokens, but this server's context is {max_context} tokens "
+                             f"(including the output)", param="prompt", code="context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = max_context - n          # OpenAI: no max_tokens means up to the end of the context
+        if n + max_tokens > max_context:
+            raise BadRequest(f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds this server's context "
+                             f"of {max_context} tokens", param="max_tokens", code="context_length_exceeded")
+        try:
+            stop = body.stop_strings()
+            params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                                    min_p=body.min_p, repetition_penalty=body.repetition_penalty,
+                                    max_new_tokens=max_tokens, stop=stop, seed=body.seed,
+                                    ignore_eos=body.ignore_eos)
+        except ValueError as e:
+            raise BadRequest(str(e), param="stop" if "stop" in str(e) else None, code="invalid_parameter") from None
+        return _Prepared(prompt_ids, params, stop)
+
+    def encode(text: str, param: str) -> list[int]:
+        try:
+            return tokenizer.encode(text)
+        except ValueError as e:
+            raise BadRequest(str(e), param=param, code="invalid_parameter") from None
+
+    async def submit(prep: _Prepared) -> RequestHandle | JSONResponse:
+        try:
+            handle = loop.submit(prep.ids, prep.params)
+        except Rejected as e:
+            if not loop.accepting:
+                metrics.rejected.labels("shutting_down").inc()
+                return _error(503, str(e), type_="server_error", code="shutting_down")
+            metrics.rejected.labels("queue_full").inc()
+            return _error(429, str(e), type_="rate_limit_error", code="queue_full")
+        first = await handle.queue.get()       # the engine thread's answer: refused, or accepted (no tokens yet)
+        if first.refused:
+            metrics.rejected.labels("invalid").inc()
+            return _error(400, first.error or "refused", param="prompt", code="invalid_parameter")
+        return handle
+
+    async def respond(request: Request, body, prep: _Prepared, chat: bool):
+        got = await submit(prep)
+        if isinstance(got, JSONResponse):
+            return got
+        handle, rid = got, new_id("chatcmpl" if chat else "cmpl")
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(stream(handle, rid, prep, chat, include_usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        task = asyncio.ensure_future(collect(handle, prep))
+        while not task.done():          # a client that hangs up while waiting for a whole answer is aborted too
+            await asyncio.wait({task}, timeout=0.25)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                loop.abort(handle)
+                return Response(status_code=499)
+        text, reason, n_out, error = task.result()
+        if error:
+            return _error(500, error, type_="server_error", code="engine_error")
+        make = chat_response if chat else completion_response
+        return make(rid, model_name, text, reason, len(prep.ids), n_out)
+
+    async def collect(handle: RequestHandle, prep: _Prepared):
+        text = TextStream(tokenizer, prep.stop)
+        pieces, n_out = [], 0
+        try:
+            async for ev in handle.events():
+                if ev.error:
+                    return "", "error", n_out, ev.error
+                n_out += len(ev.tokens)
+                pieces.append(text.push(ev.tokens))
+                if text.stopped:
+                    return "".join(pieces), "stop", n_out, None
+                if ev.finished:
+                    pieces.append(text.flush())
+                    return "".join(pieces), FINISH_REASONS.get(ev.finish_reason, "stop"), n_out, None
+        finally:
+            if not handle.done:
+                loop.abort(handle)      # a stop string the engine did not see yet, or this task was cancelled
+        return "".join(pieces), "stop", n_out, None
+
+    async def stream(handle: RequestHandle, rid: str, prep: _Prepared, chat: bool, include_usage: bool):
+        """The SSE body. If the client goes away, Starlette stops iterating it: `finally` aborts the request."""
+        t = int(time.time())
+        text = TextStream(tokenizer, prep.stop)
+        n_out = 0
+
+        def chunk(piece: str, reason: str | None, role: bool = False) -> str:
+            if chat:
+                delta = {"role": "assistant", "content": piece} if role else ({"content": piece} if piece or
+                                                                              not reason else {})
+                return sse_event(chat_chunk(rid, model_name, t, delta, reason))
+            return sse_event(completion_chunk(rid, model_name, t, piece, reason))
+
+        try:
+            if chat:
+                yield chunk("", None, role=True)
+            async for ev in handle.events():
+                if ev.error:
+                    yield sse_event(error_body(ev.error, "server_error", code="engine_error"))
+                    break
+                n_out += len(ev.tokens)
+                piece = text.push(ev.tokens)
+                reason = None
+                if text.stopped:
+                    reason = "stop"
+                elif ev.finished:
+                    piece += text.flush()
+                    reason = FINISH_REASONS.get(ev.finish_reason, "stop")
+                if piece:
+                    yield chunk(piece, None)
+                if reason:
+                    yield chunk("", reason)
+                    if include_usage:
+                        yield sse_event({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                                         "created": t, "model": model_name, "choices": [],
+                                         "usage": usage(len(prep.ids), n_out)})
+                    break
+            yield sse_event("[DONE]")
+        finally:
+            if not handle.done:
+                loop.abort(handle)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: CompletionRequest):
+        if body.echo:
+            raise BadRequest("echo is not supported by tinyserve", param="echo", code="unsupported")
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise BadRequest("one prompt per request (batch them as concurrent requests)", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = encode(prompt, "prompt")
+        else:
+            ids = list(prompt)
+            bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
+            if bad:
+                raise BadRequest(f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})", param="prompt")
+        return await respond(request, body, prepare(body, ids, body.max_tokens), chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, body: ChatCompletionRequest):
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        ids = encode(tokenizer.apply_chat_template(messages), "messages")
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        return await respond(request, body, prepare(body, ids, max_tokens), chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "tinyserve", "max_model_len": max_context,
+                                            "vocab_size": cfg.vocab_size}]}
+
+    @app.get("/health")
+    async def health():
+        snap = loop.snapshot()
+        ok = loop.alive and loop.accepting
+        status = "ok" if ok else ("draining" if loop.alive else "stopped")
+        if loop.failure is not None:
+            status = f"failed: {type(loop.failure).__name__}: {loop.failure}"
+        return JSONResponse({"status": status, "model": model_name, **snap}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+# --- running it ---------------------------------------------------------------------------------------------
+
+class ServerThread:
+    """uvicorn in a background thread on a free loopback port (tests, the notebook, `bench --server`'s tests):
+
+        with ServerThread(create_app(engine, tok, "smollm2")) as srv:
+            httpx.get(srv.url + "/health")
+    """
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, drain_timeout: float | None = 10):
+        import uvicorn
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
+                                timeout_graceful_shutdown=drain_timeout)
+        self.server = uvicorn.Server(config)
+        self.app = app
+        self._thread = threading.Thread(target=self.server.run, name="tinyserve-http", daemon=True)
+        self.url = ""
+
+    def start(self, timeout: float = 30) -> "ServerThread":
+        self._thread.start()
+        t0 = time.perf_counter()
+        while not self.server.started:
+            if not self._thread.is_alive() or time.perf_counter() - t0 > timeout:
+                raise RuntimeError("the server did not start (port taken? see the log above)")
+            time.sleep(0.01)
+        host, port = self.server.servers[0].sockets[0].getsockname()[:2]
+        self.url = f"http://{host}:{port}"
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join()
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def build(args) -> tuple[FastAPI, str]:
+    """The app the `serve` subcommand runs, from its options (also used by the tests)."""
+    from .weights import load_model, tiny_model
+
+    if args.model == "tiny":
+        model, tok, name = tiny_model(seed=0), CharTokenizer(), "tiny"
+    else:
+        from .tokenizer import load_tokenizer
+        # --quant and --backend are handed to load_model (and --backend to the Engine) only when given: the
+        # defaults stay theirs, and the fastest path is switched on from the command line
+        load_kw = {k: v for k, v in (("quant", args.quant), ("backend", args.backend)) if v}
+        model = load_model(args.weights, **load_kw)
+        tok, name = load_tokenizer(args.weights), "smollm2-135m-instruct"
+    engine_kw = {"backend": args.backend} if args.backend else {}
+    engine = Engine(model, num_blocks=args.num_blocks, block_size=args.block_size,
+                    max_batch_tokens=args.max_batch_tokens, max_running=args.max_running, tokenizer=tok,
+                    prefix_caching=not args.no_prefix_cache, **engine_kw)
+    name = args.served_model_name or name
+    return create_app(engine, tok, name, max_waiting=args.max_waiting), name
+
+
+def main(args) -> int:
+    """The `serve` subcommand (see __main__.build_parser)."""
+    import uvicorn
+
+    app, name = build(args)
+    print(f"tinyserve: serving {name!r} on http://{args.host}:{args.port} (OpenAI API under /v1; /health, /metrics)",
+          file=sys.stderr, flush=True)
+    # uvicorn handles SIGTERM/SIGINT: stop listening, let the streams in flight finish for up to drain_timeout,
+    # then cancel the rest (their finally blocks abort them in the engine) and run the lifespan shutdown, which
+    # prints the summary. Then uvicorn re-raises the signal, so the process ends the way its sender expects.
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=args.drain_timeout)
+    return 0
