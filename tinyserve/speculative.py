@@ -28,7 +28,7 @@ from .gqa import grouped_attention
 from .kv_cache import KVCache, forward_with_cache, prefill
 from .model import Model
 from .paged import BlockAllocator, blocks_for, max_kv_positions
-from .roofline import speculative_best_k
+from .roofline import speculative_best_k, speculative_tokens_per_step
 from .sampling import SamplingParams, probabilities, sample
 from .stopping import start_request
 
@@ -183,21 +183,27 @@ class SpecStats:
 
 @dataclass(slots=True)
 class AdaptiveK:
-    """Pick each step's k from the acceptance measured so far, with roofline.speculative_best_k.
+    """Pick each step's k from the acceptance measured so far, with roofline's expected-tokens formula.
 
-    Costs are relative to one verify step (= 1): a drafted token costs the drafter's `cost` plus its verify row.
+    Costs are relative to one plain decode step (= 1): a drafted token costs the drafter's `draft_cost`, and
+    verifying k drafts costs `verify_costs[k]` (k + 1 rows in one forward; measure_verify_costs measures it on this
+    machine) or, when not given, roofline's model 1 + VERIFY_ROW_COST * k, which speculative_best_k solves.
     α is estimated from decayed counts (recent steps weigh more: a request moves between quoting and free text),
     starting from a prior of one acceptance and one rejection (α = 0.5). k never drops below 1: a request that
     stopped drafting would never measure α again.
     """
     k_max: int = 8
     draft_cost: float = 0.0
+    verify_costs: tuple[float, ...] | None = None   # [k_max + 1] cost of a verify step with k drafts
     decay: float = 0.9
     accepted: float = 1.0
     rejected: float = 1.0
 
     def __post_init__(self) -> None:
         check_positive_int("k_max", self.k_max, "AdaptiveK")
+        if self.verify_costs is not None and len(self.verify_costs) < self.k_max + 1:
+            raise ValueError(f"AdaptiveK: verify_costs needs k_max + 1 = {self.k_max + 1} entries (k = 0 .. k_max), "
+                             f"got {len(self.verify_costs)}")
 
     @property
     def alpha(self) -> float:
@@ -209,7 +215,40 @@ class AdaptiveK:
             self.rejected = self.decay * self.rejected + (accepted < drafted)
 
     def next_k(self) -> int:
-        return max(1, speculative_best_k(self.alpha, self.draft_cost + VERIFY_ROW_COST, 1.0, self.k_max))
+        if self.verify_costs is None:
+            return max(1, speculative_best_k(self.alpha, self.draft_cost + VERIFY_ROW_COST, 1.0, self.k_max))
+        rate = [speculative_tokens_per_step(self.alpha, k) / (k * self.draft_cost + self.verify_costs[k])
+                for k in range(self.k_max + 1)]
+        return max(range(1, self.k_max + 1), key=rate.__getitem__)
+
+
+def measure_verify_costs(model: Model, k_max: int, history: int = 64, repeat: int = 3,
+                         grid: Sequence[int] = (0, 1, 2, 4, 8, 16)) -> tuple[float, ...]:
+    """The time of one forward of k + 1 rows over `history` cached positions, relative to one row (a plain decode
+    step), for k = 0 .. k_max: medians of `repeat` runs at the k of `grid`, linear in between.
+
+    The roofline says the k + 1 rows cost about one row (the weights are read once). Whether the matmul library
+    agrees is a property of this machine: NumPy's BLAS switches from a matrix-vector to a matrix-matrix kernel at
+    two rows, which on some CPUs costs several decode steps by itself.
+    """
+    import statistics
+    import time
+    k_max = check_positive_int("k_max", k_max, "measure_verify_costs")
+    ks = sorted({min(k, k_max) for k in grid} | {0, k_max})
+    cache = KVCache.allocate(model.config, min(model.config.max_seq_len, history + k_max + 1))
+    ids = (np.arange(history + k_max + 1) % (model.config.vocab_size - 3) + 3).tolist()
+    forward_with_cache(model, cache, ids[:history])
+    seconds = []
+    for k in ks:
+        runs = []
+        for _ in range(repeat + 1):                  # the first run warms up
+            t0 = time.perf_counter()
+            forward_with_cache(model, cache, ids[history:history + k + 1], all_logits=True)
+            runs.append(time.perf_counter() - t0)
+            cache.rewind(k + 1)
+        seconds.append(statistics.median(runs[1:]))
+    rel = np.interp(np.arange(k_max + 1), ks, np.asarray(seconds) / seconds[0])
+    return tuple(float(c) for c in rel)
 
 
 def draft_length(k: int, adaptive: AdaptiveK | None, num_out: int, max_new_tokens: int, room: int) -> int:
@@ -224,11 +263,12 @@ def draft_length(k: int, adaptive: AdaptiveK | None, num_out: int, max_new_token
 def generate_stream(model: Model, ids: Sequence[int], max_new_tokens: int | None = None,
                     params: SamplingParams | None = None, tokenizer=None, drafter: Drafter | None = None,
                     k: int = 4, adaptive: bool = False, stats: SpecStats | None = None,
-                    prefill_chunk: int | None = None, attend=grouped_attention) -> Iterator[int]:
+                    prefill_chunk: int | None = None, attend=grouped_attention,
+                    verify_costs: Sequence[float] | None = None) -> Iterator[int]:
     """Yield new token ids like kv_cache.generate_stream, several per target forward when drafts are accepted.
 
-    drafter: default NgramDrafter(). k: tokens drafted per step (k_max when adaptive). stats: filled in as the
-    request runs. Stops exactly where plain decoding stops (EOS, stop string, max tokens, context window), even
+    drafter: default NgramDrafter(). k: tokens drafted per step (k_max when adaptive; verify_costs, e.g. from
+    measure_verify_costs, then replaces roofline's constant verify cost). stats: filled in as the request runs. Stops exactly where plain decoding stops (EOS, stop string, max tokens, context window), even
     inside an accepted run: the stopping rule sees every token one by one.
     """
     params = params or SamplingParams()
@@ -244,7 +284,8 @@ def generate_stream(model: Model, ids: Sequence[int], max_new_tokens: int | None
         # all but the last prompt token: the last one opens the first verify step, so even the first new token
         # can come with a draft
         prefill(model, cache, tokens[:-1], prefill_chunk, attend)
-    control = AdaptiveK(k, drafter.cost) if adaptive else None
+    control = AdaptiveK(k, drafter.cost, tuple(verify_costs) if verify_costs is not None else None) \
+        if adaptive else None
     seq = [int(t) for t in tokens]                     # prompt + output; seq[-1] is not in the cache yet
     out: list[int] = []
     while True:
@@ -270,6 +311,8 @@ def generate_stream(model: Model, ids: Sequence[int], max_new_tokens: int | None
 
 def generate(model: Model, ids: Sequence[int], max_new_tokens: int | None = None,
              params: SamplingParams | None = None, tokenizer=None, drafter: Drafter | None = None,
-             k: int = 4, adaptive: bool = False, stats: SpecStats | None = None) -> list[int]:
+             k: int = 4, adaptive: bool = False, stats: SpecStats | None = None,
+             verify_costs: Sequence[float] | None = None) -> list[int]:
     """The new token ids only (prompt excluded); greedy params give exactly kv_cache.generate's tokens."""
-    return list(generate_stream(model, ids, max_new_tokens, params, tokenizer, drafter, k, adaptive, stats))
+    return list(generate_stream(model, ids, max_new_tokens, params, tokenizer, drafter, k, adaptive, stats,
+                                verify_costs=verify_costs))
