@@ -150,7 +150,8 @@ class SpecStats:
     accepted: int = 0       # of those, accepted
     rejected: int = 0       # steps that ended on a rejected draft token (the others accepted all they drafted)
     emitted: int = 0        # tokens the steps yielded (accepted + corrections + bonuses; cut short by stopping)
-    ks: list[int] = field(default_factory=list)   # [steps] tokens drafted at each step
+    ks: list[int] = field(default_factory=list)        # [steps] tokens drafted at each step
+    accepts: list[int] = field(default_factory=list)   # [steps] of those, accepted
 
     def record(self, drafted: int, accepted: int) -> None:
         self.steps += 1
@@ -158,6 +159,7 @@ class SpecStats:
         self.accepted += accepted
         self.rejected += accepted < drafted
         self.ks.append(drafted)
+        self.accepts.append(accepted)
 
     @property
     def alpha(self) -> float:
@@ -178,7 +180,8 @@ class SpecStats:
 
     def __add__(self, other: "SpecStats") -> "SpecStats":
         return SpecStats(self.steps + other.steps, self.drafted + other.drafted, self.accepted + other.accepted,
-                         self.rejected + other.rejected, self.emitted + other.emitted, self.ks + other.ks)
+                         self.rejected + other.rejected, self.emitted + other.emitted, self.ks + other.ks,
+                         self.accepts + other.accepts)
 
 
 @dataclass(slots=True)
