@@ -22,6 +22,7 @@ from tinyserve.sampling import (SamplingParams, apply_repetition_penalty, min_p_
     ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"repetition_penalty": -1.0}, "repetition_penalty"),
     ({"repetition_penalty": float("nan")}, "repetition_penalty"),
     ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+    ({"repetition_penalty": 1e-39}, "repetition_penalty"), ({"repetition_penalty": 1e3}, "repetition_penalty"),
     ({"max_new_tokens": 0}, "max_new_tokens"), ({"max_new_tokens": -5}, "max_new_tokens"),
     ({"max_new_tokens": 3.0}, "max_new_tokens"), ({"max_new_tokens": True}, "max_new_tokens"),
     ({"stop": ("",)}, "stop"), ({"stop": (1,)}, "stop"), ({"stop": ("ok", None)}, "stop"),
@@ -125,6 +126,20 @@ def test_repetition_penalty_sign_rule():
     assert apply_repetition_penalty(logits, [0], 1.0) is logits
     # the greedy pick follows it: token 0 (logit 2.0) was the argmax; penalised by 4 it drops to 0.5 < 1.0
     assert sample(logits, SamplingParams(temperature=0.0, repetition_penalty=4.0), None, seen=[0]) == 2
+
+
+def test_repetition_penalty_at_its_bounds_cannot_overflow():
+    # issue 8: repetition_penalty=1e-39 passed validation and turned every seen float32 logit into inf, which
+    # made sample() raise inside Engine.step. Now the range is [0.01, 100] and the penalty runs in float64.
+    big = np.finfo(np.float32).max
+    logits = np.array([big, -big, 1.0, 0.5], dtype=np.float32)
+    with np.errstate(over="raise"):
+        for rp in (0.01, 100.0):
+            params = SamplingParams(temperature=0.0, repetition_penalty=rp)
+            assert np.isfinite(apply_repetition_penalty(logits, [0, 1], rp)).all()
+            assert sample(logits, params, None, seen=[0, 1]) in range(4)
+            p = probabilities(logits, SamplingParams(temperature=1.0, repetition_penalty=rp), seen=[0, 1])
+            assert np.isfinite(p).all() and abs(p.sum() - 1) < 1e-9
 
 
 def test_probabilities_is_a_tempered_softmax(random_logits):

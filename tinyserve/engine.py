@@ -14,11 +14,19 @@ new K/V into the pool through the slot mapping and runs paged attention with eve
 
 Impossible requests are refused by `add_request` with a ValueError (bad ids, bad params, longer than the context
 window, or needing more KV blocks than the whole pool); the requests already queued are not affected.
+
+One request never takes the others down. If sampling or stopping fails for one request, that request alone finishes
+with finish_reason "error" (StepOutput.error says why) and its blocks are freed; if the batched forward itself
+raises, every request of that batch finishes so, and the waiting ones carry on. Ctrl-C (KeyboardInterrupt) is held
+back during the bookkeeping and let through only where nothing has been advanced (the forward), so after it the
+engine is as before the step and the next step redoes that work. `abort(request_id)` ends a request at once.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import signal
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -27,6 +35,7 @@ from typing import Iterator, NamedTuple, Sequence as Seq
 import numpy as np
 
 from .block_manager import BlockManager
+from .config import is_int
 from .model import Model, check_token_ids, forward
 from .paged import (KVPool, blocks_for, check_block_tables, get_paged_attention, max_kv_positions, slot_mapping,
                     write_kv_unchecked)
@@ -38,9 +47,10 @@ from .stopping import StopChecker
 
 class StepOutput(NamedTuple):
     request_id: int
-    new_tokens: list[int]          # the token sampled this step (empty never appears in step()'s result)
+    new_tokens: list[int]          # the token sampled this step (empty only when the request failed this step)
     finished: bool
-    finish_reason: str | None      # "eos" | "length" | "context" | "stop" once finished
+    finish_reason: str | None      # "eos" | "length" | "context" | "stop" | "error" | "abort" once finished
+    error: str | None = None       # finish_reason "error": what went wrong (the rest of the batch carried on)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +141,20 @@ class Engine:
                 return seq
         return self.finished[request_id]
 
+    def abort(self, request_id: int) -> bool:
+        """End a request now (a client went away, Ctrl-C in the chat). Returns True if it was waiting or running:
+        its blocks are freed at once and it moves to `finished` with finish_reason "abort" (no StepOutput is
+        emitted for it). Returns False if it had already finished (popped or not). Raises KeyError for an id this
+        engine never handed out."""
+        with interrupts_deferred():
+            for seq in (*self.running, *self.waiting):
+                if seq.request_id == request_id:
+                    self._finish(seq, "abort")
+                    return True
+        if is_int(request_id) and 0 <= request_id < self._next_id:
+            return False
+        raise KeyError(f"no request {request_id!r}: this engine handed out ids 0..{self._next_id - 1}")
+
     def pop_finished(self, request_id: int) -> Sequence:
         """Hand back a finished request and forget it (its Sequence and its prefix-cache hit count). A long-running
         engine calls this once it has read what it needs, or `finished` grows by one Sequence per request."""
@@ -170,19 +194,28 @@ class Engine:
         return batch, len(plan.preempt), len(plan.admit)
 
     def step(self) -> list[StepOutput]:
-        """Schedule, run one batched forward, sample, retire. Returns one StepOutput per sampled token."""
+        """Schedule, run one batched forward, sample, retire. Returns one StepOutput per sampled token, and one
+        per request that failed in this step (finish_reason "error")."""
         t0 = time.perf_counter()
-        scheduled, n_preempted, n_admitted = self._schedule()
-        if not scheduled:
-            # add_request refuses what could never fit, so an empty plan with work left is a scheduler bug
-            assert n_preempted or not self.has_unfinished(), "the scheduler made no progress: a livelock"
-            return []
-        batch = self._prepare_batch(scheduled)
-        logits = self._forward(batch)                                                             # [R, V]
-        for seq, n in zip(batch.seqs, batch.counts):
-            seq.num_computed_tokens += n
-            self.blocks.commit(seq)
-        outputs = self._sample_and_retire(batch, logits)
+        with interrupts_deferred():          # the queues and block tables change together or not at all
+            scheduled, n_preempted, n_admitted = self._schedule()
+            if not scheduled:
+                # add_request refuses what could never fit, so an empty plan with work left is a scheduler bug
+                assert n_preempted or not self.has_unfinished(), "the scheduler made no progress: a livelock"
+                return []
+            batch = self._prepare_batch(scheduled)
+        try:
+            # Nothing is advanced until the forward has returned: if it raises, every sequence is as it was (its
+            # new blocks stay allocated and hold nothing yet), and the next step runs the same chunks again.
+            logits = self._forward(batch)                                                         # [R, V]
+        except Exception as e:
+            # one forward serves the whole batch, so its failure cannot be pinned on one request: all of them end,
+            # the waiting ones carry on. (KeyboardInterrupt is not an Exception: it propagates, nothing is lost.)
+            with interrupts_deferred():
+                outputs = [self._fail(seq, e) for seq in batch.seqs]
+        else:
+            with interrupts_deferred():
+                outputs = self._advance(batch, logits)
         self.stats.append(StepStats(len(batch.seqs), len(batch.tokens), batch.num_decode, len(batch.sampled),
                                     n_preempted, n_admitted, self.blocks.allocator.num_used,
                                     time.perf_counter() - t0))
@@ -233,28 +266,56 @@ class Engine:
             check_threading_layer()          # warns (once) if numba fell back to its slow thread pool
         return logits
 
-    def _sample_and_retire(self, batch: StepBatch, logits: np.ndarray) -> list[StepOutput]:
-        """Sample one token for every sequence that reached its end (logits [R, V], row r for batch.sampled[r]);
-        retire those that stop."""
+    def _advance(self, batch: StepBatch, logits: np.ndarray) -> list[StepOutput]:
+        """After the forward: count every chunk's K/V as computed (and publish full blocks), sample one token for
+        every sequence whose chunk reached its end (logits [R, V], row r for batch.sampled[r]), retire those that
+        stop. A failure while sampling or stopping one sequence ends that sequence only."""
         outputs: list[StepOutput] = []
+        row = {b: r for r, b in enumerate(batch.sampled)}      # batch index -> its row of logits
         now = time.perf_counter()
-        for r, b in enumerate(batch.sampled):
-            seq = batch.seqs[b]
-            # the repetition penalty needs every token seen so far; skip building that list when it is off
-            seen = seq.prompt_ids + seq.output_ids if seq.params.repetition_penalty != 1.0 else ()
-            token = sample(logits[r], seq.params, seq.rng, seen=seen)
+        for b, (seq, n) in enumerate(zip(batch.seqs, batch.counts)):
+            if b not in row:                  # a prefill chunk short of the end: its K/V are in, nothing to sample
+                seq.num_computed_tokens += n
+                self.blocks.commit(seq)
+                continue
+            try:
+                # the repetition penalty needs every token seen so far; skip building that list when it is off
+                seen = seq.prompt_ids + seq.output_ids if seq.params.repetition_penalty != 1.0 else ()
+                token = sample(logits[row[b]], seq.params, seq.rng, seen=seen)
+            except Exception as e:            # e.g. NaN logits: this request ends, the batch goes on
+                outputs.append(self._fail(seq, e))
+                continue
             seq.output_ids.append(token)
             seq.token_times.append(now)
-            done = seq.stopper.should_stop(seq.output_ids)
+            seq.num_computed_tokens += n
+            self.blocks.commit(seq)
+            try:
+                done = seq.stopper.should_stop(seq.output_ids)
+            except Exception as e:            # e.g. the tokenizer failed to decode for a stop string
+                outputs.append(self._fail(seq, e, [token]))
+                continue
             if done:
-                self._retire(seq)
+                self._finish(seq)
             outputs.append(StepOutput(seq.request_id, [token], done, seq.finish_reason))
         return outputs
 
-    def _retire(self, seq: Sequence) -> None:
+    def _fail(self, seq: Sequence, error: Exception, new_tokens: list[int] | None = None) -> StepOutput:
+        """End `seq` because something raised while serving it; the message goes to the caller."""
+        self._finish(seq, "error", f"{type(error).__name__}: {error}")
+        return StepOutput(seq.request_id, new_tokens or [], True, "error", seq.error)
+
+    def _finish(self, seq: Sequence, reason: str | None = None, error: str | None = None) -> None:
+        """Retire a running or waiting sequence: free its blocks, move it to `finished`. `reason` overrides the
+        stopper's ("error", "abort"): the stopper's `reason` is the one place a finish reason lives."""
+        if reason is not None:
+            seq.stopper.reason = reason
+            seq.error = error
         self.blocks.free(seq)
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
         seq.status = Status.FINISHED
-        self.running.remove(seq)
         self.finished[seq.request_id] = seq
 
     def _threads(self):
@@ -285,6 +346,9 @@ class Engine:
             self._new_sequence(p, sp)            # validate them all before queueing any
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
         self.run()
+        failed = [(i, self.finished[i].error) for i in ids if self.finished[i].finish_reason == "error"]
+        if failed:   # never hand back a cut-off output as if it were complete
+            raise RuntimeError("; ".join(f"request {i} failed: {e}" for i, e in failed))
         return [list(self.finished[i].output_ids) for i in ids]
 
     @property
@@ -319,6 +383,28 @@ class Engine:
         return "\n".join(lines)
 
     __str__ = describe
+
+
+@contextlib.contextmanager
+def interrupts_deferred():
+    """Hold back Ctrl-C (SIGINT) until the block has ended, then raise KeyboardInterrupt.
+
+    The engine's bookkeeping (queues, block tables, refcounts, the prefix trie) must change all together or not at
+    all: a KeyboardInterrupt landing between popping a request off the queue and adding it to `running` would lose
+    it, with its blocks. Only in the main thread, and only while Python's own handler is installed (an
+    application that installed its own SIGINT handler keeps it)."""
+    if threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
 
 
 def generate_stream(model: Model, ids: Seq[int], max_new_tokens: int | None = None,

@@ -14,6 +14,9 @@ import numpy as np
 from .config import is_int
 
 
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     temperature: float = 1.0          # 0 means greedy (argmax)
@@ -38,9 +41,12 @@ class SamplingParams:
             bad(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             bad(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
+        # Bounded so that dividing a logit by it cannot overflow (1e-39 turned every seen logit into inf): at 100
+        # a seen token is already out of the running, beyond it only the risk of overflow grows.
         if not _is_number(self.repetition_penalty) or not math.isfinite(self.repetition_penalty) \
-                or self.repetition_penalty <= 0:
-            bad(f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty!r}")
+                or not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            bad(f"repetition_penalty must be a number in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}] "
+                f"(1 = off), got {self.repetition_penalty!r}")
         if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             bad(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if isinstance(self.stop, str):
@@ -68,7 +74,7 @@ def apply_repetition_penalty(logits: np.ndarray, seen: Sequence[int], penalty: f
     # always becomes less likely whatever its sign.
     if penalty == 1.0 or len(seen) == 0:
         return logits
-    out = logits.copy()
+    out = logits.astype(np.float64)   # float64: a float32 logit / 0.01 could overflow near float32's max
     idx = np.unique(np.asarray(seen))
     vals = out[idx]
     out[idx] = np.where(vals > 0, vals / penalty, vals * penalty)

@@ -37,6 +37,7 @@ class Sequence:
     num_computed_tokens: int = 0               # tokens whose K/V are in the cache (reset to 0 by preemption)
     status: Status = Status.WAITING
     num_preemptions: int = 0
+    error: str | None = None                   # why it ended, when finish_reason is "error"
     # timestamps (time.perf_counter seconds) for the per-request metrics
     arrival_time: float = field(default_factory=time.perf_counter)
     first_scheduled_time: float | None = None
@@ -64,7 +65,7 @@ class Sequence:
         return self.prompt_ids[start:] + self.output_ids[:stop - p]
 
     @property
-    def finish_reason(self) -> str | None:     # "eos" | "length" | "context" | "stop"
+    def finish_reason(self) -> str | None:     # "eos" | "length" | "context" | "stop" | "error" | "abort"
         return self.stopper.reason
 
     def metrics(self) -> "RequestMetrics":

@@ -18,7 +18,8 @@ class StopChecker:
     tokenizer: object | None = None   # needed only for stop strings
     max_new_tokens: int | None = None
     prompt_len: int = 0
-    reason: str | None = None         # "eos" | "length" | "context" | "stop" once stopped
+    reason: str | None = None         # "eos" | "length" | "context" | "stop" once stopped (the engine may also
+                                      # set "error" or "abort": this is the one place a finish reason lives)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens is None:
