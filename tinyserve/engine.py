@@ -35,12 +35,14 @@ from typing import Iterator, NamedTuple, Sequence as Seq
 import numpy as np
 
 from .block_manager import BlockManager
-from .config import is_int
+from .config import check_positive_int, is_int
+from .drafters import Draft, make_drafter
 from .model import Model, check_token_ids, forward
 from .paged import (KVPool, blocks_for, check_block_tables, get_paged_attention, max_kv_positions, slot_mapping,
                     write_kv_unchecked)
 from .sampling import SamplingParams, sample
 from .scheduler import plan_step
+from .speculative import AdaptiveK, SpecStats, draft_length, verify
 from .sequence import Sequence, Status
 from .stopping import StopChecker
 
@@ -63,6 +65,8 @@ class StepStats:
     num_admitted: int
     blocks_used: int         # after the step
     seconds: float
+    num_drafted: int = 0     # lesson 6: draft tokens verified in this step's forward ...
+    num_accepted: int = 0    # ... and how many of them the target accepted
 
 
 @dataclass(slots=True)
@@ -81,11 +85,18 @@ class StepBatch:
     sampled: list[int]            # [R] the b whose chunk reaches their last token: they sample this step
     logit_rows: np.ndarray        # [R] their last rows, the only ones the LM head runs on
     num_decode: int               # of the B, plain decodes (1 row after the last sample)
+    logit_starts: list[int] | None = None   # [R] row of `logits` where each sampled sequence's rows begin (a
+                                            # sequence verifying a draft of k needs k + 1 rows); None: one each
 
 
 class Engine:
     def __init__(self, model: Model, num_blocks: int = 256, block_size: int = 16, max_batch_tokens: int = 256,
-                 max_running: int = 64, backend: str = "numpy", tokenizer=None, prefix_caching: bool = False):
+                 max_running: int = 64, backend: str = "numpy", tokenizer=None, prefix_caching: bool = False,
+                 speculative=None, draft_k: int = 4, adaptive_k: bool = False, draft_model: Model | None = None,
+                 verify_costs: Seq[float] | None = None):
+        """speculative (lesson 6): None; "ngram", "early-exit", "int8"/"draft" (with draft_model); or a function
+        returning a fresh Drafter, called once per request. draft_k: tokens drafted per step (the maximum when
+        adaptive_k; verify_costs as for speculative.AdaptiveK)."""
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
                             ("max_batch_tokens", max_batch_tokens), ("max_running", max_running)):
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
@@ -107,6 +118,16 @@ class Engine:
         self.finished: dict[int, Sequence] = {}
         self.stats: list[StepStats] = []          # one per step: a long-running caller may clear() it
         self._next_id = 0
+        # lesson 6: speculative decoding
+        if isinstance(speculative, str):
+            kind = speculative
+            speculative = lambda: make_drafter(kind, model, draft_model)   # noqa: E731
+            speculative()                          # a bad kind or a missing draft model fails here, not per request
+        self.make_drafter = speculative           # None: every request decodes one token per step
+        self.draft_k = check_positive_int("draft_k", draft_k, "Engine")
+        self.adaptive_k = adaptive_k
+        self.verify_costs = tuple(verify_costs) if verify_costs is not None else None
+        self.spec_stats = SpecStats()             # all requests together (each Sequence has its own in .spec)
 
     # --- requests --------------------------------------------------------------------------------------------
     def add_request(self, prompt_ids: Seq[int], params: SamplingParams | None = None) -> int:
@@ -130,7 +151,12 @@ class Engine:
                              f"but the whole pool has {self.blocks.num_blocks} blocks: it can never run "
                              f"(shorten the prompt or max_new_tokens, or give the engine more blocks)")
         stopper = StopChecker(self.config, params, self.tokenizer, prompt_len=len(ids))  # ValueError on stop w/o tok
-        return Sequence(self._next_id, [int(t) for t in ids], params, stopper, params.make_rng())
+        seq = Sequence(self._next_id, [int(t) for t in ids], params, stopper, params.make_rng())
+        if self.make_drafter is not None:
+            seq.drafter, seq.spec = self.make_drafter(), SpecStats()
+            if self.adaptive_k:
+                seq.k_control = AdaptiveK(self.draft_k, seq.drafter.cost, self.verify_costs)
+        return seq
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -198,12 +224,16 @@ class Engine:
         per request that failed in this step (finish_reason "error")."""
         t0 = time.perf_counter()
         with interrupts_deferred():          # the queues and block tables change together or not at all
+            failed = self._draft() if self.make_drafter is not None else []
             scheduled, n_preempted, n_admitted = self._schedule()
+            if self.make_drafter is not None:
+                self._fit_drafts(scheduled)
             if not scheduled:
                 # add_request refuses what could never fit, so an empty plan with work left is a scheduler bug
-                assert n_preempted or not self.has_unfinished(), "the scheduler made no progress: a livelock"
-                return []
+                assert n_preempted or failed or not self.has_unfinished(), "the scheduler made no progress: a livelock"
+                return failed
             batch = self._prepare_batch(scheduled)
+            drafted = sum(len(seq.draft) for seq in batch.seqs)
         try:
             # Nothing is advanced until the forward has returned: if it raises, every sequence is as it was (its
             # new blocks stay allocated and hold nothing yet), and the next step runs the same chunks again.
@@ -215,11 +245,106 @@ class Engine:
                 outputs = [self._fail(seq, e) for seq in batch.seqs]
         else:
             with interrupts_deferred():
+                accepted_before = self.spec_stats.accepted
                 outputs = self._advance(batch, logits)
         self.stats.append(StepStats(len(batch.seqs), len(batch.tokens), batch.num_decode, len(batch.sampled),
                                     n_preempted, n_admitted, self.blocks.allocator.num_used,
-                                    time.perf_counter() - t0))
-        return outputs
+                                    time.perf_counter() - t0, drafted,
+                                    self.spec_stats.accepted - accepted_before if drafted else 0))
+        return failed + outputs
+
+    # --- lesson 6: speculative decoding ------------------------------------------------------------------------
+    def _draft(self) -> list[StepOutput]:
+        """Every decoding request with a drafter proposes its next k tokens. They join the end of its output_ids
+        as provisional tokens, so the scheduler, the block manager and the batch see one ordinary chunk of k + 1
+        rows (the last sampled token + the draft); `_verify` keeps what the target agrees with. A draft only
+        takes blocks the pool has spare: speculation must never push another request out."""
+        failed: list[StepOutput] = []
+        spare = self.blocks.num_free
+        for seq in list(self.running):
+            self._drop_draft(seq)                 # (a step interrupted by Ctrl-C may have left one)
+            if seq.drafter is None or not seq.is_decoding:
+                continue
+            # never more positions than the request may ever hold (what add_request checked the pool against)
+            room = max_kv_positions(len(seq.prompt_ids), seq.stopper.max_new_tokens, self.config.max_seq_len) \
+                - seq.num_tokens
+            k = draft_length(self.draft_k, seq.k_control, len(seq.output_ids), seq.stopper.max_new_tokens, room)
+            base = self.blocks.blocks_needed(seq, 1)
+            while k > 0 and self.blocks.blocks_needed(seq, 1 + k) - base > spare:
+                k -= 1
+            if k == 0:
+                continue
+            try:
+                draft = seq.drafter.propose(seq.prompt_ids + seq.output_ids, k, seq.params, seq.rng)
+            except Exception as e:                # a broken drafter ends its own request, not the batch
+                failed.append(self._fail(seq, e))
+                continue
+            if not draft.tokens:
+                continue
+            spare -= self.blocks.blocks_needed(seq, 1 + len(draft)) - base
+            seq.draft, seq.draft_probs = list(draft.tokens), draft.probs
+            seq.output_ids.extend(seq.draft)
+        return failed
+
+    def _fit_drafts(self, scheduled: list[tuple[Sequence, int]]) -> None:
+        """After scheduling: a draft keeps only the rows its request was given (the token budget may cut it), and a
+        request that was not scheduled (or was preempted) drops its draft."""
+        given = {seq.request_id: n for seq, n in scheduled}
+        for seq in (*self.running, *self.waiting):
+            if not seq.draft:
+                continue
+            n = given.get(seq.request_id, 0)
+            if n == 0:
+                self._drop_draft(seq)
+            elif n < 1 + len(seq.draft):
+                cut = len(seq.draft) - (n - 1)
+                del seq.output_ids[-cut:]
+                seq.draft = seq.draft[:n - 1]
+                seq.draft_probs = seq.draft_probs[:n - 1] if seq.draft_probs is not None else None
+
+    @staticmethod
+    def _drop_draft(seq: Sequence) -> None:
+        if seq.draft:
+            del seq.output_ids[-len(seq.draft):]
+            seq.draft, seq.draft_probs = [], None
+
+    def _verify(self, seq: Sequence, n: int, logits: np.ndarray, now: float) -> StepOutput:
+        """The forward ran seq's last sampled token + its draft (n = k + 1 rows, logits [k + 1, V]): keep the
+        accepted prefix plus the target's own next token, rewind the rest, publish only verified blocks, stop
+        exactly where plain decoding would (the stop rule sees the new tokens one by one)."""
+        draft, probs = seq.draft, seq.draft_probs
+        self._drop_draft(seq)                             # output_ids: the verified tokens only
+        try:
+            new = verify(logits, Draft(draft, probs), seq.params, seq.rng, seq.prompt_ids + seq.output_ids)
+        except Exception as e:
+            return self._fail(seq, e)
+        accepted = len(new) - 1
+        seq.num_computed_tokens += n                      # K/V of the last token and of all k drafts ...
+        self.blocks.rewind(seq, len(draft) - accepted)    # ... minus the rejected ones
+        kept: list[int] = []
+        done = False
+        try:
+            for token in new:
+                seq.output_ids.append(token)
+                seq.token_times.append(now)
+                kept.append(token)
+                if seq.stopper.should_stop(seq.output_ids):
+                    done = True
+                    break
+        except Exception as e:
+            return self._fail(seq, e, kept)
+        # stopped inside the accepted run: the K/V of the tokens cut off go too (cache = every token but the newest)
+        self.blocks.rewind(seq, max(0, seq.num_computed_tokens - (seq.num_tokens - 1)))
+        assert seq.num_computed_tokens == seq.num_tokens - 1, "after verification the cache holds all but the newest"
+        self.blocks.commit(seq)                           # only now: every computed position is verified
+        for stats in (seq.spec, self.spec_stats):
+            stats.record(len(draft), accepted)
+            stats.emitted += len(kept)
+        if seq.k_control is not None:
+            seq.k_control.update(len(draft), accepted)
+        if done:
+            self._finish(seq)
+        return StepOutput(seq.request_id, kept, done, seq.finish_reason)
 
     def _prepare_batch(self, scheduled: list[tuple[Sequence, int]]) -> StepBatch:
         """Flatten the scheduled chunks into one batch of rows, and check its layout once for all layers."""
@@ -243,8 +368,14 @@ class Engine:
         sampled = [b for b, seq in enumerate(seqs) if starts[b] + counts[b] == seq.num_tokens]
         logit_rows = query_starts[1:][sampled] - 1                                                # [R]
         num_decode = sum(seq.is_decoding for seq in seqs)
+        logit_starts = None
+        if any(seqs[b].draft for b in sampled):
+            # lesson 6: a sequence verifying a draft of k needs the logits of all its k + 1 rows
+            n_rows = [1 + len(seqs[b].draft) for b in sampled]
+            logit_rows = np.concatenate([np.arange(end - r, end) for end, r in zip(logit_rows + 1, n_rows)])
+            logit_starts = np.concatenate([[0], np.cumsum(n_rows)[:-1]]).tolist()
         return StepBatch(seqs, counts, tokens, positions, slots // bs, slots % bs, block_tables, context_lens,
-                         query_starts, sampled, logit_rows, num_decode)
+                         query_starts, sampled, logit_rows, num_decode, logit_starts)
 
     def _forward(self, batch: StepBatch) -> np.ndarray:
         """One forward over all rows of the batch -> logits [R, V] of its sampled rows. Attention is the only
@@ -271,12 +402,15 @@ class Engine:
         every sequence whose chunk reached its end (logits [R, V], row r for batch.sampled[r]), retire those that
         stop. A failure while sampling or stopping one sequence ends that sequence only."""
         outputs: list[StepOutput] = []
-        row = {b: r for r, b in enumerate(batch.sampled)}      # batch index -> its row of logits
+        row = dict(zip(batch.sampled, batch.logit_starts or range(len(batch.sampled))))  # batch index -> logits row
         now = time.perf_counter()
         for b, (seq, n) in enumerate(zip(batch.seqs, batch.counts)):
             if b not in row:                  # a prefill chunk short of the end: its K/V are in, nothing to sample
                 seq.num_computed_tokens += n
                 self.blocks.commit(seq)
+                continue
+            if seq.draft:                     # lesson 6: k + 1 rows to verify
+                outputs.append(self._verify(seq, n, logits[row[b]:row[b] + n], now))
                 continue
             try:
                 # the repetition penalty needs every token seen so far; skip building that list when it is off
@@ -310,6 +444,7 @@ class Engine:
         if reason is not None:
             seq.stopper.reason = reason
             seq.error = error
+        self._drop_draft(seq)                 # unverified tokens are not output (their K/V were never counted)
         self.blocks.free(seq)
         if seq.status is Status.RUNNING:
             self.running.remove(seq)

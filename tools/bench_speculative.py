@@ -40,7 +40,7 @@ DOC = ("Marie Curie was a physicist and chemist who conducted pioneering researc
 WORKLOADS = {
     "code": "Write a Python function merge_sorted(a, b) that merges two sorted lists into one sorted list. "
             "Include a docstring.",
-    "extractive": DOC + "\n\nCopy the text above word for word, starting with \"Marie Curie\".",
+    "extractive": "Repeat the following text exactly, word for word:\n\n" + DOC,
     "chat": "What are three good habits for staying focused while studying?",
 }
 
@@ -98,11 +98,11 @@ def drafter_lineup(model, args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--new-tokens", type=int, default=40)
+    ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--ks", default="1,2,4,8,16", help="k values for the n-gram drafter")
+    ap.add_argument("--ks", default="1,2,4,8,16,32", help="k values for the n-gram drafter")
     ap.add_argument("--model-k-max", type=int, default=2, help="largest k for the model drafters (they cost more)")
-    ap.add_argument("--adaptive-k-max", type=int, default=16)
+    ap.add_argument("--adaptive-k-max", type=int, default=32)
     ap.add_argument("--early-exit-layers", type=int, default=24)
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--weights", default=None)
