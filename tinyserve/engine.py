@@ -544,17 +544,24 @@ def interrupts_deferred():
 
 def generate_stream(model: Model, ids: Seq[int], max_new_tokens: int | None = None,
                     params: SamplingParams | None = None, tokenizer=None, backend: str = "numpy",
-                    block_size: int = 16, max_batch_tokens: int = 512) -> Iterator[int]:
+                    block_size: int = 16, max_batch_tokens: int = 512, spec_stats: SpecStats | None = None,
+                    **engine_kwargs) -> Iterator[int]:
     """One prompt through the engine (the CLI's --strategy paged): yields token ids as they are sampled.
-    The pool is sized for exactly this request."""
+    The pool is sized for exactly this request (a draft never reaches past the positions the request may hold).
+    engine_kwargs go to Engine (e.g. speculative="ngram", draft_k=8); spec_stats, if given, receives the request's
+    acceptance statistics when it ends."""
     params = params or SamplingParams()
     if max_new_tokens is not None:
         params = dataclasses.replace(params, max_new_tokens=max_new_tokens)
     n_prompt = len(check_token_ids(model.config, ids))
     positions = max_kv_positions(n_prompt, params.max_new_tokens, model.config.max_seq_len)
     engine = Engine(model, num_blocks=blocks_for(positions, block_size), block_size=block_size,
-                    max_batch_tokens=max_batch_tokens, backend=backend, tokenizer=tokenizer)
-    engine.add_request(ids, params)
+                    max_batch_tokens=max_batch_tokens, backend=backend, tokenizer=tokenizer, **engine_kwargs)
+    rid = engine.add_request(ids, params)
     while engine.has_unfinished():
         for out in engine.step():
             yield from out.new_tokens
+    if spec_stats is not None and engine.finished[rid].spec is not None:
+        stats = engine.finished[rid].spec
+        for name in ("steps", "drafted", "accepted", "rejected", "emitted", "ks", "accepts"):
+            setattr(spec_stats, name, getattr(stats, name))
