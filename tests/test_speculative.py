@@ -83,10 +83,13 @@ def test_adaptive_k_greedy_is_identical_and_moves_k(tiny):
     out = sp.generate(tiny, ids, 40, GREEDY, drafter=free_oracle, k=8, adaptive=True, stats=stats)
     assert out == kc.generate(tiny, ids, 40, GREEDY)
     assert stats.ks[0] < 8 and max(stats.ks) == 8, f"always accepted: k should climb to k_max, got {stats.ks}"
-    # the same oracle at its true cost (a whole target forward per token) can never pay for itself: k stays 1
+    # the same oracle at its true cost (a whole target forward per token) can never pay for itself: it decodes
+    # plainly and drafts one token every 8th step only, to keep measuring α
     honest = sp.SpecStats()
-    sp.generate(tiny, ids, 40, GREEDY, drafter=ModelDrafter(tiny, target=tiny), k=8, adaptive=True, stats=honest)
-    assert set(honest.ks) == {1}
+    out = sp.generate(tiny, ids, 40, GREEDY, drafter=ModelDrafter(tiny, target=tiny), k=8, adaptive=True,
+                      stats=honest)
+    assert out == kc.generate(tiny, ids, 40, GREEDY)
+    assert set(honest.ks) == {0, 1} and honest.ks.count(1) <= len(honest.ks) // 8 + 1
     bad = sp.SpecStats()
     sp.generate(tiny, ids, 40, GREEDY, drafter=make_drafter("draft", tiny, draft_model=ts.tiny_model(seed=7)),
                 k=8, adaptive=True, stats=bad)
@@ -101,13 +104,21 @@ def test_adaptive_k_follows_the_roofline_formula():
     assert control.alpha > 0.95 and control.next_k() >= 6
     for _ in range(30):
         control.update(4, 0)                 # first token rejected every time
+    # α ~ 0.15: with the roofline's nearly free verify step one draft token still pays (1.15 tokens for 1.05)...
     assert control.alpha < 0.2 and control.next_k() == 1
+    control.draft_cost = 0.3                 # ... but not when each draft token costs 0.3 of a step
+    assert control.next_k() == 0, "drafting loses: decode plainly"
+    assert [control.next_k() for _ in range(7)] == [0] * 6 + [1], "but probe every 8th step"
     before = control.alpha
     control.update(0, 0)                     # nothing drafted: no evidence either way
     assert control.alpha == before
-    expensive = sp.AdaptiveK(k_max=8, draft_cost=0.9, accepted=9, rejected=1)
+    expensive = sp.AdaptiveK(k_max=8, draft_cost=0.5, accepted=9, rejected=1)
     cheap = sp.AdaptiveK(k_max=8, draft_cost=0.0, accepted=9, rejected=1)
-    assert expensive.next_k() < cheap.next_k(), "a costly drafter should draft less at the same α"
+    assert 0 < expensive.next_k() < cheap.next_k(), "a costly drafter should draft less at the same α"
+    measured = sp.AdaptiveK(k_max=4, verify_costs=(1.0, 3.0, 3.1, 3.2, 3.3), accepted=1, rejected=9)
+    assert measured.next_k() == 0, "α = 0.1 cannot pay for a verify step that costs 3 decode steps"
+    with pytest.raises(ValueError, match="verify_costs"):
+        sp.AdaptiveK(k_max=4, verify_costs=(1.0, 2.0))
     with pytest.raises(ValueError, match="k_max"):
         sp.AdaptiveK(k_max=0)
 

@@ -421,6 +421,10 @@ class Engine:
                 continue
             seq.output_ids.append(token)
             seq.token_times.append(now)
+            if seq.spec is not None:          # a step without a draft (prefill, or k = 0): one token, no verdict
+                for stats in (seq.spec, self.spec_stats):
+                    stats.record(0, 0)
+                    stats.emitted += 1
             seq.num_computed_tokens += n
             self.blocks.commit(seq)
             try:

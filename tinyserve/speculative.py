@@ -192,8 +192,9 @@ class AdaptiveK:
     verifying k drafts costs `verify_costs[k]` (k + 1 rows in one forward; measure_verify_costs measures it on this
     machine) or, when not given, roofline's model 1 + VERIFY_ROW_COST * k, which speculative_best_k solves.
     α is estimated from decayed counts (recent steps weigh more: a request moves between quoting and free text),
-    starting from a prior of one acceptance and one rejection (α = 0.5). k never drops below 1: a request that
-    stopped drafting would never measure α again.
+    starting from a prior of one acceptance and one rejection (α = 0.5). When the formula says drafting loses
+    (best k = 0) the request decodes plainly, but every `probe_every`-th step still drafts (the best k >= 1):
+    a request that stopped drafting would never measure α again.
     """
     k_max: int = 8
     draft_cost: float = 0.0
@@ -201,6 +202,8 @@ class AdaptiveK:
     decay: float = 0.9
     accepted: float = 1.0
     rejected: float = 1.0
+    probe_every: int = 8
+    idle: int = 0                # steps in a row without a draft
 
     def __post_init__(self) -> None:
         check_positive_int("k_max", self.k_max, "AdaptiveK")
@@ -219,9 +222,21 @@ class AdaptiveK:
 
     def next_k(self) -> int:
         if self.verify_costs is None:
-            return max(1, speculative_best_k(self.alpha, self.draft_cost + VERIFY_ROW_COST, 1.0, self.k_max))
-        rate = [speculative_tokens_per_step(self.alpha, k) / (k * self.draft_cost + self.verify_costs[k])
-                for k in range(self.k_max + 1)]
+            best = speculative_best_k(self.alpha, self.draft_cost + VERIFY_ROW_COST, 1.0, self.k_max)
+            rate = None
+        else:
+            rate = [speculative_tokens_per_step(self.alpha, k) / (k * self.draft_cost + self.verify_costs[k])
+                    for k in range(self.k_max + 1)]
+            best = max(range(self.k_max + 1), key=rate.__getitem__)
+        if best > 0:
+            self.idle = 0
+            return best
+        self.idle += 1
+        if self.idle < self.probe_every:
+            return 0
+        self.idle = 0                    # probe: the best k that drafts at all
+        if rate is None:
+            return max(1, speculative_best_k(self.alpha, 0.0, 1.0 + self.draft_cost + VERIFY_ROW_COST, 1))
         return max(range(1, self.k_max + 1), key=rate.__getitem__)
 
 
