@@ -72,7 +72,7 @@ def test_misuse_is_caught():
         alloc.incref(0)
     with pytest.raises(AssertionError, match="never go negative"):
         alloc.decref(1)
-    with pytest.raises(ValueError, match="num_blocks >= 1"):
+    with pytest.raises(ValueError, match="num_blocks must be an integer >= 1"):
         BlockAllocator(0, block_size=16)
-    with pytest.raises(ValueError, match="block_size >= 1"):
+    with pytest.raises(ValueError, match="block_size must be an integer >= 1"):
         BlockAllocator(4, block_size=0)

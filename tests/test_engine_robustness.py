@@ -8,11 +8,14 @@ import os
 import signal
 
 import pytest
+import hypothesis
+from hypothesis import given, settings, strategies as st
 
 from tinyserve import engine as engine_mod
 from tinyserve import kv_cache
 from tinyserve.engine import Engine, StepOutput
 from tinyserve.sampling import SamplingParams
+from tinyserve.sequence import Status
 
 from .test_engine import GREEDY, assert_no_leaks, mixed_prompts
 
@@ -183,3 +186,118 @@ def test_abort_frees_a_request_at_once(tiny, prefix_caching):
 def test_step_output_error_defaults_to_none():
     out = StepOutput(3, [7], False, None)
     assert out.error is None and out._fields[-1] == "error"
+
+
+# --- the fuzz test: random mixes of valid and failing requests, aborts, tiny pools and prefix caching ----------
+
+def check_block_accounting(engine: Engine) -> None:
+    """No leak, no double count: every block's refcount is exactly the running sequences holding it plus the
+    cache's own reference; waiting and finished requests hold nothing."""
+    alloc, cache = engine.blocks.allocator, engine.blocks.cache
+    alloc.check()
+    holders = [0] * alloc.num_blocks
+    for seq in engine.running:
+        assert len(set(seq.block_table)) == len(seq.block_table), f"r{seq.request_id} holds a block twice"
+        for b in seq.block_table:
+            holders[b] += 1
+    for seq in (*engine.waiting, *engine.finished.values()):
+        assert seq.block_table == [], f"r{seq.request_id} ({seq.status.value}) still holds blocks"
+    cached = set(cache.cached) if engine.blocks.prefix_caching else set()
+    if engine.blocks.prefix_caching:
+        cache.check()
+    assert alloc.refcount == [h + (b in cached) for b, h in enumerate(holders)], "a block leaked or was lost"
+
+
+@st.composite
+def workloads(draw):
+    block_size = draw(st.sampled_from([1, 2, 4]))
+    num_blocks = draw(st.integers(3, 12))          # tiny: requests preempt each other
+    config = dict(num_blocks=num_blocks, block_size=block_size, max_batch_tokens=draw(st.sampled_from([2, 5, 64])),
+                  max_running=draw(st.sampled_from([3, 64])), prefix_caching=draw(st.booleans()))
+    base = draw(st.lists(st.integers(3, 12), min_size=1, max_size=10))    # a shared prefix: the cache gets hits
+    add = st.tuples(st.just("add"), st.integers(0, len(base)), st.lists(st.integers(3, 12), max_size=6),
+                    st.integers(1, 8), st.sampled_from(["greedy", "greedy", "seeded", "fails", "refused"]))
+    abort = st.tuples(st.just("abort"), st.integers(-1, 3))   # the k-th latest request (-1: an id never handed out)
+    step = st.tuples(st.just("step"), st.integers(1, 2))
+    events = draw(st.lists(st.one_of(add, add, abort, step, step), min_size=2, max_size=24))
+    return config, base, events
+
+
+def params_for(kind: str, n: int) -> SamplingParams:
+    if kind == "greedy":
+        return SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
+    if kind == "seeded":
+        return SamplingParams(temperature=0.8, top_p=0.9, seed=n, max_new_tokens=n)
+    return slipped_past_validation(max_new_tokens=n, repetition_penalty=5e-324)     # "fails": inf logits
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")
+@settings(max_examples=150, deadline=None)
+@given(workload=workloads())
+def test_fuzz_no_leak_no_livelock_and_valid_outputs_unchanged(tiny, workload):
+    config, base, events = workload
+    engine = Engine(tiny, **config)
+    requests: dict[int, tuple[list[int], SamplingParams, str]] = {}
+    streamed: dict[int, list[int]] = {}
+    aborted: set[int] = set()
+
+    def step() -> None:
+        for o in engine.step():
+            assert (engine.sequence(o.request_id).status is Status.FINISHED) == o.finished
+            streamed.setdefault(o.request_id, []).extend(o.new_tokens)
+            assert (o.finish_reason == "error") == (o.error is not None)
+        check_block_accounting(engine)
+        if any(s.num_preempted for s in engine.stats[-1:]):
+            hypothesis.event("preemption")
+
+    for event in events:
+        if event[0] == "add":
+            _, k, tail, n, kind = event
+            prompt = base[:k] + tail or [5]
+            if kind == "refused":            # impossible requests are refused up front and queue nothing
+                before = (len(engine.waiting), engine._next_id)
+                with pytest.raises(ValueError):
+                    engine.add_request(prompt + [tiny.config.vocab_size], params_for("greedy", n))
+                assert (len(engine.waiting), engine._next_id) == before
+                continue
+            params = params_for(kind, n)
+            if len(prompt) + n - 1 > config["num_blocks"] * config["block_size"]:
+                with pytest.raises(ValueError, match="whole pool"):
+                    engine.add_request(prompt, params)
+                continue
+            requests[engine.add_request(prompt, params)] = (prompt, params, kind)
+        elif event[0] == "abort":
+            if event[1] < 0 or not requests:
+                with pytest.raises(KeyError):
+                    engine.abort(engine._next_id)
+            else:
+                rid = list(requests)[-1 - event[1] % len(requests)]
+                status = engine.sequence(rid).status
+                hypothesis.event(f"abort a {status.value} request")
+                assert engine.abort(rid) is (status is not Status.FINISHED)
+                aborted |= {rid} if status is not Status.FINISHED else set()
+            check_block_accounting(engine)
+        else:
+            for _ in range(event[1]):
+                step()
+    steps = 0
+    while engine.has_unfinished():       # no livelock: every request ends within a bounded number of steps
+        step()
+        steps += 1
+        assert steps < 500, "the engine stopped making progress"
+
+    for rid, (prompt, params, kind) in requests.items():
+        seq = engine.finished[rid]
+        assert streamed.get(rid, []) == seq.output_ids         # every token was reported exactly once
+        if rid in aborted:
+            assert seq.finish_reason == "abort"
+            expected = kv_cache.generate(tiny, prompt, params=params) if kind != "fails" else []
+            assert seq.output_ids == expected[:len(seq.output_ids)]
+        elif kind == "fails":
+            assert seq.finish_reason == "error" and "NaN or no finite maximum" in seq.error
+        else:
+            assert seq.output_ids == kv_cache.generate(tiny, prompt, params=params), f"request {rid} ({kind})"
+            assert seq.finish_reason in ("eos", "length", "context") and seq.error is None
+    if engine.blocks.prefix_caching:
+        engine.blocks.cache.clear()
+    assert engine.blocks.allocator.num_free == engine.blocks.allocator.num_blocks

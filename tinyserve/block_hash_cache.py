@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from .paged import BlockAllocator
-from .prefix_cache import BlockCache, block_tokens
+from .cache_base import BlockCache, block_tokens
 
 
 def block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
@@ -50,7 +50,7 @@ class Entry:
 
 class BlockHashCache(BlockCache):
     """Prefix caching with a dict {chain hash: Entry}; the same contract as prefix_cache.PrefixCache (its memory
-    accounting, allocate, num_free, users, ..., comes from their shared base, prefix_cache.BlockCache)."""
+    accounting, allocate, num_free, users, ..., comes from their shared base, cache_base.BlockCache)."""
 
     def __init__(self, allocator: BlockAllocator):
         super().__init__(allocator)        # self.cached: the blocks of all entries

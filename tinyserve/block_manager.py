@@ -4,11 +4,14 @@ The scheduler decides *how many* tokens each sequence runs; the block manager ma
 them, and gives every block back when the sequence finishes or is preempted. Nothing else in the engine touches
 the allocator, so lesson 5 (prefix caching) is a contained change here: `admit` may hand a new sequence blocks
 that already hold its prompt prefix, `commit` may publish newly filled blocks, and `free` lets the cache keep them.
+With caching off, the cache is a NoPrefixCache (it never hits and keeps nothing): one code path either way.
 """
 from __future__ import annotations
 
 from .block_hash_cache import block_hashes
-from .paged import BlockAllocator, blocks_for
+from .cache_base import BlockCache, NoPrefixCache
+from .kv_sizing import blocks_for
+from .paged import BlockAllocator
 from .prefix_cache import PrefixCache
 from .speculative import rewind_blocks
 from .scheduler import SeqState
@@ -20,7 +23,8 @@ class BlockManager:
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.block_size = block_size
         # lesson 5: computed full blocks stay in a prefix trie, so later requests with the same prefix reuse them
-        self.cache = PrefixCache(self.allocator) if prefix_caching else None
+        self.prefix_caching = prefix_caching
+        self.cache: BlockCache = PrefixCache(self.allocator) if prefix_caching else NoPrefixCache(self.allocator)
         # request id -> (prompt tokens served from the cache, prompt tokens), at its first admission only (a
         # preempted request re-matching its own blocks is not a hit): the engine's prefix-cache metrics
         self.hits: dict[int, tuple[int, int]] = {}
@@ -34,13 +38,11 @@ class BlockManager:
     def num_free(self) -> int:
         """Blocks the scheduler may hand out this step (with a prefix cache, cached blocks that no sequence uses
         count too: `allocate` evicts them on demand, so caching never runs the pool dry)."""
-        return self.allocator.num_free if self.cache is None else self.cache.num_free
+        return self.cache.num_free
 
     def seq_state(self, seq: Sequence) -> SeqState:
         """What the scheduler sees of a running or waiting sequence. With a prefix cache, a waiting sequence
         reports the prefix it will be handed, so that the plan only counts the blocks it really has to allocate."""
-        if self.cache is None:
-            return SeqState(seq.num_tokens, seq.num_computed_tokens, len(seq.block_table))
         if seq.status is Status.WAITING:
             # the prefix `admit` will hand it. Of those blocks, the ones only the cache holds are counted in
             # num_free, so taking them costs the pool a block: report as "held" only those a sequence already uses
@@ -58,7 +60,7 @@ class BlockManager:
         two copies. The later one waits until the block is published and then shares it. FCFS: nobody behind
         it overtakes. The scan also ends where the step's token budget would (no need to look further).
         """
-        if self.cache is None:
+        if not self.prefix_caching:   # nothing is ever shared, so nothing is worth waiting for (and no hashing)
             return waiting
         bs = self.block_size
         pending: set[int] = set()     # chain hashes of full blocks being computed, not yet in the trie
@@ -82,30 +84,29 @@ class BlockManager:
         return max(0, blocks_for(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(seq.block_table))
 
     def admit(self, seq: Sequence) -> None:
-        """A waiting sequence becomes running. Without a prefix cache it starts from nothing: all its tokens
-        (prompt + any output kept from before a preemption) are recomputed."""
+        """A waiting sequence becomes running, after the longest cached prefix (lesson 5; at most num_tokens - 1).
+        Without a hit it starts from nothing: all its tokens (prompt + any output kept from before a preemption)
+        are recomputed."""
         assert not seq.block_table, f"request {seq.request_id} is admitted while still holding blocks"
-        seq.num_computed_tokens = 0
-        if self.cache is not None:   # lesson 5: start after the longest cached prefix (at most num_tokens - 1)
-            seq.block_table = self.cache.match(seq.token_slice(0, seq.num_tokens))
-            seq.num_computed_tokens = len(seq.block_table) * self.block_size
-            self.hits.setdefault(seq.request_id, (seq.num_computed_tokens, len(seq.prompt_ids)))  # first admission
-            self._published[seq.request_id] = len(seq.block_table)
+        seq.block_table = self.cache.match(seq.token_slice(0, seq.num_tokens))
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        self.hits.setdefault(seq.request_id, (seq.num_computed_tokens, len(seq.prompt_ids)))  # first admission
+        self._published[seq.request_id] = len(seq.block_table)
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Grow seq's block table so the next `num_new_tokens` tokens have a slot. The scheduler has already
         checked the free count, so OutOfBlocks here is a bug, not a policy."""
         need = self.blocks_needed(seq, num_new_tokens)
-        if self.cache is not None and need > self.allocator.num_free:
+        if need > self.allocator.num_free:
             self.cache.evict(need - self.allocator.num_free)   # LRU unreferenced blocks make room, in one pass
         for _ in range(need):
             seq.block_table.append(self.allocator.allocate())
 
     def commit(self, seq: Sequence) -> None:
-        """Called after a forward has written seq's K/V up to num_computed_tokens. With a prefix cache, publish
-        the newly filled blocks; nothing to do without one."""
+        """Called after a forward has written seq's K/V up to num_computed_tokens: publish the newly filled blocks
+        (a NoPrefixCache takes none)."""
         full = seq.num_computed_tokens // self.block_size
-        if self.cache is not None and full > self._published.get(seq.request_id, 0):
+        if full > self._published.get(seq.request_id, 0):
             # publish now, not at the end: a request arriving while this one runs can share its prefix
             self.cache.insert(seq.token_slice(0, full * self.block_size), seq.block_table[:full],
                               holder_keeps_blocks=True)
@@ -120,10 +121,10 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Give back every block of a finished or preempted sequence (decref: a shared block lives on)."""
-        if self.cache is not None:   # its computed full blocks stay in the trie (as evictable) for whoever is next
-            full = seq.num_computed_tokens // self.block_size
-            self.cache.insert(seq.token_slice(0, full * self.block_size), seq.block_table[:full])
-            self._published.pop(seq.request_id, None)
+        # its computed full blocks stay in the cache (as evictable) for whoever is next
+        full = seq.num_computed_tokens // self.block_size
+        self.cache.insert(seq.token_slice(0, full * self.block_size), seq.block_table[:full])
+        self._published.pop(seq.request_id, None)
         for block in reversed(seq.block_table):   # reversed: the tail block, least likely to be shared, first
             self.allocator.decref(block)
         seq.block_table = []

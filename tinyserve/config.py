@@ -116,9 +116,12 @@ class ModelConfig:
         if not path.exists():
             raise FileNotFoundError(f"no config.json at {path}: run `make weights` first")
         try:
-            return cls.from_hf_dict(json.loads(path.read_text()))
-        except (json.JSONDecodeError, KeyError) as e:
-            raise ValueError(f"{path} is not a valid LLaMA config.json ({e!r}); delete it and run `make weights`") from e
+            d = json.loads(path.read_text())
+            if not isinstance(d, dict):
+                raise TypeError(f"a JSON object is needed, got a JSON {type(d).__name__}")
+            return cls.from_hf_dict(d)
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path} is not a valid LLaMA config.json ({e}); delete it and run `make weights`") from e
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_hf_dict(), indent=2) + "\n")

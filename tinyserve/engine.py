@@ -34,14 +34,15 @@ from typing import Iterator, NamedTuple, Sequence as Seq
 
 import numpy as np
 
+from .attention_backends import check_block_tables, get_paged_attention
 from .block_manager import BlockManager
 from .config import check_positive_int, is_int
 from .drafters import Draft, make_drafter
 from .model import Model, check_token_ids, forward
-from .paged import (KVPool, blocks_for, check_block_tables, get_paged_attention, max_kv_positions, slot_mapping,
-                    write_kv_unchecked)
+from .kv_sizing import blocks_for, max_kv_positions
+from .paged import KVPool, slot_mapping, write_kv_unchecked
 from .sampling import SamplingParams, sample
-from .scheduler import plan_step
+from .scheduler import bind, plan_step
 from .speculative import AdaptiveK, SpecStats, draft_length, verify
 from .sequence import Sequence, Status
 from .stopping import StopChecker
@@ -99,8 +100,7 @@ class Engine:
         adaptive_k; verify_costs as for speculative.AdaptiveK)."""
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
                             ("max_batch_tokens", max_batch_tokens), ("max_running", max_running)):
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"Engine: {name} must be an integer >= 1, got {value!r}")
+            check_positive_int(name, value, "Engine")
         self.model = model
         self.config = model.config
         self.block_size = block_size
@@ -196,28 +196,26 @@ class Engine:
         plan = plan_step([self.blocks.seq_state(s) for s in self.running],
                          [self.blocks.seq_state(s) for s in waiting],
                          self.blocks.num_free, self.max_batch_tokens, self.block_size, self.max_running)
-        batch = [(self.running[i], n) for i, n in plan.run]
-        for i in plan.preempt:                   # youngest first, so the oldest victim ends up at the front
-            seq = self.running[i]
-            self.blocks.free(seq)                # its K/V are gone; its output tokens are kept for the recompute
+        chosen = bind(plan, self.running, waiting)     # the plan's indices, turned into the sequences they name
+        for seq in chosen.preempt:                     # youngest first, so the oldest victim ends up at the front
+            self.blocks.free(seq)                      # its K/V are gone; its output tokens are kept for the recompute
             seq.status = Status.WAITING
             seq.num_preemptions += 1
+            self.running.remove(seq)
             self.waiting.appendleft(seq)
-        gone = set(plan.preempt)
-        self.running = [s for i, s in enumerate(self.running) if i not in gone]
-        assert [w for w, _ in plan.admit] == list(range(len(plan.admit))), "FCFS: admit a prefix of the queue"
         now = time.perf_counter()
-        for _, n in plan.admit:
-            seq = self.waiting.popleft()
+        for seq, _ in chosen.admit:
+            assert self.waiting[0] is seq, "FCFS: admit from the front of the queue, in order"
+            self.waiting.popleft()
             self.blocks.admit(seq)
             seq.status = Status.RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
             self.running.append(seq)
-            batch.append((seq, n))
+        batch = chosen.run + chosen.admit
         for seq, n in batch:
             self.blocks.allocate(seq, n)
-        return batch, len(plan.preempt), len(plan.admit)
+        return batch, len(chosen.preempt), len(chosen.admit)
 
     def step(self) -> list[StepOutput]:
         """Schedule, run one batched forward, sample, retire. Returns one StepOutput per sampled token, and one

