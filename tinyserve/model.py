@@ -36,6 +36,17 @@ class Model:
     final_norm: np.ndarray     # [D]
     rope_cos: np.ndarray       # [max_seq_len, H/2]
     rope_sin: np.ndarray       # [max_seq_len, H/2]
+    # Lesson 7. quant: "none" | "int8" | "w8a8"; then the matmul weights of `layers` are quant.QuantizedLinear and
+    # lm_head_q is the int8 LM head. backend: "numpy" (this file: the readable reference) | "numba" (kernels/:
+    # the fast path; `fast` caches its packed weights). Every strategy calls forward() and so runs the one chosen.
+    lm_head_q: object | None = None
+    quant: str = "none"
+    backend: str = "numpy"
+    fast: object | None = None
+
+    @property
+    def lm_head(self):  # [D, V]: logits = h @ lm_head
+        return self.embed.T if self.lm_head_q is None else self.lm_head_q
 
     @classmethod
     def from_weights(cls, config: ModelConfig, embed: np.ndarray, layers: list[LayerWeights],
@@ -44,9 +55,10 @@ class Model:
         return cls(config, embed, layers, final_norm, cos, sin)
 
     def num_parameters(self) -> int:
+        size = lambda a: int(np.prod(a.shape))   # noqa: E731  (a float array or a quant.QuantizedLinear)
         n = self.embed.size + self.final_norm.size
         for w in self.layers:
-            n += sum(a.size for a in (w.attn_norm, w.wq, w.wk, w.wv, w.wo, w.mlp_norm, w.w_gate, w.w_up, w.w_down))
+            n += sum(size(a) for a in (w.attn_norm, w.wq, w.wk, w.wv, w.wo, w.mlp_norm, w.w_gate, w.w_up, w.w_down))
         return n
 
 
@@ -82,6 +94,9 @@ def forward(model: Model, tokens: np.ndarray, positions: np.ndarray, attention: 
     sequence): the LM head is the single largest matmul (V = 49152 columns), so prefill skips it for the rest.
     Returns logits [len(logit_rows) or T, V] float32.
     """
+    if model.backend == "numba" and model.quant != "none":       # lesson 7: the same steps, fused Numba kernels
+        from .kernels.forward import fast_forward
+        return fast_forward(model, tokens, positions, attention, logit_rows)
     cfg = model.config
     T, N, K, H = len(tokens), cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     cos, sin = model.rope_cos[positions], model.rope_sin[positions]   # [T, H/2]
@@ -95,4 +110,4 @@ def forward(model: Model, tokens: np.ndarray, positions: np.ndarray, attention: 
         x = x + swiglu_mlp(rms_norm(x, w.mlp_norm, cfg.norm_eps), w.w_gate, w.w_up, w.w_down)  # and around MLP
     if logit_rows is not None:
         x = x[logit_rows]
-    return rms_norm(x, model.final_norm, cfg.norm_eps) @ model.embed.T  # [R, V]
+    return rms_norm(x, model.final_norm, cfg.norm_eps) @ model.lm_head  # [R, V]

@@ -1,0 +1,237 @@
+"""int8 matmuls in Numba: y[T, O] = x[T, D] @ W (W int8 with one float scale per output channel).
+
+Two kernels, one per quantisation mode of tinyserve.quant:
+- `matmul_w8a8`: the activations are quantised too (int8 per row, by `quantize_rows` or fused into
+  `rms_norm_quant` / `swiglu_quant`), so the dot products are integer: VNNI microkernels (kernels/vnni.py) over
+  weights packed by `pack_vnni`. Bit-identical to the NumPy reference in tinyserve.quant (integer sums; the
+  same float32 scaling in the same order).
+- `matmul_w8a32`: weight-only; each int8 weight is widened to float32 and multiplied with the float32 activation.
+  Float sums in a different order than BLAS: matches the NumPy reference to ~1e-6 relative (tests/test_quant.py).
+
+Both parallelise over work items of (a tile of rows, a group of 64 output channels), so one weight group is read
+from memory once per tile of rows and stays in cache while the other rows' tiles reuse it: at decode (T = 1..16)
+the kernels stream the weights once (memory-bound), at prefill (T = hundreds) they are compute-bound.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from .vnni import HAVE_VNNI, make_microkernel, make_w8a32_microkernel
+
+BLOCK = 16            # output channels per packed block: one vector of 16 int32 accumulators
+ROWS = 4              # R: rows (tokens) per tile: each weight load serves 4 rows
+COLS = 4              # C: packed blocks per tile: each activation broadcast serves 4 x 16 = 64 outputs
+_tile_RC = make_microkernel(ROWS, COLS)
+_tile_1C = make_microkernel(1, COLS)
+_tile_11 = make_microkernel(1, 1)
+_ftile_RC = make_w8a32_microkernel(ROWS, COLS)
+_ftile_1C = make_w8a32_microkernel(1, COLS)
+_ftile_11 = make_w8a32_microkernel(1, 1)
+
+
+# --- layout ------------------------------------------------------------------------------------------------------
+
+def pack_vnni(wq: np.ndarray) -> np.ndarray:
+    """[D, O] int8 (y = x @ W) -> [O/16, D/4 * 64] int8: block b, step i holds outputs 16b..16b+15 x inputs 4i..4i+3,
+    output-major (byte 4*l + k is W[4i + k, 16b + l]): exactly one vpdpbusd operand per 64 bytes."""
+    D, O = wq.shape
+    if D % 4 or O % BLOCK:
+        raise ValueError(f"pack_vnni needs D % 4 == 0 and O % {BLOCK} == 0, got a [{D}, {O}] matrix")
+    w = wq.reshape(D // 4, 4, O // BLOCK, BLOCK)          # [i, k, b, l]
+    return np.ascontiguousarray(w.transpose(2, 0, 3, 1)).reshape(O // BLOCK, D // 4 * 4 * BLOCK)
+
+
+def pack_w8a32(wq: np.ndarray) -> np.ndarray:
+    """[D, O] int8 -> [O/16, D, 16] int8: for each input channel, the 16 outputs of a block side by side, so the
+    weight-only kernel widens 16 contiguous bytes and multiplies them with one broadcast activation."""
+    D, O = wq.shape
+    if O % BLOCK:
+        raise ValueError(f"pack_w8a32 needs O % {BLOCK} == 0, got a [{D}, {O}] matrix")
+    return np.ascontiguousarray(wq.reshape(D, O // BLOCK, BLOCK).transpose(1, 0, 2))
+
+
+# --- activations -------------------------------------------------------------------------------------------------
+
+@njit(cache=True, inline="always")
+def _quantize_row(h, xu_row):
+    """One row [D] float32 -> xu_row [D] uint8 (int8 value + 128); returns its scale. Same arithmetic as
+    quant.quantize_rows: s = max|h| / 127, q = floor(h / s + 0.5), all float32."""
+    amax = np.float32(0.0)
+    for i in range(h.shape[0]):
+        amax = max(amax, abs(h[i]))
+    s = amax / np.float32(127.0) if amax > 0 else np.float32(1.0)
+    for i in range(h.shape[0]):
+        q = math.floor(h[i] / s + np.float32(0.5))
+        xu_row[i] = np.uint8(min(max(q, -127), 127) + 128)
+    return s
+
+
+@njit(cache=True, parallel=True)
+def quantize_rows(x, xu, sx):
+    """x [T, D] float32 -> xu [T, D] uint8 (offset by 128), sx [T] float32 (per-row scale)."""
+    for t in prange(x.shape[0]):
+        sx[t] = _quantize_row(x[t], xu[t])
+
+
+# The mean of squares (RMSNorm) and exp (SiLU) come from NumPy, the caller computes them: they are what the
+# NumPy reference computes, to the last bit (NumPy sums pairwise and has its own SIMD exp). Everything after them
+# is elementwise and in the reference's order, so the W8A8 path quantises exactly the activations the reference
+# quantises: a 1-ulp difference before rounding to int8 could otherwise become a whole quantisation step.
+
+@njit(cache=True, parallel=True)
+def rms_norm_quant(x, ms, weight, eps, xu, sx):
+    """RMSNorm (layers.rms_norm) fused with quantize_rows: x [T, D], ms [T] = mean(x^2) -> xu [T, D] uint8, sx [T].
+    The normalised row lives only in a scratch of D floats: one pass less over memory than norm, then quantise."""
+    T, D = x.shape
+    for t in prange(T):
+        inv = np.float32(1.0) / np.sqrt(ms[t] + eps)
+        h = np.empty(D, np.float32)
+        for i in range(D):
+            h[i] = x[t, i] * inv * weight[i]
+        sx[t] = _quantize_row(h, xu[t])
+
+
+@njit(cache=True, parallel=True)
+def rms_norm_rows(x, ms, weight, eps, out):
+    """RMSNorm for the weight-only path (its activations stay float32): x [T, D], ms [T] -> out [T, D]."""
+    T, D = x.shape
+    for t in prange(T):
+        inv = np.float32(1.0) / np.sqrt(ms[t] + eps)
+        for i in range(D):
+            out[t, i] = x[t, i] * inv * weight[i]
+
+
+@njit(cache=True, parallel=True)
+def swiglu_rows(gu, e, out):
+    """gu [T, 2F] (gate | up, the fused projection), e [T, F] = exp(-gate) -> out [T, F] = silu(gate) * up."""
+    T, F = out.shape
+    for t in prange(T):
+        for i in range(F):
+            out[t, i] = gu[t, i] / (np.float32(1.0) + e[t, i]) * gu[t, F + i]
+
+
+@njit(cache=True, parallel=True)
+def swiglu_quant(gu, e, xu, sx):
+    """swiglu_rows fused with quantize_rows: gu [T, 2F], e [T, F] -> xu [T, F] uint8, sx [T]."""
+    T = gu.shape[0]
+    F = xu.shape[1]
+    for t in prange(T):
+        a = np.empty(F, np.float32)
+        for i in range(F):
+            a[i] = gu[t, i] / (np.float32(1.0) + e[t, i]) * gu[t, F + i]
+        sx[t] = _quantize_row(a, xu[t])
+
+
+# --- W8A8 --------------------------------------------------------------------------------------------------------
+
+@njit(cache=True)
+def _dot_u8s8_fallback(xf, x_off, wf, w_off, n4, acc):
+    """Portable stand-in for one (1 row x 1 block) VNNI tile: acc[l] = sum_i x[i] * W[l, i], int32 throughout
+    (each product cast back to int32, or Numba widens the sum to int64: 2-3x slower, perf-notes)."""
+    for l in range(BLOCK):
+        acc[l] = 0
+    for i in range(n4):
+        for l in range(BLOCK):
+            s = acc[l]
+            for k in range(4):
+                s = np.int32(s + np.int32(xf[x_off + 4 * i + k]) * np.int32(wf[w_off + 64 * i + 4 * l + k]))
+            acc[l] = s
+
+
+@njit(cache=True, parallel=True)
+def _matmul_w8a8(xu, sx, wp, wsum, sw, out, accumulate):
+    T, D = xu.shape
+    n_blocks = wp.shape[0]
+    n4 = D // 4
+    step = n4 * 64                                   # bytes of one packed block
+    row_tiles = (T + ROWS - 1) // ROWS
+    col_groups = (n_blocks + COLS - 1) // COLS
+    xf = xu.ravel()
+    wf = wp.ravel()
+    # items run column-group-major: a thread walks all row tiles of one weight group while it is in cache
+    for item in prange(row_tiles * col_groups):
+        g, rt = item // row_tiles, item % row_tiles
+        r0, b0 = rt * ROWS, g * COLS
+        nr, nc = min(ROWS, T - r0), min(COLS, n_blocks - b0)
+        acc = np.empty(ROWS * COLS * BLOCK, np.int32)  # [nr, nc*16] row-major, row stride COLS*16
+        if HAVE_VNNI and nr == ROWS and nc == COLS:
+            _tile_RC(xf, r0 * D, D, wf, b0 * step, step, n4, acc, 0, COLS * BLOCK)
+        elif HAVE_VNNI and nc == COLS:
+            for r in range(nr):
+                _tile_1C(xf, (r0 + r) * D, D, wf, b0 * step, step, n4, acc, r * COLS * BLOCK, COLS * BLOCK)
+        else:
+            for r in range(nr):
+                for c in range(nc):
+                    o = r * COLS * BLOCK + c * BLOCK
+                    if HAVE_VNNI:
+                        _tile_11(xf, (r0 + r) * D, D, wf, (b0 + c) * step, step, n4, acc, o, COLS * BLOCK)
+                    else:
+                        _dot_u8s8_fallback(xf, (r0 + r) * D, wf, (b0 + c) * step, n4, acc[o:o + BLOCK])
+        # epilogue: undo the +128 offset of the activations (exact, in int32), then the two float scales
+        for r in range(nr):
+            t = r0 + r
+            for j in range(nc * BLOCK):
+                o = b0 * BLOCK + j
+                y = np.float32(acc[r * COLS * BLOCK + j] - 128 * wsum[o]) * sx[t] * sw[o]
+                if accumulate:
+                    out[t, o] += y
+                else:
+                    out[t, o] = y
+
+
+def matmul_w8a8(xu: np.ndarray, sx: np.ndarray, wp: np.ndarray, wsum: np.ndarray, sw: np.ndarray,
+                out: np.ndarray | None = None, accumulate: bool = False) -> np.ndarray:
+    """xu [T, D] uint8 (+128), sx [T], wp = pack_vnni(wq), wsum [O] int32 = wq.sum(0), sw [O] -> [T, O] float32.
+    With accumulate=True the result is added to `out` (the residual connection, without a temporary)."""
+    if out is None:
+        out = np.empty((xu.shape[0], wp.shape[0] * BLOCK), np.float32)
+    _matmul_w8a8(xu, sx, wp, wsum, sw, out, accumulate)
+    return out
+
+
+# --- W8A32 -------------------------------------------------------------------------------------------------------
+
+@njit(cache=True, parallel=True)
+def _matmul_w8a32(x, wp, sw, out, accumulate):
+    T, D = x.shape
+    n_blocks = wp.shape[0]
+    step = D * BLOCK                                 # bytes of one packed block
+    row_tiles = (T + ROWS - 1) // ROWS
+    col_groups = (n_blocks + COLS - 1) // COLS
+    xf = x.ravel()
+    wf = wp.ravel()
+    for item in prange(row_tiles * col_groups):     # the same work split as _matmul_w8a8
+        g, rt = item // row_tiles, item % row_tiles
+        r0, b0 = rt * ROWS, g * COLS
+        nr, nc = min(ROWS, T - r0), min(COLS, n_blocks - b0)
+        acc = np.empty(ROWS * COLS * BLOCK, np.float32)
+        if nr == ROWS and nc == COLS:
+            _ftile_RC(xf, r0 * D, D, wf, b0 * step, step, D, acc, 0, COLS * BLOCK)
+        elif nc == COLS:
+            for r in range(nr):
+                _ftile_1C(xf, (r0 + r) * D, D, wf, b0 * step, step, D, acc, r * COLS * BLOCK, COLS * BLOCK)
+        else:
+            for r in range(nr):
+                for c in range(nc):
+                    _ftile_11(xf, (r0 + r) * D, D, wf, (b0 + c) * step, step, D, acc, r * COLS * BLOCK + c * BLOCK,
+                              COLS * BLOCK)
+        for r in range(nr):
+            for j in range(nc * BLOCK):
+                o = b0 * BLOCK + j
+                y = acc[r * COLS * BLOCK + j] * sw[o]
+                if accumulate:
+                    out[r0 + r, o] += y
+                else:
+                    out[r0 + r, o] = y
+
+
+def matmul_w8a32(x: np.ndarray, wp: np.ndarray, sw: np.ndarray, out: np.ndarray | None = None,
+                 accumulate: bool = False) -> np.ndarray:
+    """x [T, D] float32, wp = pack_w8a32(wq), sw [O] -> [T, O] float32 (added to `out` if accumulate)."""
+    if out is None:
+        out = np.empty((x.shape[0], wp.shape[0] * BLOCK), np.float32)
+    _matmul_w8a32(x, wp, sw, out, accumulate)
+    return out
