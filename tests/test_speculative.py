@@ -56,6 +56,18 @@ def test_greedy_speculative_equals_kv_cache_greedy_tiny(tiny, kind, k):
         assert all(d <= k for d in stats.ks)
 
 
+@pytest.mark.parametrize("k", KS)
+def test_int8_copy_of_the_target_drafts_well_and_changes_nothing(tiny, k):
+    # lesson 7's int8 weights (NumPy reference here) as the draft model: the same tokens, and most drafts accepted
+    from tinyserve.quant import set_backend
+    int8 = set_backend(tiny, "int8", "numpy")
+    ids = prompts()[2]
+    stats = sp.SpecStats()
+    out = sp.generate(tiny, ids, 30, GREEDY, drafter=make_drafter("int8", tiny, draft_model=int8), k=k, stats=stats)
+    assert out == kc.generate(tiny, ids, 30, GREEDY)
+    assert stats.alpha > 0.8, f"int8 rounding should rarely change the argmax (α = {stats.alpha:.2f})"
+
+
 def test_a_drafter_that_is_the_target_is_always_accepted(tiny):
     # the target drafting for itself: α = 1, so every step yields k + 1 tokens (the formula's best case)
     ids = prompts()[2]

@@ -35,15 +35,12 @@ def add_speculative_options(parser: argparse.ArgumentParser) -> None:
 
 
 def draft_model_for(kind: str | None, weights):
-    """The draft Model the drafter needs: the int8 copy of the target for "int8" (lesson 7), else None."""
+    """The draft Model the drafter needs: the int8 copy of the target for "int8" (lesson 7's weights on its Numba
+    kernels: the NumPy int8 reference is slower than the float32 target), else None."""
     if kind != "int8":
         return None
-    import inspect
     from .weights import load_model
-    if "quant" not in inspect.signature(load_model).parameters:
-        raise ValueError("--speculative int8 needs lesson 7's int8 weights (load_model(quant='int8')), which this "
-                         "checkout does not have yet; use ngram or early-exit")
-    return load_model(weights, quant="int8")
+    return load_model(weights, quant="int8", backend="numba")
 
 
 def speculative_engine_kwargs(args, model) -> dict:

@@ -26,8 +26,9 @@ from .config import check_positive_int, is_int
 from .drafters import Draft, Drafter, NgramDrafter, draw
 from .gqa import grouped_attention
 from .kv_cache import KVCache, forward_with_cache, prefill
+from .kv_sizing import blocks_for, max_kv_positions
 from .model import Model
-from .paged import BlockAllocator, blocks_for, max_kv_positions
+from .paged import BlockAllocator
 from .roofline import speculative_best_k, speculative_tokens_per_step
 from .sampling import SamplingParams, probabilities, sample
 from .stopping import start_request

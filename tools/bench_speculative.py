@@ -83,17 +83,40 @@ def decode_time(stream, stats) -> tuple[list[int], float]:
 def drafter_lineup(model, args) -> dict:
     """name -> (factory of a fresh drafter, k values to sweep)."""
     ks = [int(k) for k in args.ks.split(",")]
-    model_ks = [k for k in ks if k <= args.model_k_max]
     lineup = {"ngram": (lambda: NgramDrafter(), ks)}
     L = args.early_exit_layers
     ee = early_exit_model(model, L)
-    lineup[f"early-exit-{L}"] = (lambda: ModelDrafter(ee, name=f"early-exit-{L}", target=model), model_ks)
-    if "quant" in inspect.signature(ts.load_model).parameters:
-        int8 = ts.load_model(args.weights, quant="int8") if args.weights else ts.load_model(quant="int8")
-        lineup["int8"] = (lambda: ModelDrafter(int8, name="int8", target=model), model_ks)
+    lineup[f"early-exit-{L}"] = (lambda: ModelDrafter(ee, name=f"early-exit-{L}", target=model),
+                                 [int(k) for k in args.early_exit_ks.split(",")])
+    if args.target == "int8":
+        print("(the target is the int8 model itself: no int8 drafter)")
+    elif "quant" in inspect.signature(ts.load_model).parameters:
+        int8 = load(args, quant="int8", backend="numba")
+        # cost: measured, relative to the float32 target's decode step (the bandwidth ratio would say ~1/4)
+        cost = decode_seconds(int8) / decode_seconds(model)
+        print(f"int8 draft model (Numba): one decode step costs {cost:.2f} of the float32 target's")
+        lineup["int8"] = (lambda: ModelDrafter(int8, name="int8", target=model, cost=cost),
+                          [int(k) for k in args.int8_ks.split(",")])
     else:
         print("(int8 weights are not on this branch yet: no int8 drafter in this run)")
     return lineup
+
+
+def load(args, **kw):
+    return ts.load_model(args.weights, **kw) if args.weights else ts.load_model(**kw)
+
+
+def decode_seconds(model, history: int = 64, repeat: int = 5) -> float:
+    """Median time of one decode step (one row over `history` cached positions)."""
+    cache = kv_cache.KVCache.allocate(model.config, history + 1)
+    kv_cache.forward_with_cache(model, cache, list(range(100, 100 + history)))
+    runs = []
+    for _ in range(repeat + 1):
+        t0 = time.perf_counter()
+        kv_cache.forward_with_cache(model, cache, [5])
+        runs.append(time.perf_counter() - t0)
+        cache.rewind(1)
+    return statistics.median(runs[1:])
 
 
 def main() -> None:
@@ -101,7 +124,10 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--ks", default="1,2,4,8,16,32", help="k values for the n-gram drafter")
-    ap.add_argument("--model-k-max", type=int, default=2, help="largest k for the model drafters (they cost more)")
+    ap.add_argument("--early-exit-ks", default="1,2", help="k values for the early-exit drafter (it costs more)")
+    ap.add_argument("--int8-ks", default="2,4", help="k values for the int8 drafter")
+    ap.add_argument("--target", default="fp32", choices=["fp32", "int8"],
+                    help="the target model: float32 NumPy (default) or lesson 7's int8 weights on the Numba backend")
     ap.add_argument("--adaptive-k-max", type=int, default=32)
     ap.add_argument("--early-exit-layers", type=int, default=24)
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
@@ -109,7 +135,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the raw results here")
     args = ap.parse_args()
 
-    model = ts.load_model(args.weights) if args.weights else ts.load_model()
+    model = load(args) if args.target == "fp32" else load(args, quant="int8", backend="numba")
     tok = ts.load_tokenizer(args.weights) if args.weights else ts.load_tokenizer()
     greedy = ts.SamplingParams(temperature=0)
     lineup = drafter_lineup(model, args)
@@ -119,7 +145,7 @@ def main() -> None:
     print("verify cost (x a decode step) at k = 0..: " + " ".join(f"{c:.2f}" for c in verify_costs))
 
     configs = [(name, k, False) for name, (_, ks) in lineup.items() for k in ks]
-    configs += [(name, args.adaptive_k_max if name == "ngram" else args.model_k_max, True) for name in lineup]
+    configs += [(name, args.adaptive_k_max if name == "ngram" else max(ks), True) for name, (_, ks) in lineup.items()]
     rows: dict[tuple, dict] = {}
     base_times: dict[str, list[float]] = {w: [] for w in workloads}
     for rep in range(args.reps):
@@ -144,8 +170,10 @@ def main() -> None:
                 print(f"rep {rep} {w:>10} {name:>14} k={k:<2}{'a' if adaptive else ' '} "
                       f"α={stats.alpha:.2f} tok/step={stats.tokens_per_step:.2f} x{t_base / t:.2f}", flush=True)
 
-    print(f"\nSmolLM2-135M-Instruct fp32, NumPy backend, greedy, {args.new_tokens} new tokens, {args.reps} interleaved "
-          f"repetitions; speed-up = median (min-max) of plain/speculative time in the same repetition.")
+    backend = "fp32 NumPy" if args.target == "fp32" else "int8 Numba (lesson 7)"
+    print(f"\nSmolLM2-135M-Instruct target: {backend}, greedy, {args.new_tokens} new tokens, {args.reps} interleaved "
+          f"repetitions; speed-up = median (min-max) of plain/speculative decode time per token in the same "
+          f"repetition, plain decoding on the same backend.")
     print("plain decode tokens/s (median): " + ", ".join(
         f"{w} {1 / statistics.median(ts_):.2f}" for w, ts_ in base_times.items()))
     print("\n| workload | drafter | k | α | tokens/step | predicted (roofline) | predicted (measured costs) | "
