@@ -61,6 +61,7 @@ check-%: $(STAMP) weights
 
 bench: $(STAMP) weights
 	$(PYTHON) -m tinyserve bench
+	$(PYTHON) -m tinyserve speed
 
 # The reference fixture needs PyTorch + transformers in a venv of their own (tinyserve never imports torch).
 fixtures: $(STAMP) weights

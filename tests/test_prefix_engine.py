@@ -207,7 +207,7 @@ def test_chat_survives_a_message_it_cannot_serve(smol, smol_tok):
     turns = chat_loop(engine, smol_tok, lines, params, out=out, err=err)
     assert len(turns) == 1 and turns[0].output_tokens >= 1
     log = err.getvalue()
-    assert "[error: the text contains '\\x04'" in log and "can never run" in log and "[turn 1:" in log
+    assert "[error: the text contains '\\x04'" in log and "does not fit the context" in log and "[turn 1:" in log
     assert not engine.has_unfinished() and engine.blocks.allocator.num_used == engine.blocks.cache.num_cached
 
 

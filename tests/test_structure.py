@@ -54,6 +54,14 @@ def test_moved_names_still_resolve_at_their_old_paths():
     assert prefix_cache.block_tokens is cache_base.block_tokens
 
 
+def test_engine_is_split_by_idea():
+    # the step's batch layout and the Ctrl-C deferral live in their own modules; engine.py keeps the request
+    # lifecycle and the step loop
+    from tinyserve import engine, interrupts, step_batch
+    assert engine.StepBatch is step_batch.StepBatch and engine.interrupts_deferred is interrupts.interrupts_deferred
+    assert len((PKG / "engine.py").read_text().splitlines()) < 400
+
+
 def test_one_positive_int_check():
     # engine.py, paged.py and kv_cache.py use config.check_positive_int instead of their own copies
     for name in ("engine.py", "paged.py"):

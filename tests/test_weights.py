@@ -115,6 +115,20 @@ def test_non_finite_values(folder, cfg, bad):
         load_model(folder)
 
 
+@pytest.mark.parametrize("edit, match", [
+    ({"n_kv_heads": 1}, r"k_proj\.weight has shape \(8, 16\), config\.json implies \(4, 16\)"),   # K x H
+    ({"n_heads": 2, "n_kv_heads": 2}, r"k_proj\.weight has shape \(8, 16\), config\.json implies \(16, 16\)"),
+    ({"vocab_size": 40}, r"embed_tokens\.weight has shape \(32, 16\), config\.json implies \(40, 16\)"),
+    ({"intermediate_size": 20}, r"gate_proj\.weight has shape \(24, 16\), config\.json implies \(20, 16\)"),
+])
+def test_an_edited_config_that_contradicts_the_tensors_is_refused(folder, cfg, edit, match):
+    # a hand-edited config.json used to produce '--------' when the shapes happened to work out; these do not
+    import dataclasses
+    dataclasses.replace(cfg, **edit).save(folder / "config.json")
+    with pytest.raises(WeightsError, match=match):
+        load_model(folder)
+
+
 def test_config_with_fewer_layers_than_the_tensors(folder, cfg):
     t = hf_tensors(tiny_config(dim=16, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=24, vocab_size=32))
     write_tensors(folder, cfg, t)          # the file holds 2 layers, config.json says 1: layer 1 would be skipped

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -64,9 +65,15 @@ def cmd_generate(args) -> int:
     strategy = args.strategy or default_strategy()
     if strategy not in table:
         raise ValueError(f"unknown strategy {strategy!r}; choose from {sorted(table)}")
+    prompt = args.prompt
+    if prompt == "-":   # `generate -`: the prompt comes from stdin (a file, a pipe), without its final newline
+        prompt = sys.stdin.read().removesuffix("\n")
+        if not prompt:
+            raise ValueError("generate -: stdin was empty; pipe a prompt in, e.g. `echo hi | python -m tinyserve "
+                             "generate -`")
     tok = load_tokenizer(args.weights)
-    model = load_model(args.weights)
-    text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    model = load_model(args.weights, quant=args.quant, backend=args.backend)
+    text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if args.chat else prompt
     ids = tok.encode(text)   # every strategy validates it (check_token_ids) before its first token
     generate_stream = table[strategy]
     spec = None
@@ -96,20 +103,44 @@ def cmd_generate(args) -> int:
         if not args.json:
             print(stream.push(token), end="", flush=True)
     total = time.perf_counter() - t0
-    decode_rate = (len(out) - 1) / (total - ttft) if len(out) > 1 and total > ttft else float("nan")
+    # no rate after a single token: null in JSON (NaN is not JSON), "n/a" in the summary
+    decode_rate = (len(out) - 1) / (total - ttft) if len(out) > 1 and total > ttft else None
     if args.json:
-        print(json.dumps({"strategy": strategy, "prompt_ids": ids, "output_ids": out,
+        print(json.dumps({"strategy": strategy, "quant": model.quant, "backend": model.backend, "prompt_ids": ids,
+                          "output_ids": out,
                           "text": tok.decode(out, skip_special_tokens=True), "ttft_s": ttft,
                           "tokens_per_s": decode_rate, "total_s": total}
-                         | ({"speculative": args.speculative, "draft_alpha": spec.alpha,
-                             "tokens_per_step": spec.tokens_per_step} if spec is not None else {})))
+                         | ({"speculative": args.speculative,   # None, not NaN, when nothing was drafted
+                             "draft_alpha": spec.alpha if spec.accepted + spec.rejected else None,
+                             "tokens_per_step": spec.tokens_per_step if spec.steps else None}
+                            if spec is not None else {}),
+                         allow_nan=False))
     else:
         print(stream.flush())
+        rate = "n/a" if decode_rate is None else f"{decode_rate:.1f}"
         extra = (f"; {args.speculative} drafts: α {spec.alpha:.2f}, {spec.tokens_per_step:.2f} tokens per forward"
                  if spec is not None else "")
-        print(f"\n[{strategy}: {len(ids)} prompt tokens, {len(out)} new; TTFT {ttft * 1e3:.0f} ms, "
-              f"{decode_rate:.1f} tokens/s after the first{extra}]", file=sys.stderr)
+        print(f"\n[{strategy}, {describe_backend(model)}: {len(ids)} prompt tokens, {len(out)} new; "
+              f"TTFT {ttft * 1e3:.0f} ms, {rate} tokens/s after the first{extra}]", file=sys.stderr)
     return 0
+
+
+def describe_backend(model) -> str:
+    """Which path runs (lesson 7): the fast one is the default, `--quant none --backend numpy` the reference."""
+    what = {"none": "float32", "int8": "int8 weights (W8A32)", "w8a8": "int8 weights and activations (W8A8)"}
+    return f"{what[model.quant]}, {model.backend} backend"
+
+
+def add_backend_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quant", default="w8a8", choices=["none", "int8", "w8a8"],
+                   help="quantisation (lesson 7; default w8a8: the fastest; none = float32, the reference)")
+    p.add_argument("--backend", default="numba", choices=["numpy", "numba"],
+                   help="numba: the fused kernels (default); numpy: the readable reference")
+
+
+def cmd_speed(args) -> int:
+    from . import speed
+    return speed.main(args)
 
 
 def cmd_weights(args) -> int:
@@ -131,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tinyserve", description="tinyserve: a from-scratch LLM engine")
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text from a prompt, streamed")
-    g.add_argument("prompt")
+    g.add_argument("prompt", help="the prompt text, or - to read it from stdin")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--strategy", default=None, help="naive | kv | paged (default: the fastest available)")
     g.add_argument("--max-new-tokens", type=int, default=128)
@@ -144,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument("--weights", default=str(DEFAULT_WEIGHTS_DIR))
+    add_backend_args(g)
     add_speculative_options(g)
     g.set_defaults(func=cmd_generate)
 
@@ -162,12 +194,21 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--num-blocks", type=int, default=256)
     b.add_argument("--block-size", type=int, default=16)
     b.add_argument("--max-batch-tokens", type=int, default=256, help="per-step token budget (chunked prefill)")
-    b.add_argument("--backend", default="numpy", choices=["numpy", "numba"])
     b.add_argument("--sweep", default="1,4,16", help="also measure aggregate tokens/s at these batch sizes ('' = off)")
     b.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"])
     b.add_argument("--weights", default=str(DEFAULT_WEIGHTS_DIR))
+    add_backend_args(b)
     add_speculative_options(b)
     b.set_defaults(func=cmd_bench)
+
+    sp = sub.add_parser("speed", help="tokens/s per backend against the memory roofline (lesson 7; tinyserve/speed.py)")
+    sp.add_argument("--backends", default="fp32-NumPy,int8-Numba,W8A8-Numba")
+    sp.add_argument("--batches", default="1,4,16", help="decode batch sizes")
+    sp.add_argument("--prefills", default="128,512,1024", help="prefill lengths")
+    sp.add_argument("--new-tokens", type=int, default=32, help="decode steps per measurement")
+    sp.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median and min..max reported)")
+    sp.add_argument("--weights", default=str(DEFAULT_WEIGHTS_DIR))
+    sp.set_defaults(func=cmd_speed)
 
     c = sub.add_parser("chat", help="interactive multi-turn chat (stdin lines; /quit or EOF ends), streamed; "
                                     "the conversation's KV is reused through the prefix trie (lesson 5)")
@@ -178,9 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", default=None, help="system prompt (default: SmolLM2's)")
     c.add_argument("--num-blocks", type=int, default=256, help="KV pool size (x block size = positions)")
     c.add_argument("--block-size", type=int, default=16)
-    c.add_argument("--backend", default="numpy", choices=["numpy", "numba"])
     c.add_argument("--no-prefix-cache", action="store_true", help="recompute the whole history every turn")
     c.add_argument("--weights", default=str(DEFAULT_WEIGHTS_DIR))
+    add_backend_args(c)
     add_speculative_options(c)
     c.set_defaults(func=cmd_chat)
     return p
@@ -193,6 +234,22 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, WeightsError) as e:   # bad input: one line; anything else is a bug, with its traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:                 # Ctrl-C: one line, the shell's status for SIGINT (128 + 2)
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:                   # stdout closed early (`| head`): nothing left to say, say nothing
+        _discard_stdout()
+        return 141                            # 128 + SIGPIPE, what a tool killed by the closed pipe reports
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null, so that Python's final flush of the closed pipe does not print a second error
+    (the recipe in the `signal` module's documentation)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):   # stdout is not a real file (tests): nothing will flush it
+        pass
 
 
 if __name__ == "__main__":

@@ -123,17 +123,19 @@ def main(args) -> int:
     """The `bench` subcommand (see __main__.build_parser)."""
     from .weights import load_model, tiny_model
 
+    from .quant import set_backend
     model = tiny_model(seed=0) if args.model == "tiny" else load_model(args.weights)
+    model = set_backend(model, args.quant, args.backend, None if args.model == "tiny" else args.weights)
     parse = lambda s: tuple(int(x) for x in s.split(":")) * (1 if ":" in s else 2)  # noqa: E731  "a:b" or "a"
     workload = Workload(args.requests, parse(args.prompt_len), parse(args.output_len), args.seed,
                         getattr(args, "shared_prefix", 0))
     from .__main__ import speculative_engine_kwargs
     kw = dict(num_blocks=args.num_blocks, block_size=args.block_size, max_batch_tokens=args.max_batch_tokens,
-              backend=args.backend, **speculative_engine_kwargs(args, model))   # lesson 6: --speculative
+              **speculative_engine_kwargs(args, model))   # lesson 6: --speculative
     print(f"workload: {workload.num_requests} requests, prompt {workload.prompt_len[0]}..{workload.prompt_len[1]} "
           f"tokens (after a shared prefix of {workload.shared_prefix}), output {workload.output_len[0]}.."
           f"{workload.output_len[1]} tokens, seed {workload.seed}; "
-          f"model {args.model}; engine {kw}")
+          f"model {args.model} ({model.quant}, {model.backend} backend); engine {kw}")
     results = [run_workload(model, workload.requests(model.config.vocab_size), label="workload", **kw)]
     if workload.shared_prefix:   # lesson 5: the same requests again, with the prefix trie on
         results.append(run_workload(model, workload.requests(model.config.vocab_size), label="+ prefix trie",

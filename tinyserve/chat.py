@@ -8,6 +8,11 @@ cache and its TTFT.
 The conversation is kept as *token ids*, not text: the next prompt is the previous prompt + the tokens the model
 generated + the new turn's tokens. Re-encoding the decoded reply could split it into different tokens than the
 model produced (tokenization is not unique), and every token after the first difference would miss the cache.
+
+A long chat outgrows the context window (or the KV pool): then the oldest turns are dropped, the system prompt
+kept, and the chat says so. A message that could not fit even alone is refused, and the conversation goes on.
+Ctrl-C during a reply stops that reply (its request is aborted, the turn is left out of the history) and returns to
+the prompt; Ctrl-C at the prompt ends the chat.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, TextIO
 
+from .kv_sizing import blocks_for, max_kv_positions
 from .sampling import SamplingParams
 from .tokenizer import DEFAULT_SYSTEM_PROMPT
 
@@ -35,6 +41,8 @@ class Conversation:
     def __init__(self, tokenizer, system: str = DEFAULT_SYSTEM_PROMPT):
         self.tok = tokenizer
         self.ids: list[int] = tokenizer.encode(tokenizer.render_turn("system", system))
+        self.system_len = len(self.ids)
+        self.turn_lens: list[int] = []     # tokens of each committed turn (user + reply), oldest first
 
     def prompt_for(self, user_text: str) -> list[int]:
         """The ids the model sees for this turn: history + user message + the assistant header."""
@@ -43,7 +51,31 @@ class Conversation:
     def commit(self, prompt: list[int], reply: list[int]) -> None:
         """Append the turn: the prompt it ran with, the reply as generated, closed by <|im_end|>\\n."""
         end = [] if reply and reply[-1] == self.tok.eos_id else [self.tok.eos_id]
-        self.ids = prompt + reply + end + self.tok.encode("\n")
+        new_ids = prompt + reply + end + self.tok.encode("\n")
+        self.turn_lens.append(len(new_ids) - len(self.ids))
+        self.ids = new_ids
+
+    def drop_oldest_turns(self, n: int) -> None:
+        """Forget the n oldest turns; the system prompt stays."""
+        cut = sum(self.turn_lens[:n])
+        self.ids = self.ids[:self.system_len] + self.ids[self.system_len + cut:]
+        del self.turn_lens[:n]
+
+
+def turns_to_drop(engine, conv: Conversation, user_text: str, params: SamplingParams) -> int | None:
+    """How many of the oldest turns must go for this turn to fit: its prompt plus max_new_tokens within the context
+    window, and its KV within the engine's pool. None if it would not fit even with every turn dropped."""
+    window, bs = engine.config.max_seq_len, engine.block_size
+    base = len(conv.prompt_for(user_text)) - sum(conv.turn_lens)    # system prompt + this message
+
+    def fits(n_prompt: int) -> bool:
+        need = blocks_for(max_kv_positions(n_prompt, params.max_new_tokens, window), bs)
+        return n_prompt + params.max_new_tokens <= window and need <= engine.blocks.num_blocks
+
+    for n in range(len(conv.turn_lens) + 1):
+        if fits(base + sum(conv.turn_lens[n:])):
+            return n
+    return None
 
 
 def chat_turn(engine, conv: Conversation, user_text: str, params: SamplingParams,
@@ -56,16 +88,25 @@ def chat_turn(engine, conv: Conversation, user_text: str, params: SamplingParams
     stream = conv.tok.stream_decoder()
     ttft = None
     reply: list[int] = []
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.request_id != rid:
-                continue
-            if ttft is None:
-                ttft = time.perf_counter() - t0
-            reply += o.new_tokens
-            for t in o.new_tokens:
-                out.write(stream.push(t))
-            out.flush()
+    try:
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.request_id != rid:
+                    continue
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                reply += o.new_tokens
+                for t in o.new_tokens:
+                    out.write(stream.push(t))
+                out.flush()
+                if o.finish_reason == "error":
+                    raise RuntimeError(f"the reply failed: {o.error}")
+    except BaseException:   # Ctrl-C (or a failed reply): end the request, its blocks go back, the history stays
+        engine.abort(rid)
+        engine.pop_finished(rid)
+        out.write("\n")
+        out.flush()
+        raise
     out.write(stream.flush() + "\n")
     out.flush()
     conv.commit(prompt, reply)
@@ -91,12 +132,20 @@ def chat_loop(engine, tokenizer, lines: Iterable[str], params: SamplingParams, o
             break
         if text:
             try:
-                if len(conv.prompt_for(text)) + params.max_new_tokens > engine.config.max_seq_len:
-                    err.write("[the conversation no longer fits the context window; start a new chat]\n")
-                    break
+                drop = turns_to_drop(engine, conv, text, params)
+                if drop is None:
+                    raise ValueError(f"this message does not fit the context ({engine.config.max_seq_len} tokens, "
+                                     f"{engine.blocks.num_blocks * engine.block_size} in the KV pool) with "
+                                     f"{params.max_new_tokens} tokens left for the reply; try a shorter one")
+                if drop:
+                    conv.drop_oldest_turns(drop)
+                    err.write(f"[the conversation outgrew the context: dropped the {drop} oldest turn"
+                              f"{'s' if drop > 1 else ''}, kept the system prompt]\n")
                 s = chat_turn(engine, conv, text, params, out)
-            except ValueError as e:   # this message cannot be served (untokenizable, larger than the KV pool):
-                err.write(f"[error: {e}]\n")   # the conversation so far is intact, the user may try another
+            except KeyboardInterrupt:     # Ctrl-C during the reply: stop it, back to the prompt
+                err.write("[reply stopped; that turn is left out of the conversation]\n")
+            except (ValueError, RuntimeError) as e:   # this message cannot be served (untokenizable, too long,
+                err.write(f"[error: {e}]\n")         # a failed reply): the conversation so far is intact
             else:
                 turns.append(s)
                 pct = 100 * s.cached_tokens / s.prompt_tokens
@@ -117,9 +166,10 @@ def main(args) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
                             seed=args.seed)
     tok = load_tokenizer(args.weights)
-    model = load_model(args.weights)
-    from .__main__ import speculative_engine_kwargs
-    engine = Engine(model, num_blocks=args.num_blocks, block_size=args.block_size, backend=args.backend,
+    from .__main__ import describe_backend, speculative_engine_kwargs
+    model = load_model(args.weights, quant=args.quant, backend=args.backend)
+    print(f"[{describe_backend(model)}]", file=sys.stderr)
+    engine = Engine(model, num_blocks=args.num_blocks, block_size=args.block_size,
                     tokenizer=tok, prefix_caching=not args.no_prefix_cache, **speculative_engine_kwargs(args, model))
     interactive = sys.stdin.isatty()
     if interactive:

@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import signal
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -34,17 +32,19 @@ from typing import Iterator, NamedTuple, Sequence as Seq
 
 import numpy as np
 
-from .attention_backends import check_block_tables, get_paged_attention
+from .attention_backends import get_paged_attention
 from .block_manager import BlockManager
 from .config import check_positive_int, is_int
-from .drafters import Draft, make_drafter
 from .model import Model, check_token_ids, forward
 from .kv_sizing import blocks_for, max_kv_positions
-from .paged import KVPool, slot_mapping, write_kv_unchecked
+from .interrupts import interrupts_deferred
+from .paged import KVPool, write_kv_unchecked
 from .sampling import SamplingParams, sample
 from .scheduler import bind, plan_step
-from .speculative import AdaptiveK, SpecStats, draft_length, verify
+from . import spec_step
+from .speculative import SpecStats
 from .sequence import Sequence, Status
+from .step_batch import StepBatch, prepare_batch
 from .stopping import StopChecker
 
 
@@ -70,29 +70,9 @@ class StepStats:
     num_accepted: int = 0    # ... and how many of them the target accepted
 
 
-@dataclass(slots=True)
-class StepBatch:
-    """One step's chunks of B sequences, flattened into T rows (sequence b owns rows query_starts[b]:[b+1]).
-    Built and checked once per step; every layer's attention reads the same arrays."""
-    seqs: list[Sequence]          # [B] in batch order
-    counts: list[int]             # [B] rows each runs this step
-    tokens: np.ndarray            # [T] int64
-    positions: np.ndarray         # [T] int64
-    write_blocks: np.ndarray      # [T] int64 pool block of each row's new K/V (slot // bs) ...
-    write_offsets: np.ndarray     # [T] int64 ... and its offset in that block (slot % bs): split once, not per layer
-    block_tables: np.ndarray      # [B, max_blocks] int64, -1 padded
-    context_lens: np.ndarray      # [B] int64 positions of each sequence after this step
-    query_starts: np.ndarray      # [B+1] int64
-    sampled: list[int]            # [R] the b whose chunk reaches their last token: they sample this step
-    logit_rows: np.ndarray        # [R] their last rows, the only ones the LM head runs on
-    num_decode: int               # of the B, plain decodes (1 row after the last sample)
-    logit_starts: list[int] | None = None   # [R] row of `logits` where each sampled sequence's rows begin (a
-                                            # sequence verifying a draft of k needs k + 1 rows); None: one each
-
-
 class Engine:
     def __init__(self, model: Model, num_blocks: int = 256, block_size: int = 16, max_batch_tokens: int = 256,
-                 max_running: int = 64, backend: str = "numpy", tokenizer=None, prefix_caching: bool = False,
+                 max_running: int = 64, backend: str | None = None, tokenizer=None, prefix_caching: bool = False,
                  speculative=None, draft_k: int = 4, adaptive_k: bool = False, draft_model: Model | None = None,
                  verify_costs: Seq[float] | None = None):
         """speculative (lesson 6): None; "ngram", "early-exit", "int8"/"draft" (with draft_model); or a function
@@ -106,9 +86,9 @@ class Engine:
         self.block_size = block_size
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
-        self.backend = backend
+        self.backend = backend or model.backend   # the attention kernel follows the model's backend (lesson 7)
         self.tokenizer = tokenizer                # only needed for stop strings
-        self._attend = get_paged_attention(backend, checked=False)   # each step checks its batch once
+        self._attend = get_paged_attention(self.backend, checked=False)   # each step checks its batch once
         self.pool = KVPool.create(self.config, num_blocks, block_size)   # [L, num_blocks, bs, K, H] x2
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)  # all block bookkeeping
         self.waiting: deque[Sequence] = deque()   # arrival order; preempted requests go back to the front
@@ -118,16 +98,7 @@ class Engine:
         self.finished: dict[int, Sequence] = {}
         self.stats: list[StepStats] = []          # one per step: a long-running caller may clear() it
         self._next_id = 0
-        # lesson 6: speculative decoding
-        if isinstance(speculative, str):
-            kind = speculative
-            speculative = lambda: make_drafter(kind, model, draft_model)   # noqa: E731
-            speculative()                          # a bad kind or a missing draft model fails here, not per request
-        self.make_drafter = speculative           # None: every request decodes one token per step
-        self.draft_k = check_positive_int("draft_k", draft_k, "Engine")
-        self.adaptive_k = adaptive_k
-        self.verify_costs = tuple(verify_costs) if verify_costs is not None else None
-        self.spec_stats = SpecStats()             # all requests together (each Sequence has its own in .spec)
+        spec_step.setup(self, model, speculative, draft_k, adaptive_k, draft_model, verify_costs)   # lesson 6
 
     # --- requests --------------------------------------------------------------------------------------------
     def add_request(self, prompt_ids: Seq[int], params: SamplingParams | None = None) -> int:
@@ -151,12 +122,8 @@ class Engine:
                              f"but the whole pool has {self.blocks.num_blocks} blocks: it can never run "
                              f"(shorten the prompt or max_new_tokens, or give the engine more blocks)")
         stopper = StopChecker(self.config, params, self.tokenizer, prompt_len=len(ids))  # ValueError on stop w/o tok
-        seq = Sequence(self._next_id, [int(t) for t in ids], params, stopper, params.make_rng())
-        if self.make_drafter is not None:
-            seq.drafter, seq.spec = self.make_drafter(), SpecStats()
-            if self.adaptive_k:
-                seq.k_control = AdaptiveK(self.draft_k, seq.drafter.cost, self.verify_costs)
-        return seq
+        return spec_step.attach(self, Sequence(self._next_id, [int(t) for t in ids], params, stopper,
+                                               params.make_rng()))
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -222,15 +189,15 @@ class Engine:
         per request that failed in this step (finish_reason "error")."""
         t0 = time.perf_counter()
         with interrupts_deferred():          # the queues and block tables change together or not at all
-            failed = self._draft() if self.make_drafter is not None else []
+            failed = spec_step.draft_all(self) if self.make_drafter is not None else []
             scheduled, n_preempted, n_admitted = self._schedule()
             if self.make_drafter is not None:
-                self._fit_drafts(scheduled)
+                spec_step.fit_drafts(self, scheduled)
             if not scheduled:
                 # add_request refuses what could never fit, so an empty plan with work left is a scheduler bug
                 assert n_preempted or failed or not self.has_unfinished(), "the scheduler made no progress: a livelock"
                 return failed
-            batch = self._prepare_batch(scheduled)
+            batch = prepare_batch(scheduled, self.pool.num_blocks, self.block_size)   # step_batch.py
             drafted = sum(len(seq.draft) for seq in batch.seqs)
         try:
             # Nothing is advanced until the forward has returned: if it raises, every sequence is as it was (its
@@ -251,134 +218,10 @@ class Engine:
                                     self.spec_stats.accepted - accepted_before if drafted else 0))
         return failed + outputs
 
-    # --- lesson 6: speculative decoding ------------------------------------------------------------------------
-    def _draft(self) -> list[StepOutput]:
-        """Every decoding request with a drafter proposes its next k tokens. They join the end of its output_ids
-        as provisional tokens, so the scheduler, the block manager and the batch see one ordinary chunk of k + 1
-        rows (the last sampled token + the draft); `_verify` keeps what the target agrees with. A draft only
-        takes blocks the pool has spare: speculation must never push another request out."""
-        failed: list[StepOutput] = []
-        spare = self.blocks.num_free
-        for seq in list(self.running):
-            self._drop_draft(seq)                 # (a step interrupted by Ctrl-C may have left one)
-            if seq.drafter is None or not seq.is_decoding:
-                continue
-            # never more positions than the request may ever hold (what add_request checked the pool against)
-            room = max_kv_positions(len(seq.prompt_ids), seq.stopper.max_new_tokens, self.config.max_seq_len) \
-                - seq.num_tokens
-            k = draft_length(self.draft_k, seq.k_control, len(seq.output_ids), seq.stopper.max_new_tokens, room)
-            base = self.blocks.blocks_needed(seq, 1)
-            while k > 0 and self.blocks.blocks_needed(seq, 1 + k) - base > spare:
-                k -= 1
-            if k == 0:
-                continue
-            try:
-                draft = seq.drafter.propose(seq.prompt_ids + seq.output_ids, k, seq.params, seq.rng)
-            except Exception as e:                # a broken drafter ends its own request, not the batch
-                failed.append(self._fail(seq, e))
-                continue
-            if not draft.tokens:
-                continue
-            spare -= self.blocks.blocks_needed(seq, 1 + len(draft)) - base
-            seq.draft, seq.draft_probs = list(draft.tokens), draft.probs
-            seq.output_ids.extend(seq.draft)
-        return failed
-
-    def _fit_drafts(self, scheduled: list[tuple[Sequence, int]]) -> None:
-        """After scheduling: a draft keeps only the rows its request was given (the token budget may cut it), and a
-        request that was not scheduled (or was preempted) drops its draft."""
-        given = {seq.request_id: n for seq, n in scheduled}
-        for seq in (*self.running, *self.waiting):
-            if not seq.draft:
-                continue
-            n = given.get(seq.request_id, 0)
-            if n == 0:
-                self._drop_draft(seq)
-            elif n < 1 + len(seq.draft):
-                cut = len(seq.draft) - (n - 1)
-                del seq.output_ids[-cut:]
-                seq.draft = seq.draft[:n - 1]
-                seq.draft_probs = seq.draft_probs[:n - 1] if seq.draft_probs is not None else None
-
-    @staticmethod
-    def _drop_draft(seq: Sequence) -> None:
-        if seq.draft:
-            del seq.output_ids[-len(seq.draft):]
-            seq.draft, seq.draft_probs = [], None
-
-    def _verify(self, seq: Sequence, n: int, logits: np.ndarray, now: float) -> StepOutput:
-        """The forward ran seq's last sampled token + its draft (n = k + 1 rows, logits [k + 1, V]): keep the
-        accepted prefix plus the target's own next token, rewind the rest, publish only verified blocks, stop
-        exactly where plain decoding would (the stop rule sees the new tokens one by one)."""
-        draft, probs = seq.draft, seq.draft_probs
-        self._drop_draft(seq)                             # output_ids: the verified tokens only
-        try:
-            new = verify(logits, Draft(draft, probs), seq.params, seq.rng, seq.prompt_ids + seq.output_ids)
-        except Exception as e:
-            return self._fail(seq, e)
-        accepted = len(new) - 1
-        seq.num_computed_tokens += n                      # K/V of the last token and of all k drafts ...
-        self.blocks.rewind(seq, len(draft) - accepted)    # ... minus the rejected ones
-        kept: list[int] = []
-        done = False
-        try:
-            for token in new:
-                seq.output_ids.append(token)
-                seq.token_times.append(now)
-                kept.append(token)
-                if seq.stopper.should_stop(seq.output_ids):
-                    done = True
-                    break
-        except Exception as e:
-            return self._fail(seq, e, kept)
-        # stopped inside the accepted run: the K/V of the tokens cut off go too (cache = every token but the newest)
-        self.blocks.rewind(seq, max(0, seq.num_computed_tokens - (seq.num_tokens - 1)))
-        assert seq.num_computed_tokens == seq.num_tokens - 1, "after verification the cache holds all but the newest"
-        self.blocks.commit(seq)                           # only now: every computed position is verified
-        for stats in (seq.spec, self.spec_stats):
-            stats.record(len(draft), accepted)
-            stats.emitted += len(kept)
-        if seq.k_control is not None:
-            seq.k_control.update(len(draft), accepted)
-        if done:
-            self._finish(seq)
-        return StepOutput(seq.request_id, kept, done, seq.finish_reason)
-
-    def _prepare_batch(self, scheduled: list[tuple[Sequence, int]]) -> StepBatch:
-        """Flatten the scheduled chunks into one batch of rows, and check its layout once for all layers."""
-        bs = self.block_size
-        seqs = [seq for seq, _ in scheduled]
-        counts = [n for _, n in scheduled]
-        starts = [seq.num_computed_tokens for seq in seqs]             # each chunk continues where its K/V end
-        tokens = np.concatenate([np.asarray(seq.token_slice(s, s + n), dtype=np.int64)
-                                 for seq, s, n in zip(seqs, starts, counts)])                   # [T]
-        positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, counts)])        # [T]
-        slots = np.concatenate([slot_mapping(seq.block_table, s, n, bs)
-                                for seq, s, n in zip(seqs, starts, counts)])                     # [T]
-        width = max(len(seq.block_table) for seq in seqs)
-        block_tables = np.full((len(seqs), width), -1, dtype=np.int64)                            # [B, max_blocks]
-        for b, seq in enumerate(seqs):
-            block_tables[b, :len(seq.block_table)] = seq.block_table
-        context_lens = np.array([s + n for s, n in zip(starts, counts)], dtype=np.int64)          # [B]
-        query_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)                 # [B+1]
-        check_block_tables(block_tables, context_lens, query_starts, len(tokens), self.pool.num_blocks, bs)
-        # Only the sequences whose chunk reaches their last token sample; only their last rows need the LM head.
-        sampled = [b for b, seq in enumerate(seqs) if starts[b] + counts[b] == seq.num_tokens]
-        logit_rows = query_starts[1:][sampled] - 1                                                # [R]
-        num_decode = sum(seq.is_decoding for seq in seqs)
-        logit_starts = None
-        if any(seqs[b].draft for b in sampled):
-            # lesson 6: a sequence verifying a draft of k needs the logits of all its k + 1 rows
-            n_rows = [1 + len(seqs[b].draft) for b in sampled]
-            logit_rows = np.concatenate([np.arange(end - r, end) for end, r in zip(logit_rows + 1, n_rows)])
-            logit_starts = np.concatenate([[0], np.cumsum(n_rows)[:-1]]).tolist()
-        return StepBatch(seqs, counts, tokens, positions, slots // bs, slots % bs, block_tables, context_lens,
-                         query_starts, sampled, logit_rows, num_decode, logit_starts)
-
     def _forward(self, batch: StepBatch) -> np.ndarray:
         """One forward over all rows of the batch -> logits [R, V] of its sampled rows. Attention is the only
         per-sequence part: each layer writes the new K/V through the slot mapping, then reads every sequence's
-        K/V through its block table. The batch was checked once in _prepare_batch, so the L calls per step skip
+        K/V through its block table. The batch was checked once in prepare_batch, so the L calls per step skip
         the public functions' checks and conversions (at B=16 these cost ~1 ms per step)."""
         pool, attend = self.pool, self._attend
 
@@ -408,7 +251,7 @@ class Engine:
                 self.blocks.commit(seq)
                 continue
             if seq.draft:                     # lesson 6: k + 1 rows to verify
-                outputs.append(self._verify(seq, n, logits[row[b]:row[b] + n], now))
+                outputs.append(spec_step.verify_draft(self, seq, n, logits[row[b]:row[b] + n], now))
                 continue
             try:
                 # the repetition penalty needs every token seen so far; skip building that list when it is off
@@ -446,7 +289,7 @@ class Engine:
         if reason is not None:
             seq.stopper.reason = reason
             seq.error = error
-        self._drop_draft(seq)                 # unverified tokens are not output (their K/V were never counted)
+        spec_step.drop_draft(seq)             # unverified tokens are not output (their K/V were never counted)
         self.blocks.free(seq)
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
@@ -522,30 +365,8 @@ class Engine:
     __str__ = describe
 
 
-@contextlib.contextmanager
-def interrupts_deferred():
-    """Hold back Ctrl-C (SIGINT) until the block has ended, then raise KeyboardInterrupt.
-
-    The engine's bookkeeping (queues, block tables, refcounts, the prefix trie) must change all together or not at
-    all: a KeyboardInterrupt landing between popping a request off the queue and adding it to `running` would lose
-    it, with its blocks. Only in the main thread, and only while Python's own handler is installed (an
-    application that installed its own SIGINT handler keeps it)."""
-    if threading.current_thread() is not threading.main_thread() \
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        yield
-        return
-    caught: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if caught:
-        raise KeyboardInterrupt
-
-
 def generate_stream(model: Model, ids: Seq[int], max_new_tokens: int | None = None,
-                    params: SamplingParams | None = None, tokenizer=None, backend: str = "numpy",
+                    params: SamplingParams | None = None, tokenizer=None, backend: str | None = None,
                     block_size: int = 16, max_batch_tokens: int = 512, spec_stats: SpecStats | None = None,
                     **engine_kwargs) -> Iterator[int]:
     """One prompt through the engine (the CLI's --strategy paged): yields token ids as they are sampled.

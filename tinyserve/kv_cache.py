@@ -141,6 +141,16 @@ def rectangular_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.nda
     return (softmax(scores) @ v.transpose(1, 0, 2)).transpose(1, 0, 2)  # [N, m, H] -> [m, N, H]
 
 
+def attention_for(model: Model) -> AttendFn:
+    """The attention a strategy uses unless told otherwise: lesson 3's grouped attention, or on the numba backend
+    (lesson 7) its kernel (kernels/dense_attention.py: same result within rtol 1e-4)."""
+    if model.backend == "numba":
+        from .kernels.dense_attention import causal_attention
+        # a decode row is a few microseconds of work either way: NumPy's few calls beat a parallel launch
+        return lambda q, k, v: causal_attention(q, k, v) if q.shape[0] >= 16 else grouped_attention(q, k, v)
+    return grouped_attention
+
+
 def cache_attention(cache: KVCache, attend: AttendFn = grouped_attention) -> AttentionFn:
     """The attention `model.forward` calls: store this step's k/v in the cache, attend over history + new."""
     def attention(layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
@@ -149,7 +159,7 @@ def cache_attention(cache: KVCache, attend: AttendFn = grouped_attention) -> Att
     return attention
 
 
-def forward_with_cache(model: Model, cache: KVCache, tokens: Sequence[int], attend: AttendFn = grouped_attention,
+def forward_with_cache(model: Model, cache: KVCache, tokens: Sequence[int], attend: AttendFn | None = None,
                        all_logits: bool = False) -> np.ndarray:
     """Run m new tokens after the cache's history and append their K/V: the one step of prefill and decode.
 
@@ -164,13 +174,14 @@ def forward_with_cache(model: Model, cache: KVCache, tokens: Sequence[int], atte
     cache.check_room(m)  # fail before any layer has written anything
     positions = np.arange(cache.length, cache.length + m)   # RoPE positions continue from the history
     rows = None if all_logits else np.array([m - 1])
+    attend = attend or attention_for(model)
     logits = model_forward(model, tokens, positions, cache_attention(cache, attend), logit_rows=rows)
     cache.length += m  # every layer has appended its block at the same positions
     return logits
 
 
 def prefill(model: Model, cache: KVCache, tokens: Sequence[int], chunk_size: int | None = None,
-            attend: AttendFn = grouped_attention) -> np.ndarray:
+            attend: AttendFn | None = None) -> np.ndarray:
     """Fill the cache with the prompt (in chunks of `chunk_size`, or all at once); return the last logits [V].
 
     Chunking gives the same K/V as one shot because each chunk attends to the chunks before it through the
@@ -187,7 +198,7 @@ def prefill(model: Model, cache: KVCache, tokens: Sequence[int], chunk_size: int
 
 
 def generate_stream(model: Model, ids: Sequence[int], max_new_tokens: int | None = None,
-                    params: SamplingParams | None = None, tokenizer=None, attend: AttendFn = grouped_attention,
+                    params: SamplingParams | None = None, tokenizer=None, attend: AttendFn | None = None,
                     prefill_chunk: int | None = None) -> Iterator[int]:
     """Yield new token ids one by one: prefill once, then one decode step per token (same stopping as naive)."""
     params = params or SamplingParams()

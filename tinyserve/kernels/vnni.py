@@ -102,29 +102,28 @@ def make_microkernel(R: int, C: int):
     return tile
 
 
-_F32 = ir.FloatType()
+_F32 = ir.FloatType()  # noqa: E305
 _VF16 = ir.VectorType(_F32, 16)
 _V16I8 = ir.VectorType(_I8, 16)
 
 
-def make_w8a32_microkernel(R: int, C: int):
-    """The weight-only (W8A32) twin of make_microkernel, for weights packed [O/16, D, 16] (kernels.matmul.pack_w8a32):
+def make_fma_microkernel(R: int, C: int, b_int8: bool):
+    """The float twin of make_microkernel: out[r, c*16 + l] = sum_i x[r, i] * B[c, i, l] (float32, overwritten).
 
-        out[r, c*16 + l] = sum_i x[x_off + r*x_stride + i] * float(W[c, i, l])          (float32, overwritten)
-
-    per step i: 16 bytes of each column block are widened to 16 floats (vpmovsxbd + vcvtdq2ps) and multiplied-added
-    (one rounding, `llvm.fma`) with x[r, i] broadcast. Each output lane sums its D products in order i = 0, 1, ...;
-    BLAS sums in another order, so results agree with x @ dequantize(W) to ~1e-6 relative, not bit for bit.
-    x: float32 1-d, w: int8 1-d (block c at w_off + c*w_stride, step i at + 16*i), out: float32 1-d.
+    b_int8=True: B is int8 weights packed [O/16, D, 16] (kernels.matmul.pack_w8a32), each 16 bytes widened to 16
+    floats (vpmovsxbd + vcvtdq2ps) before the multiply-add: the W8A32 matmul. b_int8=False: B is float32 and
+    "block c, step i" is at w_off + c*w_stride + i*b_step (elements): attention's Q K^T and P V tiles.
+    Each output lane sums its products in order i = 0, 1, ... with one rounding per step (`llvm.fma`); BLAS sums in
+    another order, so results agree with NumPy to ~1e-6 relative, not bit for bit.
     """
     assert R * C + C <= 32, "the accumulators and weight vectors must fit in the 32 vector registers"
 
     @intrinsic
-    def tile(typingctx, x, x_off, x_stride, w, w_off, w_stride, n, out, o_off, o_stride):
-        sig = types.void(x, x_off, x_stride, w, w_off, w_stride, n, out, o_off, o_stride)
+    def tile(typingctx, x, x_off, x_stride, w, w_off, w_stride, n, b_step, out, o_off, o_stride):
+        sig = types.void(x, x_off, x_stride, w, w_off, w_stride, n, b_step, out, o_off, o_stride)
 
         def codegen(context, builder, signature, args):
-            x_arr, x_off, x_stride, w_arr, w_off, w_stride, n, out_arr, o_off, o_stride = args
+            x_arr, x_off, x_stride, w_arr, w_off, w_stride, n, b_step, out_arr, o_off, o_stride = args
             ty = signature.args
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF16, [_VF16, _VF16, _VF16]),
                                                  "llvm.fma.v16f32")
@@ -132,14 +131,19 @@ def make_w8a32_microkernel(R: int, C: int):
             x_base = cgutils.create_struct_proxy(ty[0])(context, builder, x_arr).data            # float*
             x_rows = [builder.gep(x_base, [builder.add(x_off, builder.mul(x_stride, ir.Constant(x_off.type, r)))])
                       for r in range(R)]
-            w_cols = [_data_pointer(context, builder, ty[3], w_arr,
-                                    builder.add(w_off, builder.mul(w_stride, ir.Constant(w_off.type, c))))
+            w_base = cgutils.create_struct_proxy(ty[3])(context, builder, w_arr).data            # int8* or float*
+            w_cols = [builder.gep(w_base, [builder.add(w_off, builder.mul(w_stride, ir.Constant(w_off.type, c)))])
                       for c in range(C)]
             with cgutils.for_range(builder, n) as loop:
                 i = loop.index
-                w_vec = [builder.sitofp(builder.sext(builder.load(builder.bitcast(
-                    builder.gep(w_cols[c], [builder.mul(i, ir.Constant(i.type, 16))]), _V16I8.as_pointer()), align=1),
-                    _V16), _VF16) for c in range(C)]
+                w_vec = []
+                for c in range(C):
+                    p = builder.gep(w_cols[c], [builder.mul(i, b_step)])
+                    if b_int8:
+                        raw = builder.load(builder.bitcast(p, _V16I8.as_pointer()), align=1)
+                        w_vec.append(builder.sitofp(builder.sext(raw, _V16), _VF16))
+                    else:
+                        w_vec.append(builder.load(builder.bitcast(p, _VF16.as_pointer()), align=4))
                 for r in range(R):
                     xi = builder.load(builder.gep(x_rows[r], [i]))
                     x_vec = builder.shuffle_vector(builder.insert_element(ir.Constant(_VF16, None), xi,
@@ -148,7 +152,7 @@ def make_w8a32_microkernel(R: int, C: int):
                     for c in range(C):
                         a = acc[r * C + c]
                         builder.store(builder.call(fma, [x_vec, w_vec[c], builder.load(a)]), a)
-            out_base = cgutils.create_struct_proxy(ty[7])(context, builder, out_arr).data      # float*
+            out_base = cgutils.create_struct_proxy(ty[8])(context, builder, out_arr).data      # float*
             for r in range(R):
                 row = builder.add(o_off, builder.mul(o_stride, ir.Constant(o_off.type, r)))
                 for c in range(C):

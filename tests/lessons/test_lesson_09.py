@@ -1,0 +1,196 @@
+"""Lesson 9 self-checks: the calculator for inference at scale, and the ring all-reduce of tensor parallelism.
+
+`make check-9` runs these against lessons/09_scale/exercises.py; `make test` runs them against tinyserve.
+The expected numbers are worked out by hand in the comments (GB = 1e9 bytes): the worked problems of the lesson.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.lessons.impl import load_impl
+from tinyserve.roofline import TPU_V5E, Chip
+from tinyserve.tensor_parallel import Link
+
+REFERENCE = {
+    "ModelShape": "tinyserve.roofline:ModelShape",
+    "critical_batch": "tinyserve.roofline:critical_batch",
+    "decode_step_time": "tinyserve.roofline:decode_step_time",
+    "max_batch": "tinyserve.roofline:max_batch",
+    "largest_batch_within": "tinyserve.roofline:largest_batch_within",
+    "disaggregated_rates": "tinyserve.roofline:disaggregated_rates",
+    "all_reduce": "tinyserve.tensor_parallel:all_reduce",
+}
+impl = load_impl(9, REFERENCE)
+
+V5E = TPU_V5E                      # 16 GB HBM, 8.1e11 B/s, 1.97e14 bf16 FLOP/s
+approx = lambda x: pytest.approx(x, rel=1e-9)  # noqa: E731  float formulas: exact up to rounding
+
+
+def llama13b_like(n_kv_heads=8, **kw):
+    # 64 layers, d_model 4096, d_ff 16384, 32 query heads of dim 256, vocab 32128, tied embeddings
+    return impl.ModelShape(64, 4096, 16384, 32, n_kv_heads, 256, 32128, **kw)
+
+
+# --- ModelShape ------------------------------------------------------------------------------------------------
+
+@pytest.mark.exercise("ModelShape")
+def test_params_of_the_13b_like_model():
+    # per layer: attention 2 * D * H * (N + K) = 2 * 4096 * 256 * 40 = 83,886,080
+    #            MLP 3 * D * F = 3 * 4096 * 16384 = 201,326,592
+    # 64 layers: 18,253,611,008; + tied embedding 32128 * 4096 = 131,596,288
+    assert llama13b_like().params() == 18_385_207_296
+    assert llama13b_like().active_params() == 18_385_207_296           # dense: every token uses every weight
+    assert llama13b_like(tied_embeddings=False).params() == 18_385_207_296 + 131_596_288
+
+
+@pytest.mark.exercise("ModelShape")
+def test_kv_bytes_per_token_of_the_13b_like_model():
+    assert llama13b_like().kv_bytes_per_token(1) == 262_144             # int8: 2 * 64 * 8 * 256
+    assert llama13b_like().kv_bytes_per_token(2) == 524_288             # bf16
+    assert llama13b_like(n_kv_heads=1).kv_bytes_per_token(1) == 32_768  # one KV head: 8x less
+
+
+@pytest.mark.exercise("ModelShape")
+def test_moe_total_and_active_params():
+    moe = llama13b_like(n_experts=16, experts_per_token=2)
+    # 64 * (83,886,080 + 16 * 201,326,592) + 131,596,288
+    assert moe.params() == 211_658_735_616
+    # 64 * (83,886,080 + 2 * 201,326,592) + 131,596,288
+    assert moe.active_params() == 31_270_109_184
+
+
+@pytest.mark.exercise("ModelShape")
+def test_smollm2_shape_matches_the_real_model_count():
+    smol = impl.ModelShape(30, 576, 1536, 9, 3, 64, 49152)
+    # Model.num_parameters() = 134,515,008 including 30 * 2 * 576 + 576 = 35,136 norm weights
+    assert smol.params() in (134_479_872, 134_515_008)
+    assert smol.kv_bytes_per_token(4) == 46_080
+
+
+# --- critical batch and step time ------------------------------------------------------------------------------
+
+@pytest.mark.exercise("critical_batch")
+def test_critical_batch_v5e():
+    assert impl.critical_batch(V5E, 2) == approx(1.97e14 / 8.1e11)          # bf16 weights: ~243
+    assert impl.critical_batch(V5E, 1) == approx(1.97e14 / 8.1e11 / 2)      # int8 weights: ~122
+    # MoE, 16 experts, 2 active: each expert sees 2/16 of the batch's tokens -> 8x the batch, ~1946 in bf16
+    assert impl.critical_batch(V5E, 2, 16, 2) == approx(8 * 1.97e14 / 8.1e11)
+
+
+@pytest.mark.exercise("decode_step_time")
+def test_time_to_read_the_13b_weights_once():
+    # int8 weights over 16 chips: 18,385,207,296 B / (16 * 8.1e11 B/s) = 1.42 ms; batch 1's FLOPs are far less
+    params = 18_385_207_296
+    assert impl.decode_step_time(V5E, 16, 1, params, 0, 1) == approx(params / (16 * 8.1e11))
+
+
+@pytest.mark.exercise("decode_step_time")
+def test_step_time_two_regimes_plus_kv():
+    chip = Chip("round numbers", 1e10, 1e12, 1e14)           # critical batch at bf16: 100
+    P = 1e9
+    # memory-bound: weights 2e9 B / 1e12 = 2 ms whatever the batch, FLOPs at B=10 only 2e9*10/1e14 = 0.2 ms
+    assert impl.decode_step_time(chip, 1, 10, P, 0, 2) == approx(2e-3)
+    # compute-bound: B=400 -> 2e9 * 400 / 1e14 = 8 ms > 2 ms
+    assert impl.decode_step_time(chip, 1, 400, P, 0, 2) == approx(8e-3)
+    # the KV read adds on top: 10 sequences of 1e8 B = 1e9 B / 1e12 = 1 ms; over 4 chips with kv_shards=2: 1/2
+    assert impl.decode_step_time(chip, 1, 10, P, 1e8, 2) == approx(3e-3)
+    assert impl.decode_step_time(chip, 4, 10, P, 1e8, 2, kv_shards=2) == approx(0.5e-3 + 0.5e-3)
+    assert impl.decode_step_time(chip, 4, 10, P, 1e8, 2) == approx(0.5e-3 + 0.25e-3)   # default: all 4 chips
+
+
+KV70 = 2 * 80 * 8 * 128             # 70B model, int8 KV: 163,840 B per token
+
+
+@pytest.mark.exercise("decode_step_time")
+def test_70b_step_time_at_8192_context():
+    kv_seq = 8192 * KV70             # 1,342,177,280 B per request
+    w = 70e9 / (16 * 8.1e11)         # 5.40 ms of weights per chip
+    assert impl.decode_step_time(V5E, 16, 1, 70e9, kv_seq, 1) == approx(w + kv_seq / (16 * 8.1e11))
+    assert impl.decode_step_time(V5E, 16, 64, 70e9, kv_seq, 1) == approx(w + 64 * kv_seq / (16 * 8.1e11))
+
+
+# --- capacity and latency bounds on the batch ------------------------------------------------------------------
+
+@pytest.mark.exercise("max_batch")
+def test_13b_largest_batch_at_128k_on_16_v5e():
+    # free per chip: 16e9 - 18,385,207,296 / 16 = 14,850,924,544 B
+    # KV per sequence per chip: 131072 * 262,144 / 16 = 2,147,483,648 B -> 6.9 -> 6 sequences
+    assert impl.max_batch(V5E, 16, 131072, 18_385_207_296, 262_144, 1) == 6
+    # one KV head: params 64 * (2*4096*256*33 + 201,326,592) + 131,596,288 = 17,445,683,200
+    # free 16e9 - 1,090,355,200 = 14,909,644,800; per chip 131072 * 32768 / 16 = 268,435,456 -> 55.5 -> 55
+    assert impl.max_batch(V5E, 16, 131072, 17_445_683_200, 32_768, 1) == 55
+    # ...but one KV head cannot be split 16 ways: each chip holds a replica (kv_shards=1): 4,294,967,296 -> 3
+    assert impl.max_batch(V5E, 16, 131072, 17_445_683_200, 32_768, 1, kv_shards=1) == 3
+
+
+@pytest.mark.exercise("max_batch")
+def test_70b_capacity_with_2gb_reserved():
+    # free per chip: 16e9 - 2e9 - 70e9 / 16 = 9.625e9 B
+    assert impl.max_batch(V5E, 16, 8192, 70e9, KV70, 1, reserved_bytes=2e9) == 114    # 9.625e9 / 83,886,080
+    assert impl.max_batch(V5E, 16, 2048, 70e9, KV70, 1, reserved_bytes=2e9) == 458    # 9.625e9 / 20,971,520
+    assert impl.max_batch(V5E, 4, 2048, 70e9, KV70, 1) == 0                          # 17.5 GB per chip: no room
+
+
+@pytest.mark.exercise("largest_batch_within")
+def test_70b_batch_under_12ms_at_8192_context():
+    # memory-bound branch: (12 ms - 5.401 ms) / (83,886,080 B / 8.1e11 B/s = 0.10356 ms) = 63.7
+    # compute-bound branch: 12 ms / (2 * 70e9 / (16 * 1.97e14) + 0.10356 ms = 0.14798 ms) = 81.1 -> 63
+    B = impl.largest_batch_within(V5E, 16, 12e-3, 70e9, 8192 * KV70, 1)
+    assert B == 63
+    # throughput: 63 tokens per step of 5.401 + 63 * 0.10356 = 11.93 ms -> ~5280 tokens/s
+    step = 70e9 / (16 * 8.1e11) + 63 * 8192 * KV70 / (16 * 8.1e11)
+    assert B / step == pytest.approx(5283, rel=1e-3)
+
+
+@pytest.mark.exercise("largest_batch_within")
+def test_70b_batch_under_12ms_at_2048_context_is_compute_bound():
+    # memory-bound branch would allow (12 - 5.401) / 0.025891 = 254.9, but at that batch the FLOPs take
+    # 254 * 0.044416 = 11.3 ms > 5.4 ms: the compute-bound branch binds: 12 / (0.044416 + 0.025891) = 170.7
+    assert impl.largest_batch_within(V5E, 16, 12e-3, 70e9, 2048 * KV70, 1) == 170
+    assert impl.largest_batch_within(V5E, 16, 5e-3, 70e9, 2048 * KV70, 1) == 0      # the weights alone: 5.4 ms
+
+
+# --- disaggregated serving -------------------------------------------------------------------------------------
+
+@pytest.mark.exercise("disaggregated_rates")
+def test_disaggregated_prefill_decode_and_link_rates():
+    # 70B int8 on 16 + 16 v5e, prompt 8192, output 512, decode batch 32, a 45 GB/s link between the groups
+    r = impl.disaggregated_rates(V5E, 16, 16, 8192, 512, 32, 70e9, KV70, 1, 4.5e10)
+    # prefill: 2 * 70e9 * 8192 FLOPs / (16 * 1.97e14) = 0.3639 s -> 2.75 requests/s
+    assert r.prefill == approx(16 * 1.97e14 / (2 * 70e9 * 8192))
+    # decode: mean context 8192 + 256 = 8448 -> 1,384,120,320 B per sequence;
+    # step = 5.401 ms + 32 * 1,384,120,320 / (16 * 8.1e11) = 8.819 ms; 32 requests per 512 steps -> 7.09 requests/s
+    step = 70e9 / (16 * 8.1e11) + 32 * 8448 * KV70 / (16 * 8.1e11)
+    assert r.decode == approx(32 / (512 * step))
+    # link: 4.5e10 / 1,342,177,280 B per hand-over = 33.5 requests/s
+    assert r.handover == approx(4.5e10 / (8192 * KV70))
+    assert min(r.prefill, r.decode, r.handover) == r.prefill       # this deployment needs more prefill chips
+
+
+# --- the ring all-reduce ---------------------------------------------------------------------------------------
+
+@pytest.mark.exercise("all_reduce")
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_all_reduce_sums_on_every_device(P):
+    rng = np.random.default_rng(P)
+    parts = [rng.standard_normal((2, 12)).astype(np.float32) for _ in range(P)]
+    kept = [p.copy() for p in parts]
+    out = impl.all_reduce(parts, Link())
+    assert len(out) == P
+    for o in out:
+        np.testing.assert_allclose(o, np.sum(kept, axis=0), rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(o, out[0])       # every device must end with the very same numbers
+    for p, k in zip(parts, kept):
+        np.testing.assert_array_equal(p, k)            # and the inputs are left alone
+
+
+@pytest.mark.exercise("all_reduce")
+@pytest.mark.parametrize("P", [1, 2, 3, 4])
+def test_all_reduce_moves_what_a_ring_moves(P):
+    # a ring sends 2 * (P - 1) chunks of n / P per device: 2 * (P - 1) * n bytes in all, P * 2 * (P - 1) messages
+    parts = [np.ones((3, 24), np.float32) * d for d in range(P)]
+    link = Link()
+    impl.all_reduce(parts, link)
+    assert link.bytes_sent == 2 * (P - 1) * parts[0].nbytes
+    assert link.messages == 2 * (P - 1) * P

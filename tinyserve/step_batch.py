@@ -1,0 +1,69 @@
+"""Lesson 4: one engine step's batch — the chunks of B sequences flattened into T rows, checked once.
+
+Continuous batching runs decodes (1 row each) and prefill chunks (many rows) in one forward. The model sees one
+[T] array of tokens and positions; attention alone is per sequence, so it gets the layout: where each sequence's
+rows start (query_starts), how far its context reaches (context_lens), its block table, and where each row's new
+K/V go in the pool (slot = block * bs + offset). Everything here depends on the step, not on the layer, so it is
+built and checked once per step and read by all L layers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .attention_backends import check_block_tables
+from .paged import slot_mapping
+from .sequence import Sequence
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """One step's chunks of B sequences, flattened into T rows (sequence b owns rows query_starts[b]:[b+1]).
+    Built and checked once per step; every layer's attention reads the same arrays."""
+    seqs: list[Sequence]          # [B] in batch order
+    counts: list[int]             # [B] rows each runs this step
+    tokens: np.ndarray            # [T] int64
+    positions: np.ndarray         # [T] int64
+    write_blocks: np.ndarray      # [T] int64 pool block of each row's new K/V (slot // bs) ...
+    write_offsets: np.ndarray     # [T] int64 ... and its offset in that block (slot % bs): split once, not per layer
+    block_tables: np.ndarray      # [B, max_blocks] int64, -1 padded
+    context_lens: np.ndarray      # [B] int64 positions of each sequence after this step
+    query_starts: np.ndarray      # [B+1] int64
+    sampled: list[int]            # [R] the b whose chunk reaches their last token: they sample this step
+    logit_rows: np.ndarray        # [R] their last rows, the only ones the LM head runs on
+    num_decode: int               # of the B, plain decodes (1 row after the last sample)
+    logit_starts: list[int] | None = None   # [R] row of `logits` where each sampled sequence's rows begin (lesson 6:
+                                            # a sequence verifying a draft of k needs k + 1 rows); None: one each
+
+
+def prepare_batch(scheduled: list[tuple[Sequence, int]], num_pool_blocks: int, block_size: int) -> StepBatch:
+    """Flatten the scheduled chunks into one batch of rows, and check its layout once for all layers."""
+    bs = block_size
+    seqs = [seq for seq, _ in scheduled]
+    counts = [n for _, n in scheduled]
+    starts = [seq.num_computed_tokens for seq in seqs]             # each chunk continues where its K/V end
+    tokens = np.concatenate([np.asarray(seq.token_slice(s, s + n), dtype=np.int64)
+                             for seq, s, n in zip(seqs, starts, counts)])                   # [T]
+    positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, counts)])        # [T]
+    slots = np.concatenate([slot_mapping(seq.block_table, s, n, bs)
+                            for seq, s, n in zip(seqs, starts, counts)])                     # [T]
+    width = max(len(seq.block_table) for seq in seqs)
+    block_tables = np.full((len(seqs), width), -1, dtype=np.int64)                            # [B, max_blocks]
+    for b, seq in enumerate(seqs):
+        block_tables[b, :len(seq.block_table)] = seq.block_table
+    context_lens = np.array([s + n for s, n in zip(starts, counts)], dtype=np.int64)          # [B]
+    query_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)                 # [B+1]
+    check_block_tables(block_tables, context_lens, query_starts, len(tokens), num_pool_blocks, bs)
+    # Only the sequences whose chunk reaches their last token sample; only their last rows need the LM head.
+    sampled = [b for b, seq in enumerate(seqs) if starts[b] + counts[b] == seq.num_tokens]
+    logit_rows = query_starts[1:][sampled] - 1                                                # [R]
+    num_decode = sum(seq.is_decoding for seq in seqs)
+    logit_starts = None
+    if any(seqs[b].draft for b in sampled):
+        # lesson 6: a sequence verifying a draft of k needs the logits of all its k + 1 rows
+        n_rows = [1 + len(seqs[b].draft) for b in sampled]
+        logit_rows = np.concatenate([np.arange(end - r, end) for end, r in zip(logit_rows + 1, n_rows)])
+        logit_starts = np.concatenate([[0], np.cumsum(n_rows)[:-1]]).tolist()
+    return StepBatch(seqs, counts, tokens, positions, slots // bs, slots % bs, block_tables, context_lens,
+                     query_starts, sampled, logit_rows, num_decode, logit_starts)
