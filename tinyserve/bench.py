@@ -129,7 +129,9 @@ def main(args) -> int:
     parse = lambda s: tuple(int(x) for x in s.split(":")) * (1 if ":" in s else 2)  # noqa: E731  "a:b" or "a"
     workload = Workload(args.requests, parse(args.prompt_len), parse(args.output_len), args.seed,
                         getattr(args, "shared_prefix", 0))
-    kw = dict(num_blocks=args.num_blocks, block_size=args.block_size, max_batch_tokens=args.max_batch_tokens)
+    from .__main__ import speculative_engine_kwargs
+    kw = dict(num_blocks=args.num_blocks, block_size=args.block_size, max_batch_tokens=args.max_batch_tokens,
+              **speculative_engine_kwargs(args, model))   # lesson 6: --speculative
     print(f"workload: {workload.num_requests} requests, prompt {workload.prompt_len[0]}..{workload.prompt_len[1]} "
           f"tokens (after a shared prefix of {workload.shared_prefix}), output {workload.output_len[0]}.."
           f"{workload.output_len[1]} tokens, seed {workload.seed}; "

@@ -13,6 +13,7 @@ from .cache_base import BlockCache, NoPrefixCache
 from .kv_sizing import blocks_for
 from .paged import BlockAllocator
 from .prefix_cache import PrefixCache
+from .speculative import rewind_blocks
 from .scheduler import SeqState
 from .sequence import Sequence, Status
 
@@ -110,6 +111,13 @@ class BlockManager:
             self.cache.insert(seq.token_slice(0, full * self.block_size), seq.block_table[:full],
                               holder_keeps_blocks=True)
             self._published[seq.request_id] = full
+
+    def rewind(self, seq: Sequence, n: int) -> None:
+        """Lesson 6: forget the K/V of seq's last n computed positions (draft tokens the target rejected). Blocks
+        left without a kept position go back to the pool. Call `commit` only after this: a block that still held
+        unverified tokens must never be published to the prefix trie."""
+        rewind_blocks(seq.block_table, seq.num_computed_tokens, n, self.block_size, self.allocator)
+        seq.num_computed_tokens -= n
 
     def free(self, seq: Sequence) -> None:
         """Give back every block of a finished or preempted sequence (decref: a shared block lives on)."""

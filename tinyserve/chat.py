@@ -166,11 +166,11 @@ def main(args) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
                             seed=args.seed)
     tok = load_tokenizer(args.weights)
-    from .__main__ import describe_backend
+    from .__main__ import describe_backend, speculative_engine_kwargs
     model = load_model(args.weights, quant=args.quant, backend=args.backend)
     print(f"[{describe_backend(model)}]", file=sys.stderr)
     engine = Engine(model, num_blocks=args.num_blocks, block_size=args.block_size,
-                    tokenizer=tok, prefix_caching=not args.no_prefix_cache)
+                    tokenizer=tok, prefix_caching=not args.no_prefix_cache, **speculative_engine_kwargs(args, model))
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"tinyserve chat: prefix caching {'off' if args.no_prefix_cache else 'on'}, "

@@ -41,6 +41,8 @@ from .interrupts import interrupts_deferred
 from .paged import KVPool, write_kv_unchecked
 from .sampling import SamplingParams, sample
 from .scheduler import bind, plan_step
+from . import spec_step
+from .speculative import SpecStats
 from .sequence import Sequence, Status
 from .step_batch import StepBatch, prepare_batch
 from .stopping import StopChecker
@@ -64,11 +66,18 @@ class StepStats:
     num_admitted: int
     blocks_used: int         # after the step
     seconds: float
+    num_drafted: int = 0     # lesson 6: draft tokens verified in this step's forward ...
+    num_accepted: int = 0    # ... and how many of them the target accepted
 
 
 class Engine:
     def __init__(self, model: Model, num_blocks: int = 256, block_size: int = 16, max_batch_tokens: int = 256,
-                 max_running: int = 64, backend: str | None = None, tokenizer=None, prefix_caching: bool = False):
+                 max_running: int = 64, backend: str | None = None, tokenizer=None, prefix_caching: bool = False,
+                 speculative=None, draft_k: int = 4, adaptive_k: bool = False, draft_model: Model | None = None,
+                 verify_costs: Seq[float] | None = None):
+        """speculative (lesson 6): None; "ngram", "early-exit", "int8"/"draft" (with draft_model); or a function
+        returning a fresh Drafter, called once per request. draft_k: tokens drafted per step (the maximum when
+        adaptive_k; verify_costs as for speculative.AdaptiveK)."""
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
                             ("max_batch_tokens", max_batch_tokens), ("max_running", max_running)):
             check_positive_int(name, value, "Engine")
@@ -89,6 +98,7 @@ class Engine:
         self.finished: dict[int, Sequence] = {}
         self.stats: list[StepStats] = []          # one per step: a long-running caller may clear() it
         self._next_id = 0
+        spec_step.setup(self, model, speculative, draft_k, adaptive_k, draft_model, verify_costs)   # lesson 6
 
     # --- requests --------------------------------------------------------------------------------------------
     def add_request(self, prompt_ids: Seq[int], params: SamplingParams | None = None) -> int:
@@ -112,7 +122,8 @@ class Engine:
                              f"but the whole pool has {self.blocks.num_blocks} blocks: it can never run "
                              f"(shorten the prompt or max_new_tokens, or give the engine more blocks)")
         stopper = StopChecker(self.config, params, self.tokenizer, prompt_len=len(ids))  # ValueError on stop w/o tok
-        return Sequence(self._next_id, [int(t) for t in ids], params, stopper, params.make_rng())
+        return spec_step.attach(self, Sequence(self._next_id, [int(t) for t in ids], params, stopper,
+                                               params.make_rng()))
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -178,12 +189,16 @@ class Engine:
         per request that failed in this step (finish_reason "error")."""
         t0 = time.perf_counter()
         with interrupts_deferred():          # the queues and block tables change together or not at all
+            failed = spec_step.draft_all(self) if self.make_drafter is not None else []
             scheduled, n_preempted, n_admitted = self._schedule()
+            if self.make_drafter is not None:
+                spec_step.fit_drafts(self, scheduled)
             if not scheduled:
                 # add_request refuses what could never fit, so an empty plan with work left is a scheduler bug
-                assert n_preempted or not self.has_unfinished(), "the scheduler made no progress: a livelock"
-                return []
+                assert n_preempted or failed or not self.has_unfinished(), "the scheduler made no progress: a livelock"
+                return failed
             batch = prepare_batch(scheduled, self.pool.num_blocks, self.block_size)   # step_batch.py
+            drafted = sum(len(seq.draft) for seq in batch.seqs)
         try:
             # Nothing is advanced until the forward has returned: if it raises, every sequence is as it was (its
             # new blocks stay allocated and hold nothing yet), and the next step runs the same chunks again.
@@ -195,11 +210,13 @@ class Engine:
                 outputs = [self._fail(seq, e) for seq in batch.seqs]
         else:
             with interrupts_deferred():
+                accepted_before = self.spec_stats.accepted
                 outputs = self._advance(batch, logits)
         self.stats.append(StepStats(len(batch.seqs), len(batch.tokens), batch.num_decode, len(batch.sampled),
                                     n_preempted, n_admitted, self.blocks.allocator.num_used,
-                                    time.perf_counter() - t0))
-        return outputs
+                                    time.perf_counter() - t0, drafted,
+                                    self.spec_stats.accepted - accepted_before if drafted else 0))
+        return failed + outputs
 
     def _forward(self, batch: StepBatch) -> np.ndarray:
         """One forward over all rows of the batch -> logits [R, V] of its sampled rows. Attention is the only
@@ -226,12 +243,15 @@ class Engine:
         every sequence whose chunk reached its end (logits [R, V], row r for batch.sampled[r]), retire those that
         stop. A failure while sampling or stopping one sequence ends that sequence only."""
         outputs: list[StepOutput] = []
-        row = {b: r for r, b in enumerate(batch.sampled)}      # batch index -> its row of logits
+        row = dict(zip(batch.sampled, batch.logit_starts or range(len(batch.sampled))))  # batch index -> logits row
         now = time.perf_counter()
         for b, (seq, n) in enumerate(zip(batch.seqs, batch.counts)):
             if b not in row:                  # a prefill chunk short of the end: its K/V are in, nothing to sample
                 seq.num_computed_tokens += n
                 self.blocks.commit(seq)
+                continue
+            if seq.draft:                     # lesson 6: k + 1 rows to verify
+                outputs.append(spec_step.verify_draft(self, seq, n, logits[row[b]:row[b] + n], now))
                 continue
             try:
                 # the repetition penalty needs every token seen so far; skip building that list when it is off
@@ -242,6 +262,10 @@ class Engine:
                 continue
             seq.output_ids.append(token)
             seq.token_times.append(now)
+            if seq.spec is not None:          # a step without a draft (prefill, or k = 0): one token, no verdict
+                for stats in (seq.spec, self.spec_stats):
+                    stats.record(0, 0)
+                    stats.emitted += 1
             seq.num_computed_tokens += n
             self.blocks.commit(seq)
             try:
@@ -265,6 +289,7 @@ class Engine:
         if reason is not None:
             seq.stopper.reason = reason
             seq.error = error
+        spec_step.drop_draft(seq)             # unverified tokens are not output (their K/V were never counted)
         self.blocks.free(seq)
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
@@ -342,17 +367,24 @@ class Engine:
 
 def generate_stream(model: Model, ids: Seq[int], max_new_tokens: int | None = None,
                     params: SamplingParams | None = None, tokenizer=None, backend: str | None = None,
-                    block_size: int = 16, max_batch_tokens: int = 512) -> Iterator[int]:
+                    block_size: int = 16, max_batch_tokens: int = 512, spec_stats: SpecStats | None = None,
+                    **engine_kwargs) -> Iterator[int]:
     """One prompt through the engine (the CLI's --strategy paged): yields token ids as they are sampled.
-    The pool is sized for exactly this request."""
+    The pool is sized for exactly this request (a draft never reaches past the positions the request may hold).
+    engine_kwargs go to Engine (e.g. speculative="ngram", draft_k=8); spec_stats, if given, receives the request's
+    acceptance statistics when it ends."""
     params = params or SamplingParams()
     if max_new_tokens is not None:
         params = dataclasses.replace(params, max_new_tokens=max_new_tokens)
     n_prompt = len(check_token_ids(model.config, ids))
     positions = max_kv_positions(n_prompt, params.max_new_tokens, model.config.max_seq_len)
     engine = Engine(model, num_blocks=blocks_for(positions, block_size), block_size=block_size,
-                    max_batch_tokens=max_batch_tokens, backend=backend, tokenizer=tokenizer)
-    engine.add_request(ids, params)
+                    max_batch_tokens=max_batch_tokens, backend=backend, tokenizer=tokenizer, **engine_kwargs)
+    rid = engine.add_request(ids, params)
     while engine.has_unfinished():
         for out in engine.step():
             yield from out.new_tokens
+    if spec_stats is not None and engine.finished[rid].spec is not None:
+        stats = engine.finished[rid].spec
+        for name in ("steps", "drafted", "accepted", "rejected", "emitted", "ks", "accepts"):
+            setattr(spec_stats, name, getattr(stats, name))

@@ -80,6 +80,10 @@ class KVCache:
         """append_kv(self, ...): write one layer's new block [m, K, H], get history + block back."""
         return append_kv(self, layer, k, v)
 
+    def rewind(self, n: int) -> None:
+        """rewind(self, n): forget the last n positions (lesson 6: draft tokens the target rejected)."""
+        rewind(self, n)
+
     def view(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """The filled part of one layer: k, v [length, K, H] (views, no copy)."""
         return self.k[layer, :self.length], self.v[layer, :self.length]
@@ -103,6 +107,18 @@ def append_kv(cache: KVCache, layer: int, k: np.ndarray, v: np.ndarray) -> tuple
     cache.k[layer, start:end] = k
     cache.v[layer, start:end] = v
     return cache.k[layer, :end], cache.v[layer, :end]
+
+
+def rewind(cache: KVCache, n: int) -> None:
+    """Drop the last n positions: the cache then holds its first `cache.length - n` (lesson 6's rollback).
+
+    Speculative decoding writes K/V for k drafted tokens before knowing which survive; the rejected ones must
+    leave. A contiguous cache only moves its length back: nothing reads past `length` (attention slices :length)
+    and the next append overwrites those positions, so clearing them would only cost time. n = 0 is a no-op.
+    """
+    if not is_int(n) or not 0 <= n <= cache.length:
+        raise ValueError(f"rewind: n must be an integer in [0, {cache.length}] (the positions cached), got {n!r}")
+    cache.length -= int(n)
 
 
 # rectangular_mask(m, S) -> [m, S] lives in layers.py (lesson 1's attention and gqa use it too); imported above,

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .drafters import Drafter
 from .sampling import SamplingParams
+from .speculative import AdaptiveK, SpecStats
 from .stopping import StopChecker
 
 
@@ -42,6 +44,14 @@ class Sequence:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_scheduled_time: float | None = None
     token_times: list[float] = field(default_factory=list)   # when each output token was sampled
+    # lesson 6, speculative decoding (drafter None: one token per step). Within one engine step the drafted tokens
+    # sit at the end of output_ids, so scheduling, blocks and the batch treat them as an ordinary chunk of 1 + k
+    # rows; verification then keeps what the target agrees with. Between steps `draft` is always empty.
+    drafter: Drafter | None = None             # this request's own (a model drafter holds a KV cache)
+    draft: list[int] = field(default_factory=list)           # [k] the unverified tail of output_ids
+    draft_probs: np.ndarray | None = None      # [k, V] the q they were drawn from (stochastic verification)
+    k_control: AdaptiveK | None = None         # picks k per step from the measured acceptance (None: fixed k)
+    spec: SpecStats | None = None              # what verification did for this request
 
     @property
     def num_tokens(self) -> int:               # prompt + generated so far
@@ -80,6 +90,8 @@ class RequestMetrics:
     tokens_per_s: float        # output tokens / (arrival -> last token)
     num_output_tokens: int
     num_preemptions: int
+    draft_alpha: float | None = None          # speculative decoding: acceptance per examined draft token ...
+    tokens_per_step: float | None = None      # ... and output tokens per target forward (None without a drafter)
 
     @classmethod
     def of(cls, seq: Sequence) -> "RequestMetrics":
@@ -92,4 +104,6 @@ class RequestMetrics:
                    itl=tuple(float(d) for d in np.diff(t)),
                    tokens_per_s=len(t) / total if total > 0 else float("inf"),
                    num_output_tokens=len(seq.output_ids),
-                   num_preemptions=seq.num_preemptions)
+                   num_preemptions=seq.num_preemptions,
+                   draft_alpha=seq.spec.alpha if seq.spec is not None else None,
+                   tokens_per_step=seq.spec.tokens_per_step if seq.spec is not None else None)

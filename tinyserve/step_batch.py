@@ -33,6 +33,8 @@ class StepBatch:
     sampled: list[int]            # [R] the b whose chunk reaches their last token: they sample this step
     logit_rows: np.ndarray        # [R] their last rows, the only ones the LM head runs on
     num_decode: int               # of the B, plain decodes (1 row after the last sample)
+    logit_starts: list[int] | None = None   # [R] row of `logits` where each sampled sequence's rows begin (lesson 6:
+                                            # a sequence verifying a draft of k needs k + 1 rows); None: one each
 
 
 def prepare_batch(scheduled: list[tuple[Sequence, int]], num_pool_blocks: int, block_size: int) -> StepBatch:
@@ -57,5 +59,11 @@ def prepare_batch(scheduled: list[tuple[Sequence, int]], num_pool_blocks: int, b
     sampled = [b for b, seq in enumerate(seqs) if starts[b] + counts[b] == seq.num_tokens]
     logit_rows = query_starts[1:][sampled] - 1                                                # [R]
     num_decode = sum(seq.is_decoding for seq in seqs)
+    logit_starts = None
+    if any(seqs[b].draft for b in sampled):
+        # lesson 6: a sequence verifying a draft of k needs the logits of all its k + 1 rows
+        n_rows = [1 + len(seqs[b].draft) for b in sampled]
+        logit_rows = np.concatenate([np.arange(end - r, end) for end, r in zip(logit_rows + 1, n_rows)])
+        logit_starts = np.concatenate([[0], np.cumsum(n_rows)[:-1]]).tolist()
     return StepBatch(seqs, counts, tokens, positions, slots // bs, slots % bs, block_tables, context_lens,
-                     query_starts, sampled, logit_rows, num_decode)
+                     query_starts, sampled, logit_rows, num_decode, logit_starts)
