@@ -35,10 +35,13 @@ def test_append_kv_first_block(tiny):
     cache = KVCache.allocate(tiny.config, 16)
     k, v = random_kv(np.random.default_rng(0), 5)
     k_all, v_all = impl.append_kv(cache, 0, k, v)
-    np.testing.assert_array_equal(k_all, k)
-    np.testing.assert_array_equal(v_all, v)
-    np.testing.assert_array_equal(cache.k[0, :5], k)         # it is stored in the cache...
-    np.testing.assert_array_equal(cache.v[0, :5], v)
+    np.testing.assert_array_equal(k_all, k,
+        err_msg="append_kv should return the new block's keys when the cache was empty")
+    np.testing.assert_array_equal(v_all, v,
+        err_msg="append_kv should return the new block's values when the cache was empty")
+    np.testing.assert_array_equal(cache.k[0, :5], k,
+        err_msg='the keys must be stored in cache.k[layer, 0:m]')         # it is stored in the cache...
+    np.testing.assert_array_equal(cache.v[0, :5], v, err_msg='the values must be stored in cache.v[layer, 0:m]')
     assert not cache.k[1].any()                               # ...of that layer only
     assert cache.length == 0, "append_kv must not advance cache.length: the caller does, after the last layer"
 
@@ -52,8 +55,10 @@ def test_append_kv_after_history_returns_history_plus_block(tiny):
     k2, v2 = random_kv(rng, 1)
     k_all, v_all = impl.append_kv(cache, 1, k2, v2)
     assert k_all.shape == (5, 2, 16), "history (4) + new block (1) positions"
-    np.testing.assert_array_equal(k_all, np.concatenate([k1, k2]))
-    np.testing.assert_array_equal(v_all, np.concatenate([v1, v2]))
+    np.testing.assert_array_equal(k_all, np.concatenate([k1, k2]),
+        err_msg='append_kv should return history (4 cached) + the new block, in order: write at position cache.length')
+    np.testing.assert_array_equal(v_all, np.concatenate([v1, v2]),
+        err_msg='append_kv should return history + new block of values')
     assert np.shares_memory(k_all, cache.k), "return views of the cache (slices), not copies"
 
 
@@ -74,7 +79,8 @@ def test_append_kv_refuses_to_overflow(tiny):
 def test_mask_prefill_is_the_causal_triangle():
     mask = impl.rectangular_mask(4, 4)
     assert mask.shape == (4, 4) and mask.dtype == bool
-    np.testing.assert_array_equal(mask, np.triu(np.ones((4, 4), bool), k=1))
+    np.testing.assert_array_equal(mask, np.triu(np.ones((4, 4), bool), k=1),
+        err_msg='prefill (m == S) is the causal triangle: True above the diagonal')
 
 
 @pytest.mark.exercise("rectangular_mask")
@@ -84,7 +90,8 @@ def test_mask_decode_and_chunk_after_history():
     expected = np.array([[0, 0, 0, 0, 0, 1, 1],
                          [0, 0, 0, 0, 0, 0, 1],
                          [0, 0, 0, 0, 0, 0, 0]], bool)
-    np.testing.assert_array_equal(mask, expected)
+    np.testing.assert_array_equal(mask, expected,
+        err_msg='3 new rows after 4 history keys: row i sees every history key and new keys 0..i')
 
 
 @pytest.mark.exercise("rectangular_mask")
@@ -96,7 +103,8 @@ def test_mask_gives_the_tail_of_full_causal_attention():
     scores = q[S - m:].transpose(1, 0, 2) @ k.transpose(1, 2, 0) / np.sqrt(H)   # [N, m, S]
     scores[:, impl.rectangular_mask(m, S)] = -np.inf
     out = (softmax(scores) @ v.transpose(1, 0, 2)).transpose(1, 0, 2)
-    np.testing.assert_allclose(out, causal_attention(q, k, v)[S - m:], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out, causal_attention(q, k, v)[S - m:], rtol=1e-5, atol=1e-6,
+        err_msg="masked attention over the last m rows must equal full causal attention's last m rows")
 
 
 # --- generate: the prefill/decode loop -------------------------------------------------------------------------

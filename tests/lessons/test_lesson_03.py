@@ -40,7 +40,8 @@ def test_grouped_matches_repeat_based_smollm2_shapes(m, S):
     q, k, v = qkv(m, S, N=9, K=3, H=64, seed=m * 100 + S)
     out = impl.grouped_attention(q, k, v)
     assert out.shape == (m, 9, 64)
-    np.testing.assert_allclose(out, rectangular_attention(q, k, v), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out, rectangular_attention(q, k, v), rtol=1e-5, atol=1e-6,
+        err_msg='grouped_attention differs from the repeat-based attention of lesson 2 (same numbers expected, no copy)')
 
 
 @pytest.mark.exercise("grouped_attention")
@@ -48,7 +49,8 @@ def test_grouped_matches_repeat_based_smollm2_shapes(m, S):
 def test_grouped_matches_repeat_based_mha_mqa_gqa(N, K):
     q, k, v = qkv(3, 11, N, K, 8, seed=N * 10 + K)
     np.testing.assert_allclose(impl.grouped_attention(q, k, v), rectangular_attention(q, k, v),
-                               rtol=1e-5, atol=1e-6)
+                               rtol=1e-5, atol=1e-6,
+        err_msg='grouped_attention differs from the repeat-based attention of lesson 2 (same numbers expected, no copy)')
 
 
 @pytest.mark.exercise("grouped_attention")

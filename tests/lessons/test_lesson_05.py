@@ -72,6 +72,19 @@ def test_match_can_end_inside_an_edge():
 
 
 @pytest.mark.exercise("match_prefix")
+def test_a_mismatch_inside_an_edge_ends_the_walk():
+    root, a, b, c = sample_trie()
+    # [1 2] matches a's first block, [5 6] differs from a's second block [3 4]: the match ends there. [5 6] is also
+    # the key of a's child b, but b's block 12 holds the K/V of [1 2 3 4 5 6], not of [1 2 5 6]: walking on would
+    # hand the request another prefix's keys and values
+    m = impl.match_prefix(root, [1, 2, 5, 6, 0, 0], 2)
+    assert list(m.blocks) == [10], (
+        f"got blocks {list(m.blocks)}: after a mismatch inside an edge the walk must stop, not go on into the "
+        f"children of that node (their blocks belong to the whole edge)")
+    assert m.node is a and m.depth == 1, "the walk ended inside a's edge, after 1 of its 2 blocks"
+
+
+@pytest.mark.exercise("match_prefix")
 def test_match_uses_whole_blocks_only():
     root, a, b, c = sample_trie()
     assert list(impl.match_prefix(root, [1], 2).blocks) == []          # a partial block never matches
@@ -189,6 +202,19 @@ def test_evict_climbs_to_parents_and_stops_when_empty():
     assert list(impl.evict_lru(root, 10, [1] * 20, 2)) == [12, 14, 13, 11, 10]
     assert root.children == {}
     assert list(impl.evict_lru(root, 3, [1] * 20, 2)) == []
+
+
+@pytest.mark.exercise("evict_lru")
+def test_evict_is_least_recent_first_across_the_whole_trie():
+    """A parent that becomes a leaf joins the other leaves in LRU order: it is not emptied at once."""
+    root = Node()
+    x = add(root, [1, 1], [20], t=5)           # recently used prefix ...
+    add(x, [2, 2], [21], t=1)                   # ... whose old child goes first
+    add(root, [3, 3], [22], t=3)                # an independent leaf, older than x
+    got = list(impl.evict_lru(root, 3, [1] * 30, 2))
+    assert got == [21, 22, 20], (
+        f"evicted {got}: least recently used first: 21 (t=1), then 22 (t=3), and only then x's 20 (t=5), which "
+        f"became a leaf when 21 went but was used more recently than 22")
 
 
 @pytest.mark.exercise("evict_lru")
