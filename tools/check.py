@@ -19,11 +19,13 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import io
 import os
 import subprocess
 import sys
 import tempfile
 import time
+import tokenize
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,7 +107,7 @@ class Collector:
 
 _NUMPY_NOISE = ("Not equal to tolerance", "Arrays are not equal", "Arrays are not almost equal", "x:", "y:",
                 "ACTUAL:", "DESIRED:", "Mismatched elements", "Max relative difference", "First ", "Mismatch at ind",
-                "Max absolute difference")
+                "Max absolute difference", "Use -v to get", "Full diff:", "At index", "Left contains", "Right contains")
 
 
 def explain(excinfo, max_lines: int = 4) -> str:
@@ -126,6 +128,9 @@ def explain(excinfo, max_lines: int = 4) -> str:
         first = text.strip().splitlines()[0][:200] if text.strip() else ""
         return f"{excinfo.typename}: {first}{where}"
     lines, shown_index = [], False
+    comment = _test_comment(excinfo)
+    if comment and comment not in text:
+        lines.append(comment)
     for ln in (ln.rstrip() for ln in text.splitlines() if ln.strip()):
         if ln.lstrip().startswith("[") and "(ACTUAL)" in ln:     # NumPy's first mismatch: worth one line
             if not shown_index:
@@ -137,6 +142,19 @@ def explain(excinfo, max_lines: int = 4) -> str:
     if not lines:
         return "the check failed (run with VERBOSE=1 to see it)"
     return "\n".join(ln[:200] for ln in lines[:max_lines])
+
+
+def _test_comment(excinfo) -> str:
+    """The `# comment` on the failing line of the check, if any: the tests explain their expectations there."""
+    for entry in reversed(excinfo.traceback):
+        if "tests/lessons/" in str(entry.path):
+            try:
+                source = str(entry.statement)
+                tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+                return " ".join(t.string.lstrip("# ").strip() for t in tokens if t.type == tokenize.COMMENT)
+            except (tokenize.TokenError, IndentationError, SyntaxError):
+                return ""
+    return ""
 
 
 def run(lesson: int, exercises: Path | None, mode: str = "learner", only: str | None = None,
@@ -172,9 +190,11 @@ def import_problem(path: Path) -> str | None:
     try:
         compile(path.read_text(), str(path), "exec")
     except SyntaxError as e:
-        caret = " " * max((e.offset or 1) - 1, 0) + "^"
+        text = (e.text or "").rstrip("\n")
+        indent = len(text) - len(text.lstrip())
+        caret = " " * max((e.offset or 1) - 1 - indent, 0) + "^"
         return (f"{_rel(path)}:{e.lineno}: {e.__class__.__name__}: {e.msg}\n"
-                f"    {(e.text or '').rstrip()}\n    {caret}")
+                f"    {text.strip()}\n    {caret}")
     try:
         _import_path(path, f"exercises_import_check_{os.getpid()}")
     except Exception as e:   # noqa: BLE001 - any error on import is the learner's to see

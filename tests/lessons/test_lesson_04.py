@@ -28,8 +28,8 @@ def test_allocate_hands_out_every_block_once_then_runs_out():
     alloc = impl.BlockAllocator(4, 16)
     got = [alloc.allocate() for _ in range(4)]
     assert sorted(got) == [0, 1, 2, 3], "each physical block exactly once"
-    assert alloc.num_free == 0 and alloc.num_used == 4
-    assert all(alloc.refcount[b] == 1 for b in got)
+    assert alloc.num_free == 0 and alloc.num_used == 4, "after 4 allocations of 4 blocks: 0 free, 4 used"
+    assert all(alloc.refcount[b] == 1 for b in got), "a freshly allocated block has exactly one owner"
     with pytest.raises(OutOfBlocks):
         alloc.allocate()
     alloc.check()
@@ -108,8 +108,8 @@ def test_random_operations_keep_the_invariants(ops):
 def test_slot_mapping_walks_the_block_table():
     # positions 3..8 with bs = 4: the last slot of block 7, then all of block 2, then the first of block 5
     slots = impl.slot_mapping([7, 2, 5], 3, 6, 4)
-    assert slots.tolist() == [31, 8, 9, 10, 11, 20]
-    assert slots.dtype == np.int64
+    assert slots.tolist() == [31, 8, 9, 10, 11, 20], "slot = table[p // 4] * 4 + p % 4 for p = 3..8"
+    assert slots.dtype == np.int64, f"slots are int64 (they index a large pool), got {slots.dtype}"
     assert impl.slot_mapping([7, 2, 5], 9, 1, 4).tolist() == [21]          # decode: one position
     assert impl.slot_mapping(np.array([3, -1], np.int32), 0, 2, 4).tolist() == [12, 13]
     assert impl.slot_mapping([1], 0, 0, 4).tolist() == []
@@ -146,7 +146,8 @@ def decoding(num_tokens: int, bs: int = 4) -> SeqState:
 def test_all_decodes_and_a_new_prompt_fit():
     plan = impl.plan_step([decoding(10), decoding(7)], [SeqState(6, 0, 0)], free_blocks=10, token_budget=100,
                           block_size=4)
-    assert (plan.run, plan.admit, plan.preempt) == ([(0, 1), (1, 1)], [(0, 6)], [])
+    assert (plan.run, plan.admit, plan.preempt) == ([(0, 1), (1, 1)], [(0, 6)], []), \
+        "room for everything: both decodes run one token, the new 6-token prompt is admitted whole, nobody preempted"
 
 
 @pytest.mark.exercise("plan_step")
@@ -160,7 +161,7 @@ def test_a_long_prefill_is_chunked_and_leaves_budget_for_younger_decodes():
 @pytest.mark.exercise("plan_step")
 def test_zero_budget_left_skips_instead_of_running_empty_chunks():
     plan = impl.plan_step([decoding(5), decoding(6), decoding(7)], [], free_blocks=10, token_budget=2, block_size=4)
-    assert plan.run == [(0, 1), (1, 1)]
+    assert plan.run == [(0, 1), (1, 1)], f"a budget of 2 runs two decodes; the third gets 0 tokens and is skipped: {plan.run}"
 
 
 @pytest.mark.exercise("plan_step")
@@ -197,10 +198,10 @@ def test_the_youngest_preempts_itself_rather_than_skipping_its_turn():
     # memory it cannot use, and it could wait forever behind requests that keep growing.
     plan = impl.plan_step([SeqState(6, 5, 2), SeqState(9, 8, 2)], [SeqState(3, 0, 0)], free_blocks=0,
                           token_budget=100, block_size=4)
-    assert plan.run == [(0, 1)], f"request 0 has room for its next token and should run: run = {plan.run}"
     assert plan.preempt == [1], (
         f"preempt = {plan.preempt}: request 1 cannot get the block it needs and is the youngest, so it must be "
         f"preempted (give back its blocks), not skipped while holding them")
+    assert plan.run == [(0, 1)], f"request 0 has room for its next token and should run: run = {plan.run}"
     assert plan.admit == [], "no admission in a step that preempted"
 
 
