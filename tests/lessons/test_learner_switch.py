@@ -40,7 +40,7 @@ def solved_file(lesson: int, folder: Path) -> Path:
 
 @pytest.fixture
 def solved(tmp_path):
-    files = {n: solved_file(n, tmp_path) for n in (1, 2, 3, 4, 5)}
+    files = {n: solved_file(n, tmp_path) for n in course.course_lessons()}   # every lesson, 6-9 too
     with course.use_learner_code(list(files), files, quiet=True) as switch:
         calls = {n: sys.modules[f"tinyserve_learner_exercises_{n:02d}"].CALLS for n in files}
         yield switch, calls
