@@ -248,7 +248,7 @@ def report_learner(lesson: int, only: str | None = None, verbose: bool = False) 
         failed += 1
         bad = [c for c in checks if not c.passed]
         if all(c.message.startswith("not implemented") for c in bad):
-            print(f"  TODO  {name:<24} not implemented yet ({len(checks)} checks waiting)")
+            print(f"  TODO  {name:<24} not implemented yet ({len(checks)} check{'s' * (len(checks) > 1)} waiting)")
             continue
         print(f"  FAIL  {name:<24} {ok}/{len(checks)} checks")
         for c in bad:
