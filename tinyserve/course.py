@@ -210,6 +210,9 @@ def use_learner_code(lessons: list[int] | None = None, files: dict[int, Path] | 
 
     available = course_lessons()
     files = {**available, **(files or {})}
+    if not files:
+        raise ValueError(f"{SOLUTION_ENV}=learner needs the course checkout: lessons/NN_*/exercises.py and "
+                         f"tests/lessons/test_lesson_NN.py next to the tinyserve package ({_ROOT})")
     chosen = sorted(files) if lessons is None else lessons
     switch = LearnerSwitch()
     # import every exercises file first, against the reference: a learner's file may build on reference pieces

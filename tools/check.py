@@ -354,6 +354,8 @@ def prove_wrong_answers_fail(lessons: list[int]) -> int:
 
 
 def main() -> int:
+    # the checks compare your functions with the reference: the learner switch must not swap the reference too
+    os.environ.pop("TINYSERVE_SOLUTION", None)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("lesson", help="lesson number, or 'all'")
     p.add_argument("--ex", default=None, help="run one exercise only (its name, as in the report)")
