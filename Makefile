@@ -69,9 +69,9 @@ check-%: $(STAMP) weights
 check-wrong-answers: $(STAMP) weights
 	$(PYTHON) tools/check.py --wrong-answers-must-fail all
 
-# Jupyter Lab on the lessons, with the project's venv as the kernel (plots inline)
+# Jupyter Lab on the lessons, with the project's venv as the kernel (plots inline); root (containers) needs --allow-root
 notebook: $(STAMP) weights
-	$(BIN)/jupyter lab --notebook-dir=lessons
+	$(BIN)/jupyter lab --notebook-dir=lessons $(if $(filter 0,$(shell id -u)),--allow-root) $(JUPYTER_ARGS)
 
 bench: $(STAMP) weights
 	$(PYTHON) -m tinyserve bench
