@@ -363,7 +363,11 @@ def main() -> int:
     p.add_argument("--stubs-must-fail", action="store_true")
     p.add_argument("--wrong-answers-must-fail", action="store_true")
     args = p.parse_args()
-    lessons = lessons_with_tests() if args.lesson == "all" else [int(args.lesson)]
+    have = lessons_with_tests()
+    if args.lesson != "all" and (not args.lesson.isdigit() or int(args.lesson) not in have):
+        print(f"no self-checks for lesson {args.lesson!r}: tests/lessons/test_lesson_NN.py exist for lessons {have}")
+        return 2
+    lessons = have if args.lesson == "all" else [int(args.lesson)]
     if args.stubs_must_fail:
         return prove_stubs_fail(lessons)
     if args.wrong_answers_must_fail:
