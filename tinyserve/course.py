@@ -106,6 +106,7 @@ class LearnerSwitch:
         self.used: dict[int, list[str]] = {}       # lesson -> exercise names now running the learner's code
         self.pending: dict[int, list[str]] = {}    # lesson -> exercise names still stubs (the reference runs)
         self.files: dict[int, Path] = {}
+        self.places: dict[str, list[str]] = {}     # exercise -> where it was rebound ("tinyserve.engine.plan_step", ...)
         self._undo: list[Callable[[], None]] = []
 
     def restore(self) -> None:
@@ -133,11 +134,14 @@ class LearnerSwitch:
         return "\n".join(lines)
 
     def _set(self, owner, name: str, value) -> None:
+        self._where.append(f"{getattr(owner, '__module__', '') + '.' if isinstance(owner, type) else ''}"
+                           f"{owner.__qualname__ if isinstance(owner, type) else owner.__name__}.{name}")
         old = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
         setattr(owner, name, value)
         self._undo.append(lambda: setattr(owner, name, old))
 
     def _set_defaults(self, fn, attr: str, value) -> None:
+        self._where.append(f"{fn.__module__}.{fn.__qualname__}({attr})")
         old = getattr(fn, attr)
         setattr(fn, attr, value)
         self._undo.append(lambda: setattr(fn, attr, old))
@@ -148,6 +152,7 @@ class LearnerSwitch:
         (`attend=grouped_attention` was bound when the function was defined). Returns how many were changed."""
         import sys
         import types
+        self._where = []
         count = 0
         for mod_name, module in list(sys.modules.items()):
             if module is None or not (mod_name == "tinyserve" or mod_name.startswith("tinyserve.")):
@@ -235,7 +240,9 @@ def use_learner_code(lessons: list[int] | None = None, files: dict[int, Path] | 
                 continue
             module, _, attr = target.partition(":")
             original = getattr(importlib.import_module(module), attr)
-            if switch.rebind(original, getattr(learner[n], name)) == 0:
+            changed = switch.rebind(original, getattr(learner[n], name))
+            switch.places[name] = switch._where
+            if changed == 0:
                 raise RuntimeError(f"{target} was not found in any loaded tinyserve module: cannot use yours")
             switch.used.setdefault(n, []).append(name)
     if not quiet:
