@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -97,6 +98,8 @@ def run(n: int, path: Path) -> bool:
 
 
 def main() -> int:
+    # a SIGTERM (timeout, kill) becomes SystemExit, so nbclient shuts the kernel down instead of orphaning it
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     which = sys.argv[1] if len(sys.argv) > 1 else "all"
     books = notebooks()
     chosen = books if which == "all" else {int(which): books.get(int(which))}
