@@ -55,6 +55,15 @@ def test_stubs_are_not_used(tmp_path):
     assert "still the reference" in banner and "lesson 4" in banner
 
 
+def test_a_file_that_does_not_import_keeps_the_reference_and_says_so(tmp_path):
+    broken = tmp_path / "exercises.py"
+    broken.write_text("def plan_step(:\n")
+    with course.use_learner_code([4], {4: broken}, quiet=True) as switch:
+        assert 4 in switch.broken and "SyntaxError" in switch.broken[4]
+        assert switch.used == {} and ts.scheduler.plan_step.__module__ == "tinyserve.scheduler"
+        assert "DOES NOT IMPORT" in switch.banner()
+
+
 def test_every_solved_exercise_is_switched_and_restored(solved, tiny):
     switch, calls = solved
     for n in (1, 2, 3, 4, 5):
