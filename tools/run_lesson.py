@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -83,7 +84,8 @@ def run(n: int, path: Path) -> bool:
             client.execute()
         except CellExecutionError as e:
             ok = False
-            print(f"lesson {n} FAILED:\n{str(e)[-3000:]}")
+            plain = re.sub(r"\x1b\[[0-9;]*m", "", str(e))      # the traceback without terminal colour codes
+            print(f"lesson {n} FAILED:\n{plain[-3000:]}")
     nbformat.write(nb, out / "lesson.ipynb")
     print(f"   executed in {time.perf_counter() - t0:.0f} s -> {(out / 'lesson.ipynb').relative_to(ROOT)}")
     findings = out / "findings.jsonl"
