@@ -86,6 +86,9 @@ def run(n: int, path: Path) -> bool:
             ok = False
             plain = re.sub(r"\x1b\[[0-9;]*m", "", str(e))      # the traceback without terminal colour codes
             print(f"lesson {n} FAILED:\n{plain[-3000:]}")
+        finally:
+            if km.has_kernel:             # a kernel manager we made is ours to stop (nbclient stops only its own)
+                km.shutdown_kernel(now=True)
     nbformat.write(nb, out / "lesson.ipynb")
     print(f"   executed in {time.perf_counter() - t0:.0f} s -> {(out / 'lesson.ipynb').relative_to(ROOT)}")
     findings = out / "findings.jsonl"
