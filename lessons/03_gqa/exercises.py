@@ -20,10 +20,9 @@ def grouped_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray
     block, row i sees new keys 0..i only. Plain prefill is S == m, decode is m == 1 (nothing is masked).
     """
     raise NotImplementedError(
-        "grouped_attention: query heads n = kv * g + j share K/V head kv, so reshape q to [m, K, g, H] and move "
-        "K first: [K, m*g, H]. One batched matmul with k.transpose(1, 2, 0) ([K, H, S]) gives scores "
-        "[K, m*g, S] without np.repeat; scale by 1/sqrt(H), mask (each mask row repeated g times), softmax, "
-        "multiply by v.transpose(1, 0, 2) and undo the reshape")
+        "grouped_attention: query head n reads K/V head n // g. A reshape of q can turn the g heads of a group into"
+        " extra *rows* of that K/V head, so one batched matmul gives every score without copying K or V. The mask "
+        "is per new token: which rows of your scores belong to new token i?")
 
 
 def kv_bytes_per_token(config: ModelConfig, bytes_per_value: int = 4) -> int:

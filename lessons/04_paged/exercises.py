@@ -43,8 +43,8 @@ class BlockAllocator:
     def allocate(self) -> int:
         """A fresh block with refcount 1. Raises OutOfBlocks when none is free."""
         raise NotImplementedError(
-            "allocate: raise OutOfBlocks(...) if self._free is empty; else popleft() a block, set its refcount "
-            "to 1 and return it")
+            "allocate: which end of the FIFO free list do you take from, what if it is empty, and what is the "
+            "refcount of a block only you hold?")
 
     def incref(self, block: int) -> None:
         """Another owner (a sequence or the prefix cache) now holds `block`."""
@@ -53,8 +53,8 @@ class BlockAllocator:
     def decref(self, block: int) -> bool:
         """One owner lets go of `block`; returns True when that freed it."""
         raise NotImplementedError(
-            "decref: assert the refcount is > 0 (never negative), subtract one; at 0 the block goes back on "
-            "the free list (append) and you return True")
+            "decref: a refcount never goes below zero (assert it). When the last owner lets go, where does the "
+            "block go so that it is reused as late as possible, and what do you return?")
 
     def check(self) -> None:
         free = set(self._free)
@@ -71,9 +71,9 @@ def slot_mapping(block_table: Sequence[int], start: int, count: int, block_size:
     viewed as [num_blocks * bs, K, H].
     """
     raise NotImplementedError(
-        "slot_mapping: pos = np.arange(start, start + count); look up the physical block of each position "
-        "(table[pos // bs]) and add the offset inside it (pos % bs). Raise ValueError if the table is too short "
-        "or reaches a -1 (unallocated) entry for these positions, or if start/count are negative")
+        "slot_mapping: for each position p, which entry of the block table holds it, and where inside that block "
+        "does it sit? Before answering, make sure the table has allocated (no -1) every block these positions "
+        "reach; negative start or count is a ValueError too")
 
 
 def plan_step(running: list[SeqState], waiting: list[SeqState], free_blocks: int, token_budget: int,
@@ -85,10 +85,8 @@ def plan_step(running: list[SeqState], waiting: list[SeqState], free_blocks: int
     prefix of the queue (FCFS).
     """
     raise NotImplementedError(
-        "plan_step: (1) for each running request, oldest first: n = 1 if decoding (remaining == 1), else "
-        "min(remaining, budget - one token per decoding request after it); skip it if n <= 0. Its extra blocks: "
-        "blocks_for(num_computed + n, bs) - num_blocks. While they exceed the free ones, preempt the youngest "
-        "other running request (its s.freeable blocks come back); if it is itself the youngest, preempt it "
-        "and stop. "
-        "(2) if nothing was preempted, admit waiting requests in order while the budget, the free blocks and "
-        "max_running allow; stop at the first that does not fit. Return StepPlan(run, admit, preempt)")
+        "plan_step: two passes. (1) Running requests, oldest first: how many tokens may each run (a decode needs 1;"
+        " a prefill chunk leaves one token of budget for every decode *after* it), and how many new blocks does "
+        "that take? If they are not free, who gives blocks back, youngest first (SeqState.freeable says how many), "
+        "and what if the request itself is the youngest? (2) Only if nobody was preempted: admit waiting requests in order while the budget, the "
+        "blocks and max_running allow; stop at the first that does not fit")

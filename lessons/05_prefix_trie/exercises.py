@@ -29,10 +29,9 @@ def match_prefix(root: Node, tokens: Sequence[int], block_size: int) -> Match:
     len(node.blocks) when the match ended inside its edge; 0 for the root).
     """
     raise NotImplementedError(
-        "match_prefix: loop while a whole block of tokens is left: look up node.children[tuple(next block)]; "
-        "stop if absent; else count how many blocks of child.tokens agree with the query (the first one does, "
-        "it was the key; stop at the query's end too), take that many of child.blocks, and continue from the "
-        "child only if its whole edge matched")
+        "match_prefix: at each node the next whole block of the query is the key of at most one child. Compare the "
+        "rest of that child's edge block by block: how many agree? Take that many of its blocks. When may the walk "
+        "go on into the child's children, and when must it stop?")
 
 
 def insert(root: Node, tokens: Sequence[int], blocks: Sequence[int], block_size: int, now: int) -> list[int]:
@@ -44,10 +43,9 @@ def insert(root: Node, tokens: Sequence[int], blocks: Sequence[int], block_size:
     Every node on the path gets last_access = now.
     """
     raise NotImplementedError(
-        "insert: walk like match_prefix; when no child starts with the next block, hang one new leaf "
-        "Node(tuple(rest of tokens), list(rest of blocks), parent, {}, now) under the key of its first block and "
-        "return those blocks; when a child's edge agrees for only k of its blocks, split(child, k, block_size) "
-        "(from tinyserve.prefix_cache) gives you a node ending exactly there; set last_access = now on the way")
+        "insert: walk like match_prefix. Where no child starts with the next block, everything left becomes one new"
+        " leaf; where an edge agrees only partly, split() gives you a node ending exactly there. Which blocks does "
+        "the trie take, and which nodes get last_access = now?")
 
 
 def evict_lru(root: Node, num_blocks: int, refcount: Sequence[int], block_size: int) -> list[int]:
@@ -59,10 +57,9 @@ def evict_lru(root: Node, num_blocks: int, refcount: Sequence[int], block_size: 
     (never the root). Returns the evicted block ids in the order they were evicted.
     """
     raise NotImplementedError(
-        "evict_lru: put every leaf (node without children; iter_nodes(root) lists the nodes) in a heap keyed by "
-        "(last_access, a tie-breaker); pop the oldest; pop blocks off the end of its edge (and block_size tokens "
-        "off its tokens) while refcount == 1 and you need more; if its edge is empty, delete it from "
-        "parent.children (remember its key first) and push the parent if that left it childless")
+        "evict_lru: a heap of leaves ordered by last_access yields the least recently used one; take blocks off the"
+        " tail of its edge while only the cache holds them. When an edge empties, the node leaves its parent, and "
+        "the parent may just have become a leaf")
 
 
 def block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:

@@ -1,20 +1,27 @@
 """One test body, two implementations.
 
 Each lesson's self-check tests call `load_impl(N, REFERENCE)` and test whatever it returns:
-  - TINYSERVE_IMPL=reference (default): the functions of the tinyserve modules named in REFERENCE;
+  - TINYSERVE_IMPL=reference (the default, what plain `pytest` runs): the functions of the tinyserve modules
+    named in REFERENCE;
   - TINYSERVE_IMPL=learner: the same names from lessons/NN_*/exercises.py (or from TINYSERVE_EXERCISES_FILE),
-    which is what `make check-N` runs.
+    which is what `make check-N` runs;
+  - TINYSERVE_IMPL=patch: the names TINYSERVE_EXERCISES_FILE defines, the reference for the rest. The kept wrong
+    answers (tests/lessons/wrong_answers/) are such patches: one mistake each over the reference.
 So the exercise tests and the engine's own tests can never drift apart.
+
+    TINYSERVE_IMPL=learner PYTHONPATH=. .venv/bin/python -m pytest tests/lessons/test_lesson_02.py -x
 """
 from __future__ import annotations
 
 import importlib
 import importlib.util
 import os
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[2]
+MODES = ("reference", "learner", "patch")
 
 
 def lesson_dir(lesson: int) -> Path:
@@ -31,8 +38,15 @@ def exercises_file(lesson: int) -> Path:
 
 def _import_path(path: Path, name: str):
     spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None:
+        raise ImportError(f"cannot import {path}: not a Python file")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.modules[name] = module    # dataclasses and pickling look a module up by name while it executes
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
     return module
 
 
@@ -42,13 +56,21 @@ def resolve(target: str):
     return getattr(importlib.import_module(module), attr)
 
 
-def load_impl(lesson: int, reference: dict[str, str]) -> SimpleNamespace:
+def impl_mode() -> str:
     mode = os.environ.get("TINYSERVE_IMPL", "reference")
+    if mode not in MODES:
+        raise ValueError(f"TINYSERVE_IMPL must be one of {MODES}, got {mode!r}")
+    return mode
+
+
+def load_impl(lesson: int, reference: dict[str, str]) -> SimpleNamespace:
+    mode = impl_mode()
     if mode == "reference":
         return SimpleNamespace(**{name: resolve(target) for name, target in reference.items()}, mode=mode)
-    if mode != "learner":
-        raise ValueError(f"TINYSERVE_IMPL must be 'reference' or 'learner', got {mode!r}")
     module = _import_path(exercises_file(lesson), f"exercises_{lesson:02d}")
+    if mode == "patch":
+        return SimpleNamespace(**{name: getattr(module, name) if hasattr(module, name) else resolve(target)
+                                  for name, target in reference.items()}, mode=mode)
     missing = [n for n in reference if not hasattr(module, n)]
     if missing:
         raise AttributeError(f"{exercises_file(lesson)} lacks {missing}")

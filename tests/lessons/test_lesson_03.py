@@ -39,8 +39,9 @@ def qkv(m, S, N, K, H, seed=0):
 def test_grouped_matches_repeat_based_smollm2_shapes(m, S):
     q, k, v = qkv(m, S, N=9, K=3, H=64, seed=m * 100 + S)
     out = impl.grouped_attention(q, k, v)
-    assert out.shape == (m, 9, 64)
-    np.testing.assert_allclose(out, rectangular_attention(q, k, v), rtol=1e-5, atol=1e-6)
+    assert out.shape == (m, 9, 64), f"q [m, N, H] -> [m, N, H] = {(m, 9, 64)}, got {out.shape}"
+    np.testing.assert_allclose(out, rectangular_attention(q, k, v), rtol=1e-5, atol=1e-6,
+        err_msg='grouped_attention differs from the repeat-based attention of lesson 2 (same numbers expected, no copy)')
 
 
 @pytest.mark.exercise("grouped_attention")
@@ -48,7 +49,8 @@ def test_grouped_matches_repeat_based_smollm2_shapes(m, S):
 def test_grouped_matches_repeat_based_mha_mqa_gqa(N, K):
     q, k, v = qkv(3, 11, N, K, 8, seed=N * 10 + K)
     np.testing.assert_allclose(impl.grouped_attention(q, k, v), rectangular_attention(q, k, v),
-                               rtol=1e-5, atol=1e-6)
+                               rtol=1e-5, atol=1e-6,
+        err_msg='grouped_attention differs from the repeat-based attention of lesson 2 (same numbers expected, no copy)')
 
 
 @pytest.mark.exercise("grouped_attention")
@@ -76,7 +78,8 @@ def test_grouped_does_not_copy_kv_per_query_head():
 
 @pytest.mark.exercise("kv_bytes_per_token")
 def test_kv_bytes_per_token_smollm2():
-    assert impl.kv_bytes_per_token(SMOL) == 46_080                      # 2 * 30 * 3 * 64 * 4 (fp32)
+    got = impl.kv_bytes_per_token(SMOL)
+    assert got == 46_080, f"SmolLM2: 2 (K and V) * 30 layers * 3 kv heads * 64 * 4 bytes = 46080, got {got}"
     assert impl.kv_bytes_per_token(SMOL, bytes_per_value=2) == 23_040
 
 
@@ -89,6 +92,7 @@ def test_kv_bytes_per_token_mha_vs_gqa():
 
 @pytest.mark.exercise("kv_cache_bytes")
 def test_kv_cache_bytes():
-    assert impl.kv_cache_bytes(SMOL, 2048) == 94_371_840                # 90 MiB for one 2048-token sequence
+    got = impl.kv_cache_bytes(SMOL, 2048)
+    assert got == 94_371_840, f"one 2048-token sequence: 2048 * 46080 = 94371840 bytes (90 MiB), got {got}"
     assert impl.kv_cache_bytes(SMOL, 1000, n_seqs=8, bytes_per_value=2) == 8 * 1000 * 23_040
     assert impl.kv_cache_bytes(LLAMA2_13B, 4096, bytes_per_value=2) == 3_355_443_200

@@ -28,8 +28,8 @@ def test_allocate_hands_out_every_block_once_then_runs_out():
     alloc = impl.BlockAllocator(4, 16)
     got = [alloc.allocate() for _ in range(4)]
     assert sorted(got) == [0, 1, 2, 3], "each physical block exactly once"
-    assert alloc.num_free == 0 and alloc.num_used == 4
-    assert all(alloc.refcount[b] == 1 for b in got)
+    assert alloc.num_free == 0 and alloc.num_used == 4, "after 4 allocations of 4 blocks: 0 free, 4 used"
+    assert all(alloc.refcount[b] == 1 for b in got), "a freshly allocated block has exactly one owner"
     with pytest.raises(OutOfBlocks):
         alloc.allocate()
     alloc.check()
@@ -41,6 +41,9 @@ def test_refcounts_a_shared_block_is_freed_by_its_last_owner():
     b = alloc.allocate()
     alloc.incref(b)                         # a second sequence (or the prefix cache) shares it
     assert alloc.refcount[b] == 2
+    assert (alloc.num_used, alloc.num_free) == (1, 2), (
+        f"one block shared by two owners is still one block in use: num_used {alloc.num_used} (want 1), "
+        f"num_free {alloc.num_free} (want 2); count blocks, not references")
     assert alloc.decref(b) is False         # one owner left: still in use
     assert alloc.num_free == 2
     assert alloc.decref(b) is True          # the last owner: back on the free list
@@ -48,6 +51,17 @@ def test_refcounts_a_shared_block_is_freed_by_its_last_owner():
     alloc.check()
     with pytest.raises(AssertionError):     # refcounts never go negative
         alloc.decref(b)
+
+
+@pytest.mark.exercise("BlockAllocator")
+def test_incref_refuses_a_free_block():
+    alloc = impl.BlockAllocator(2, 4)
+    b = alloc.allocate()
+    alloc.decref(b)                          # b is free again
+    with pytest.raises(AssertionError):
+        alloc.incref(b)                      # nobody may take a second reference on a block nobody holds
+        pytest.fail(f"incref({b}) on a free block must fail (assert): the block is still on the free list, so "
+                    f"allocate() would hand it out again while someone thinks they hold it")
 
 
 @pytest.mark.exercise("BlockAllocator")
@@ -94,8 +108,8 @@ def test_random_operations_keep_the_invariants(ops):
 def test_slot_mapping_walks_the_block_table():
     # positions 3..8 with bs = 4: the last slot of block 7, then all of block 2, then the first of block 5
     slots = impl.slot_mapping([7, 2, 5], 3, 6, 4)
-    assert slots.tolist() == [31, 8, 9, 10, 11, 20]
-    assert slots.dtype == np.int64
+    assert slots.tolist() == [31, 8, 9, 10, 11, 20], "slot = table[p // 4] * 4 + p % 4 for p = 3..8"
+    assert slots.dtype == np.int64, f"slots are int64 (they index a large pool), got {slots.dtype}"
     assert impl.slot_mapping([7, 2, 5], 9, 1, 4).tolist() == [21]          # decode: one position
     assert impl.slot_mapping(np.array([3, -1], np.int32), 0, 2, 4).tolist() == [12, 13]
     assert impl.slot_mapping([1], 0, 0, 4).tolist() == []
@@ -132,7 +146,8 @@ def decoding(num_tokens: int, bs: int = 4) -> SeqState:
 def test_all_decodes_and_a_new_prompt_fit():
     plan = impl.plan_step([decoding(10), decoding(7)], [SeqState(6, 0, 0)], free_blocks=10, token_budget=100,
                           block_size=4)
-    assert (plan.run, plan.admit, plan.preempt) == ([(0, 1), (1, 1)], [(0, 6)], [])
+    assert (plan.run, plan.admit, plan.preempt) == ([(0, 1), (1, 1)], [(0, 6)], []), \
+        "room for everything: both decodes run one token, the new 6-token prompt is admitted whole, nobody preempted"
 
 
 @pytest.mark.exercise("plan_step")
@@ -146,7 +161,7 @@ def test_a_long_prefill_is_chunked_and_leaves_budget_for_younger_decodes():
 @pytest.mark.exercise("plan_step")
 def test_zero_budget_left_skips_instead_of_running_empty_chunks():
     plan = impl.plan_step([decoding(5), decoding(6), decoding(7)], [], free_blocks=10, token_budget=2, block_size=4)
-    assert plan.run == [(0, 1), (1, 1)]
+    assert plan.run == [(0, 1), (1, 1)], f"a budget of 2 runs two decodes; the third gets 0 tokens and is skipped: {plan.run}"
 
 
 @pytest.mark.exercise("plan_step")
@@ -173,6 +188,42 @@ def test_out_of_blocks_preempts_the_youngest_and_admits_nobody():
     # the youngest preempts itself when nobody younger is left to push out
     plan = impl.plan_step([SeqState(9, 8, 2), SeqState(5, 4, 1)], [], free_blocks=0, token_budget=100, block_size=4)
     assert (plan.preempt, plan.run) == ([1], [(0, 1)])
+
+
+@pytest.mark.exercise("plan_step")
+def test_the_youngest_preempts_itself_rather_than_skipping_its_turn():
+    # request 0 decodes inside its last block (6 tokens, 5 computed: block 2 has room); request 1 needs a new block
+    # for its next token and nothing is free. Nobody younger than 1 can be pushed out: 1 preempts ITSELF (gives
+    # back its 2 blocks and waits at the front of the queue). Skipping its turn while keeping its blocks would hold
+    # memory it cannot use, and it could wait forever behind requests that keep growing.
+    plan = impl.plan_step([SeqState(6, 5, 2), SeqState(9, 8, 2)], [SeqState(3, 0, 0)], free_blocks=0,
+                          token_budget=100, block_size=4)
+    assert plan.preempt == [1], (
+        f"preempt = {plan.preempt}: request 1 cannot get the block it needs and is the youngest, so it must be "
+        f"preempted (give back its blocks), not skipped while holding them")
+    assert plan.run == [(0, 1)], f"request 0 has room for its next token and should run: run = {plan.run}"
+    assert plan.admit == [], "no admission in a step that preempted"
+
+
+@pytest.mark.exercise("plan_step")
+def test_no_admission_in_a_step_that_preempted_even_if_blocks_are_left():
+    # the youngest gives back 3 blocks; the oldest needs only 1 of them. 2 are left over and a 1-token request
+    # waits: it still must not be admitted in this step (it would race the preempted request for the blocks)
+    plan = impl.plan_step([SeqState(9, 8, 2), SeqState(10, 9, 3)], [SeqState(1, 0, 0)], free_blocks=0,
+                          token_budget=100, block_size=4)
+    assert plan.preempt == [1] and plan.run == [(0, 1)], f"preempt {plan.preempt}, run {plan.run}"
+    assert plan.admit == [], f"admitted {plan.admit} in a step that preempted: admit only when nobody was preempted"
+
+
+@pytest.mark.exercise("plan_step")
+def test_the_decode_reserve_counts_only_decodes_after_the_prefill():
+    # [decode, prefill of 100, decode], budget 16: the first decode takes 1 token; the prefill keeps 1 for the decode
+    # behind it (the one before it has already taken its token): 16 - 1 - 1 = 14
+    plan = impl.plan_step([decoding(9), SeqState(120, 20, 5), decoding(5)], [], free_blocks=100, token_budget=16,
+                          block_size=4)
+    assert plan.run == [(0, 1), (1, 14), (2, 1)], (
+        f"run = {plan.run}: the prefill chunk should be 14 = 16 - 1 (taken by the decode before it) - 1 (kept for "
+        f"the decode after it); a reserve for decodes *before* it counts them twice and wastes budget")
 
 
 @pytest.mark.exercise("plan_step")

@@ -1,0 +1,16 @@
+"""forward_with_cache never advances cache.length, so every decode step overwrites the previous one."""
+import numpy as np
+
+from tinyserve.kv_cache import cache_attention
+from tinyserve.model import forward as model_forward
+
+CAUGHT_BY = "forward_with_cache"
+
+
+def forward_with_cache(model, cache, tokens, attend=None, all_logits=False):
+    tokens = np.asarray(tokens, dtype=np.int64)
+    m = len(tokens)
+    cache.check_room(m)
+    rows = None if all_logits else np.array([m - 1])
+    attention = cache_attention(cache) if attend is None else cache_attention(cache, attend)
+    return model_forward(model, tokens, np.arange(cache.length, cache.length + m), attention, logit_rows=rows)
