@@ -49,7 +49,7 @@ class BlockManager:
             hit = self.cache.peek(seq.token_slice(0, seq.num_tokens))
             return SeqState(seq.num_tokens, len(hit) * self.block_size, sum(self.cache.users(b) >= 1 for b in hit))
         # preempting it gives back only the blocks no other sequence shares
-        freeable = sum(self.cache.users(b) == 1 for b in seq.block_table)
+        freeable = self.cache.num_freeable(seq.block_table)
         return SeqState(seq.num_tokens, seq.num_computed_tokens, len(seq.block_table), freeable)
 
     def admissible(self, waiting: list[Sequence], running: list[Sequence], token_budget: int) -> list[Sequence]:

@@ -116,6 +116,11 @@ class BlockCache(ABC):
         """Drop every unreferenced block (e.g. to measure a cold start); returns how many were freed."""
         return self.evict(self.allocator.num_blocks)
 
+    def num_freeable(self, blocks: Sequence[int]) -> int:
+        """How many of a sequence's blocks would come back to the pool if it let go of them all: those no other
+        sequence holds (a cached block only the cache still holds counts as free memory too)."""
+        return sum(1 for b in blocks if self.users(b) == 1)
+
 
 class NoPrefixCache(BlockCache):
     """Prefix caching off: a cache that never hits and never keeps a block. With it, a sequence starts from
@@ -137,3 +142,6 @@ class NoPrefixCache(BlockCache):
 
     def check(self) -> None:
         assert not self.cached, "a cache that never hits holds no block"
+
+    def num_freeable(self, blocks: Sequence[int]) -> int:
+        return len(blocks)   # nothing is shared: every block comes back (and no need to look at each)
