@@ -37,7 +37,7 @@ def load(weights: str, threads: int):
 
     @torch.inference_mode()
     def forward(ids, cache):  # ids [B, m] -> next token ids [B] (greedy), the cache extended by m positions
-        logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits  # [B, 1, V]
+        logits = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits  # [B, 1, V]
         return logits[:, -1].argmax(-1)
 
     def decode(prompts: list[list[int]], new_tokens: int) -> dict:
