@@ -35,7 +35,7 @@ def load(gguf: str, threads: int):
     model = C.llama_model_load_from_file(gguf.encode(), C.llama_model_default_params())
     if not model:
         raise RuntimeError(f"llama.cpp could not load {gguf}")
-    n_vocab = C.llama_n_vocab(C.llama_model_get_vocab(model))
+    n_vocab = C.llama_vocab_n_tokens(C.llama_model_get_vocab(model))
     contexts: dict[tuple[int, int], object] = {}
 
     def context(n_seq: int, positions_per_seq: int, n_batch: int):
