@@ -229,3 +229,59 @@ def test_quick_run_with_tinyserve_alone_writes_the_json(tmp_path, capsys):
     assert {s["workload"] for s in data["samples"]} == {"decode_b1", "decode_bN", "prefill"}
     assert all(s["engine"] == "tinyserve" and s["tokens_per_s"] > 0 for s in data["samples"])
     assert data["settings"]["rounds"] == 1 and data["ratios"] == {"decode_b1": {}, "decode_bN": {}, "prefill": {}}
+
+
+# --- the run itself, with in-process fake engines -----------------------------------------------------------------
+
+class FakeEngine:
+    """Answers like a worker: tokens continue the last prompt token; speed `rate` tokens/s; can fail on call n."""
+
+    def __init__(self, rate: float, fail_on_call: int | None = None, shift: int = 0):
+        self.rate, self.fail_on_call, self.shift, self.calls, self.closed = rate, fail_on_call, shift, [], False
+        self.info = {"engine": "fake"}
+
+    def request(self, cmd: str, **f) -> dict:
+        self.calls.append(cmd)
+        if len(self.calls) == self.fail_on_call:
+            raise PeerError("worker exited with code -11")
+        if cmd == "prefill":
+            return {"seconds": len(f["ids"]) / self.rate, "next_token": 0}
+        n = len(f["prompts"]) * (f["new_tokens"] - 1)
+        toks = [[p[-1] + i + (self.shift if i >= 2 else 0) for i in range(f["new_tokens"])] for p in f["prompts"]]
+        return {"tokens": toks, "decode_seconds": n / self.rate, "decode_tokens": n}
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _settings_and_report(rounds=2):
+    st = bp.Settings(rounds=rounds, new_tokens=5, batch=3, prompt_len=4, prefill_len=8, check_tokens=4)
+    return st, bp.Report(st, prompts=bp.make_token_ids(list(range(10, 40)), st))
+
+
+def test_rounds_measure_every_engine_on_every_workload_and_drop_a_failing_one(capsys):
+    st, rep = _settings_and_report(rounds=3)
+    engines = {"llama.cpp": FakeEngine(100.0, fail_on_call=4), "PyTorch": FakeEngine(50.0),
+               "tinyserve": FakeEngine(75.0)}
+    crashed = engines["llama.cpp"]
+    bp.run_rounds(engines, rep)
+    assert crashed.closed and "llama.cpp" not in engines and "code -11" in rep.failed["llama.cpp"]
+    assert len([s for s in rep.samples if s.engine == "llama.cpp"]) == 3      # round 1 only, then dropped
+    for name in ("PyTorch", "tinyserve"):
+        assert sorted((s.round, s.workload) for s in rep.samples if s.engine == name) == sorted(
+            (r, w) for r in range(3) for w in ("decode_b1", "decode_bN", "prefill"))
+    assert rep.speeds("PyTorch", "decode_bN").median == pytest.approx(50.0)
+    assert rep.ratio("prefill", "PyTorch").median == pytest.approx(1.5)
+    assert rep.ratio("decode_b1", "llama.cpp").n == 1
+    assert "dropped from the rest of the run" in capsys.readouterr().err
+
+
+def test_greedy_check_compares_peers_with_tinyserve_and_warms_up_every_workload(capsys):
+    st, rep = _settings_and_report()
+    engines = {"llama.cpp": FakeEngine(1.0, shift=7), "PyTorch": FakeEngine(1.0), "tinyserve": FakeEngine(1.0)}
+    agree = bp.greedy_check(engines, rep, [1, 2, 3], decode=lambda ids: " ".join(map(str, ids)))
+    assert agree["PyTorch"]["equal_leading_tokens"] == 4 and agree["llama.cpp"]["equal_leading_tokens"] == 2
+    assert all(e.calls == ["decode", "decode", "decode", "prefill"] for e in engines.values())
+    printed = capsys.readouterr().out
+    assert "PyTorch: 4/4 tokens equal to tinyserve's: identical" in printed
+    assert "llama.cpp: 2/4 tokens equal" in printed and "expected, not an error" in printed

@@ -108,6 +108,7 @@ class Spread:
 @dataclass(slots=True)
 class Report:
     settings: Settings
+    prompts: dict[str, list[list[int]]] = field(default_factory=dict)   # workload -> its prompts (make_token_ids)
     samples: list[Sample] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)      # engine -> why it dropped out
 
@@ -311,6 +312,89 @@ def measure(engine, workload: str, prompts: list[list[int]], settings: Settings,
     return Sample(round_, name, workload, r["decode_tokens"], r["decode_seconds"])
 
 
+def start_engines(args: argparse.Namespace, weights: Path, report: Report, log_dir: Path) -> dict:
+    """The engines, each loaded once: the peers as worker processes in their venvs, tinyserve in this process.
+    A peer that cannot start is reported and left out; the run goes on without it."""
+    st = report.settings
+    env = {**os.environ, "PYTHONPATH": ""}      # the workers must not see tinyserve (nor need it)
+    starts = {LLAMA: lambda: Worker(LLAMA, [args.llama_python, str(ROOT / "tools/peers/llama_worker.py"),
+                                             "--gguf", str(args.gguf or find_gguf()), "--threads", str(st.threads)],
+                                    log_dir / "llama_worker.log", env),
+              TORCH: lambda: Worker(TORCH, [args.torch_python, str(ROOT / "tools/peers/torch_worker.py"),
+                                             "--weights", str(weights), "--threads", str(st.threads)],
+                                    log_dir / "torch_worker.log", env),
+              TINY: lambda: Tinyserve(args, weights)}
+    engines = {}
+    for name in args.engines:
+        t0 = time.perf_counter()
+        print(f"starting {name} ...", flush=True)
+        try:
+            engines[name] = starts[name]()
+        except (RuntimeError, OSError) as e:          # PeerError, WeightsError, a missing venv
+            report.failed[name] = str(e)
+            print(f"  {name} failed to start: {e}\n  (`make bench-peers` builds the peer venvs)", file=sys.stderr)
+            continue
+        print(f"  {name} ready in {time.perf_counter() - t0:.1f} s: {json.dumps(engines[name].info)}")
+    return engines
+
+
+def drop(engines: dict, report: Report, name: str, e: Exception) -> None:
+    report.failed[name] = str(e)
+    print(f"  {name} failed, dropped from the rest of the run: {e}", file=sys.stderr)
+    engines.pop(name).close()
+
+
+def greedy_check(engines: dict, report: Report, prompt: list[int], decode) -> dict:
+    """Every engine continues one chat prompt greedily; the peers' tokens are compared with tinyserve's.
+    Then one short run of every workload's shape: the warm-up (first calls, allocations, JIT) before timing."""
+    st, outs, agree = report.settings, {}, {}
+    for name in list(engines):
+        try:
+            outs[name] = engines[name].request("decode", prompts=[prompt], new_tokens=st.check_tokens)["tokens"][0]
+            for key, p in report.prompts.items():
+                if key == "prefill":
+                    engines[name].request("prefill", ids=p[0])
+                else:
+                    engines[name].request("decode", prompts=p, new_tokens=2)
+        except PeerError as e:
+            drop(engines, report, name, e)
+    if TINY not in outs:
+        return agree
+    print(f"greedy check ({st.check_tokens} tokens after a chat prompt): tinyserve says {decode(outs[TINY])!r}")
+    for name in (LLAMA, TORCH):
+        if name in outs:
+            n = agreement(outs[TINY], outs[name])
+            agree[name] = {"equal_leading_tokens": n, "of": st.check_tokens, "tokens": outs[name]}
+            how = "identical" if n == st.check_tokens else f"the first {n} equal, then {decode(outs[name])!r}"
+            why = (" (llama.cpp computes on the Q4_1 blocks with 8-bit activations, tinyserve on their float32 "
+                   "dequantisation: a divergence is expected, not an error)") if name == LLAMA and n < len(outs[TINY]) \
+                else ""
+            print(f"  {name}: {n}/{st.check_tokens} tokens equal to tinyserve's: {how}{why}")
+    return agree
+
+
+def run_rounds(engines: dict, report: Report) -> None:
+    """R rounds; in each, every workload on every engine, the engine order rotating from round to round."""
+    st = report.settings
+    total, done = st.rounds * len(report.prompts) * len(engines), 0
+    for rnd in range(st.rounds):
+        names = list(engines)
+        order = names[rnd % len(names):] + names[:rnd % len(names)] if names else names
+        for key, label in st.workloads().items():
+            for name in order:
+                if name not in engines:                 # dropped earlier in this round
+                    continue
+                try:
+                    s = measure(engines[name], key, report.prompts[key], st, rnd, name)
+                except PeerError as e:
+                    drop(engines, report, name, e)
+                    continue
+                report.samples.append(s)
+                done += 1
+                print(f"[{done}/{total}] round {rnd + 1}/{st.rounds}  {label:<26} {name:<10} "
+                      f"{s.tokens_per_s:8.1f} tokens/s  ({s.tokens} tokens in {s.seconds:.2f} s)", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     st: Settings = args.settings
@@ -322,8 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench-peers: {problem}; run `make weights` first", file=sys.stderr)
         return 2
     with open("/proc/cpuinfo") as f:
-        cpu = cpu_info(f.read())
-    cpu["cores"] = os.cpu_count()
+        cpu = {**cpu_info(f.read()), "cores": os.cpu_count()}
     print(f"CPU: {cpu['model']}, {cpu['cores']} cores; flags of note: {' '.join(cpu['flags']) or 'none'}")
     load_before = os.getloadavg()
     if load_before[0] > cpu["cores"]:
@@ -335,86 +418,19 @@ def main(argv: list[str] | None = None) -> int:
           f"{st.rounds} round(s), {st.threads} threads per peer")
 
     tok = load_tokenizer(weights)
-    prompts = make_token_ids(tok.encode(TEXT), st)
-    check_prompt = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
-
-    log_dir = Path(args.out).parent
-    log_dir.mkdir(parents=True, exist_ok=True)
-    report, engines, infos = Report(st), {}, {}
-    env = {**os.environ, "PYTHONPATH": ""}      # the workers must not see tinyserve (nor need it)
-    starts = {LLAMA: lambda: Worker(LLAMA, [args.llama_python, str(ROOT / "tools/peers/llama_worker.py"),
-                                             "--gguf", str(args.gguf or find_gguf()), "--threads", str(st.threads)],
-                                    log_dir / "llama_worker.log", env),
-              TORCH: lambda: Worker(TORCH, [args.torch_python, str(ROOT / "tools/peers/torch_worker.py"),
-                                             "--weights", str(weights), "--threads", str(st.threads)],
-                                    log_dir / "torch_worker.log", env),
-              TINY: lambda: Tinyserve(args, weights)}
-    for name in args.engines:
-        t0 = time.perf_counter()
-        print(f"starting {name} ...", flush=True)
-        try:
-            engines[name] = starts[name]()
-        except (PeerError, OSError) as e:
-            report.failed[name] = str(e)
-            print(f"  {name} failed to start: {e}\n  (make bench-peers builds the peer venvs)", file=sys.stderr)
-            continue
-        infos[name] = engines[name].info
-        print(f"  {name} ready in {time.perf_counter() - t0:.1f} s: {json.dumps(infos[name])}")
-
-    def drop(name: str, e: Exception) -> None:
-        report.failed[name] = str(e)
-        print(f"  {name} failed, dropped from the rest of the run: {e}", file=sys.stderr)
-        engines.pop(name).close()
-
-    # Greedy agreement on a short chat prompt (doubles as the warm-up: first calls, JIT, allocations).
-    agree = {}
-    outs = {}
-    for name in list(engines):
-        try:
-            outs[name] = engines[name].request("decode", prompts=[check_prompt], new_tokens=st.check_tokens)["tokens"][0]
-            for key, p in prompts.items():   # warm-up of every workload's shape, short
-                if key == "prefill":
-                    engines[name].request("prefill", ids=p[0])
-                else:
-                    engines[name].request("decode", prompts=p, new_tokens=2)
-        except PeerError as e:
-            drop(name, e)
-    if TINY in outs:
-        print(f"greedy check ({st.check_tokens} tokens after a chat prompt): tinyserve says "
-              f"{tok.decode(outs[TINY])!r}")
-        for name in (LLAMA, TORCH):
-            if name in outs:
-                n = agreement(outs[TINY], outs[name])
-                agree[name] = {"equal_leading_tokens": n, "of": st.check_tokens, "tokens": outs[name]}
-                how = "identical" if n == st.check_tokens else f"the first {n} equal, then {tok.decode(outs[name])!r}"
-                why = " (Q4_1 x Q8 arithmetic in llama.cpp: a divergence is expected, not an error)" \
-                    if name == LLAMA and n < st.check_tokens else ""
-                print(f"  {name}: {n}/{st.check_tokens} tokens equal to tinyserve's: {how}{why}")
-
-    total = st.rounds * len(prompts) * len(engines)
-    done = 0
-    for rnd in range(st.rounds):
-        order = list(engines)
-        order = order[rnd % len(order):] + order[:rnd % len(order)] if order else order   # rotate each round
-        for key, label in st.workloads().items():
-            for name in order:
-                if name not in engines:
-                    continue
-                try:
-                    s = measure(engines[name], key, prompts[key], st, rnd, name)
-                except PeerError as e:
-                    drop(name, e)
-                    continue
-                report.samples.append(s)
-                done += 1
-                print(f"[{done}/{total}] round {rnd + 1}/{st.rounds}  {label:<26} {name:<10} "
-                      f"{s.tokens_per_s:8.1f} tokens/s  ({s.tokens} tokens in {s.seconds:.2f} s)", flush=True)
+    report = Report(st, prompts=make_token_ids(tok.encode(TEXT), st))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    engines = start_engines(args, weights, report, out.parent)
+    infos = {name: e.info for name, e in engines.items()}
+    agree = greedy_check(engines, report, tok.encode_chat([{"role": "user", "content": "What is the capital of "
+                                                                                       "France?"}]), tok.decode)
+    run_rounds(engines, report)
     for e in list(engines.values()):
         e.close()
 
-    shown = [e for e in args.engines]
     print()
-    print(format_table(report, shown))
+    print(format_table(report, args.engines))
     print(f"median over {st.rounds} round(s), (min-max) when more than one; ratios are tinyserve / peer per round. "
           f"Prefill: LM head on the last position only in every engine (transformers: logits_to_keep=1). "
           f"On a shared, loaded machine single numbers are noisy; compare the ratios.")
@@ -426,16 +442,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name} failed: {why.splitlines()[0]}")
 
     result = {
-        "cpu": cpu, "settings": asdict(st), "engines": infos,
+        "cpu": cpu, "settings": asdict(st), "engines": infos, "load_model": load_kwargs(args),
+        "engine_kwargs": engine_kwargs(args), "agreement": agree, "failed": report.failed,
         "samples": [{**asdict(s), "tokens_per_s": s.tokens_per_s} for s in report.samples],
-        "summary": {k: {e: asdict(s) for e in shown if (s := report.speeds(e, k))} for k in st.workloads()},
+        "summary": {k: {e: asdict(s) for e in args.engines if (s := report.speeds(e, k))} for k in st.workloads()},
         "ratios": {k: {p: asdict(r) for p in (LLAMA, TORCH) if (r := report.ratio(k, p))} for k in st.workloads()},
-        "agreement": agree, "failed": report.failed, "load_model": load_kwargs(args),
-        "engine_kwargs": engine_kwargs(args), "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "load_average": {"start": load_before, "end": os.getloadavg()},
     }
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
     return 1 if report.failed else 0
 
 
