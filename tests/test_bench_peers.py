@@ -284,4 +284,6 @@ def test_greedy_check_compares_peers_with_tinyserve_and_warms_up_every_workload(
     assert all(e.calls == ["decode", "decode", "decode", "prefill"] for e in engines.values())
     printed = capsys.readouterr().out
     assert "PyTorch: 4/4 tokens equal to tinyserve's: identical" in printed
+    assert "after the 8-token prefill prompt: llama.cpp 0, PyTorch 0, tinyserve 0" in printed
+    assert agree["llama.cpp"]["after_prefill_equal"] is True
     assert "llama.cpp: 2/4 tokens equal" in printed and "expected, not an error" in printed

@@ -347,24 +347,28 @@ def drop(engines: dict, report: Report, name: str, e: Exception) -> None:
 def greedy_check(engines: dict, report: Report, prompt: list[int], decode) -> dict:
     """Every engine continues one chat prompt greedily; the peers' tokens are compared with tinyserve's.
     Then one short run of every workload's shape: the warm-up (first calls, allocations, JIT) before timing."""
-    st, outs, agree = report.settings, {}, {}
+    st, outs, agree, after_prefill = report.settings, {}, {}, {}
     for name in list(engines):
         try:
             outs[name] = engines[name].request("decode", prompts=[prompt], new_tokens=st.check_tokens)["tokens"][0]
             for key, p in report.prompts.items():
                 if key == "prefill":
-                    engines[name].request("prefill", ids=p[0])
+                    after_prefill[name] = engines[name].request("prefill", ids=p[0])["next_token"]
                 else:
                     engines[name].request("decode", prompts=p, new_tokens=2)
         except PeerError as e:
             drop(engines, report, name, e)
+    if after_prefill:
+        print(f"greedy token after the {st.prefill_len}-token prefill prompt: "
+              + ", ".join(f"{n} {t}" for n, t in after_prefill.items()))
     if TINY not in outs:
         return agree
     print(f"greedy check ({st.check_tokens} tokens after a chat prompt): tinyserve says {decode(outs[TINY])!r}")
     for name in (LLAMA, TORCH):
         if name in outs:
             n = agreement(outs[TINY], outs[name])
-            agree[name] = {"equal_leading_tokens": n, "of": st.check_tokens, "tokens": outs[name]}
+            agree[name] = {"equal_leading_tokens": n, "of": st.check_tokens, "tokens": outs[name],
+                           "after_prefill_equal": after_prefill.get(name) == after_prefill.get(TINY)}
             how = "identical" if n == st.check_tokens else f"the first {n} equal, then {decode(outs[name])!r}"
             why = (" (llama.cpp computes on the Q4_1 blocks with 8-bit activations, tinyserve on their float32 "
                    "dequantisation: a divergence is expected, not an error)") if name == LLAMA and n < len(outs[TINY]) \
