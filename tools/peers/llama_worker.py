@@ -12,7 +12,7 @@ the logits row of each sequence (greedy), inside the timed loop, as in tinyserve
 from __future__ import annotations
 
 import argparse
-import ctypes
+import sys
 import time
 
 import numpy as np
@@ -31,6 +31,7 @@ def load(gguf: str, threads: int):
     import llama_cpp
     from llama_cpp import llama_cpp as C
 
+    C.llama_log_set(_quiet_log(C), None)   # its debug lines (thousands per context) would bury the warnings
     C.llama_backend_init()
     model = C.llama_model_load_from_file(gguf.encode(), C.llama_model_default_params())
     if not model:
@@ -116,6 +117,23 @@ def load(gguf: str, threads: int):
     info = {"engine": "llama.cpp", "llama_cpp_python": llama_cpp.__version__, "threads": threads, "gguf": gguf,
             "n_vocab": n_vocab, "system_info": C.llama_print_system_info().decode(errors="replace").strip()}
     return info, {"decode": decode, "prefill": prefill}
+
+
+_LOG_CALLBACK = []   # ctypes callbacks must outlive the C library's use of them
+
+
+def _quiet_log(C):
+    """A llama.cpp log callback that keeps warnings and errors (ggml levels WARN=3, ERROR=4) and drops the rest;
+    level 5 (CONT) continues the previous message, so it follows that message's fate."""
+    shown = [True]
+
+    def log(level: int, text: bytes, _user_data) -> None:
+        shown[0] = shown[0] if level == 5 else level >= 3
+        if shown[0]:
+            sys.stderr.write(text.decode(errors="replace"))
+
+    _LOG_CALLBACK.append(C.llama_log_callback(log))
+    return _LOG_CALLBACK[-1]
 
 
 if __name__ == "__main__":
