@@ -29,6 +29,7 @@ help:
 	@echo "make bench      benchmarks (tokens/s, ratios measured side by side)"
 	@echo "make serve      OpenAI-compatible server on http://127.0.0.1:8000/v1 (SERVE_ARGS=... for options)"
 	@echo "make fixtures   regenerate the PyTorch reference fixture (own venv with torch + transformers)"
+	@echo "make bench-peers  tinyserve vs llama.cpp and PyTorch on this machine, interleaved (builds llama.cpp: ~12 min once)"
 
 $(STAMP): pyproject.toml
 	test -x $(PYTHON) || $(PY) -m venv $(VENV)
@@ -87,6 +88,23 @@ fixtures: $(STAMP) weights
 	test -x .venv-ref/bin/python || $(PY) -m venv .venv-ref
 	.venv-ref/bin/pip install --quiet torch==2.13.0 'transformers>=5,<6' 'accelerate>=1,<2' 'gguf>=0.10,<0.20' numpy
 	.venv-ref/bin/python tools/make_reference.py
+
+# The peers (issue 9): llama.cpp (.venv-llama, built from source) and PyTorch + transformers (.venv-ref, shared with
+# `make fixtures`) in venvs of their own, measured beside tinyserve in one run. Not part of `make test`.
+# Options go through BENCH_PEERS_ARGS, e.g. make bench-peers BENCH_PEERS_ARGS="--quick" or "--quant int8".
+.PHONY: bench-peers peer-venvs
+BENCH_PEERS_ARGS ?=
+
+peer-venvs:
+	tools/peers/setup_llama.sh .venv-llama $(PY)
+	test -f .venv-ref/.installed-peers || { \
+	  echo "installing torch==2.13.0 (CPU) + transformers into .venv-ref ..." && \
+	  { test -x .venv-ref/bin/python || $(PY) -m venv .venv-ref; } && \
+	  .venv-ref/bin/pip install --quiet torch==2.13.0 'transformers>=5,<6' 'accelerate>=1,<2' 'gguf>=0.10,<0.20' numpy && \
+	  touch .venv-ref/.installed-peers; }
+
+bench-peers: $(STAMP) weights peer-venvs
+	$(PYTHON) tools/bench_peers.py $(BENCH_PEERS_ARGS)
 
 clean:
 	rm -rf build .pytest_cache .numba_cache

@@ -1,0 +1,289 @@
+"""tools/bench_peers.py (make bench-peers) without the peer venvs: options, the numbers it prints, the worker protocol
+against fake workers, and tinyserve's own measurement functions on the tiny model."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tinyserve as ts
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("bench_peers", ROOT / "tools" / "bench_peers.py")
+bp = importlib.util.module_from_spec(_spec)
+sys.modules["bench_peers"] = bp      # dataclasses look their module up by name
+_spec.loader.exec_module(bp)
+from protocol import PeerError, Worker  # noqa: E402  (bench_peers put tools/peers on sys.path)
+
+
+# --- options ---------------------------------------------------------------------------------------------------
+
+def test_defaults_are_the_issue_workloads_and_pass_nothing_to_load_model():
+    args = bp.parse_args([])
+    assert args.settings == bp.Settings(rounds=3, prompt_len=32, new_tokens=128, batch=16, prefill_len=512)
+    assert args.engines == ["llama.cpp", "PyTorch", "tinyserve"]
+    assert bp.load_kwargs(args) == {} and bp.engine_kwargs(args) == {}
+
+
+def test_quick_is_one_short_round_and_explicit_options_win():
+    q = bp.parse_args(["--quick"]).settings
+    assert q.rounds == 1 and q.new_tokens < 128 and q.prefill_len < 512
+    q2 = bp.parse_args(["--quick", "--rounds", "2", "--new-tokens", "5"]).settings
+    assert (q2.rounds, q2.new_tokens, q2.prefill_len) == (2, 5, q.prefill_len)
+
+
+def test_quant_and_backend_pass_through_only_when_given():
+    args = bp.parse_args(["--quant", "int8", "--backend", "numba", "--engines", "tinyserve"])
+    assert bp.load_kwargs(args) == {"quant": "int8", "backend": "numba"}
+    assert bp.engine_kwargs(args) == {"backend": "numba"}
+    assert bp.load_kwargs(bp.parse_args(["--quant", "none"])) == {"quant": "none"}
+    assert args.engines == ["tinyserve"]
+
+
+@pytest.mark.parametrize("argv", [["--engines", "vllm"], ["--engines", ","], ["--rounds", "0"],
+                                  ["--new-tokens", "1"], ["--batch", "0"]])
+def test_bad_options_are_refused_with_a_message(argv, capsys):
+    with pytest.raises(SystemExit):
+        bp.parse_args(argv)
+    assert "error:" in capsys.readouterr().err
+
+
+# --- the workloads' token ids, the agreement check, the CPU line ------------------------------------------------
+
+def test_token_ids_same_for_every_engine_different_prompts_and_repeated_when_short():
+    st = bp.Settings(batch=4, prompt_len=3, prefill_len=10)
+    ids = bp.make_token_ids([5, 6, 7, 8, 9], st)
+    assert ids["decode_b1"] == [[5, 6, 7]]
+    assert ids["decode_bN"] == [[5, 6, 7], [8, 9, 5], [6, 7, 8], [9, 5, 6]]
+    assert ids["prefill"] == [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9]]
+    with pytest.raises(ValueError):
+        bp.make_token_ids([], st)
+
+
+def test_agreement_counts_leading_equal_tokens():
+    assert bp.agreement([1, 2, 3, 4], [1, 2, 3, 4]) == 4
+    assert bp.agreement([1, 2, 3, 4], [1, 2, 9, 4]) == 2
+    assert bp.agreement([1, 2], [7, 2]) == 0
+
+
+def test_cpu_info_reads_the_model_and_the_flags_of_note():
+    text = ("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Processor\nflags\t\t: fpu avx2 avx512f avx512_vnni "
+            "amx_tile amx_int8 sse4_2\n\nprocessor\t: 1\nmodel name\t: Other\nflags\t\t: fpu\n")
+    info = bp.cpu_info(text)
+    assert info == {"model": "Intel(R) Xeon(R) Processor", "flags": ["avx2", "avx512f", "avx512_vnni", "amx_tile",
+                                                                     "amx_int8"]}
+    assert bp.cpu_info("") == {"model": "unknown", "flags": []}
+
+
+# --- medians, spreads, ratios, the table -------------------------------------------------------------------------
+
+def _report() -> "bp.Report":
+    rep = bp.Report(bp.Settings(rounds=3))
+    for rnd, (tiny, llama) in enumerate([(10.0, 20.0), (20.0, 20.0), (45.0, 30.0)]):
+        rep.samples += [bp.Sample(rnd, "tinyserve", "decode_b1", 100, 100 / tiny),
+                        bp.Sample(rnd, "llama.cpp", "decode_b1", 100, 100 / llama)]
+    rep.samples += [bp.Sample(0, "tinyserve", "prefill", 512, 1.0), bp.Sample(0, "PyTorch", "prefill", 512, 0.5)]
+    return rep
+
+
+def test_ratios_are_paired_round_by_round_then_the_median():
+    rep = _report()
+    s = rep.speeds("tinyserve", "decode_b1")
+    assert (s.median, s.lo, s.hi, s.n) == pytest.approx((20.0, 10.0, 45.0, 3))
+    r = rep.ratio("decode_b1", "llama.cpp")          # 10/20, 20/20, 45/30 -> median 1.0, not 20/20 by chance
+    assert (r.median, r.lo, r.hi) == pytest.approx((1.0, 0.5, 1.5))
+    assert rep.ratio("decode_bN", "llama.cpp") is None
+    assert rep.ratio("prefill", "PyTorch").median == pytest.approx(0.5)
+
+
+def test_table_shows_medians_spreads_ratios_and_goals():
+    rep = _report()
+    rep.failed["PyTorch"] = "worker exited"
+    table = bp.format_table(rep, ["llama.cpp", "PyTorch", "tinyserve"])
+    lines = table.splitlines()
+    assert len(lines) == 2 + 3 and set(lines[1]) <= {"-", " "}
+    b1 = next(line for line in lines if line.startswith("decode B=1"))
+    assert "20.0 (10.0-45.0)" in b1 and "20.0 (20.0-30.0)" in b1      # tinyserve, llama.cpp tokens/s
+    assert "1.00x (0.50-1.50) ok" in b1                                  # goal 1.0x llama.cpp: met
+    pre = next(line for line in lines if line.startswith("prefill 512"))
+    assert "0.50x <" in pre and "512.0" in pre and "1024.0" in pre        # goal 1.2x PyTorch: not met
+    assert "failed" in next(line for line in lines if line.startswith("decode B=16"))
+    goals = bp.format_targets(rep)
+    assert "decode B=1: tinyserve >= 1.0x llama.cpp? 1.00x: met" in goals
+    assert "prefill 512: tinyserve >= 1.2x PyTorch? 0.50x: not met" in goals
+    assert "B=16 (aggregate): tinyserve >= 1.5x llama.cpp? not measured" in goals
+
+
+def test_table_without_tinyserve_has_no_ratio_columns():
+    table = bp.format_table(_report(), ["llama.cpp"])
+    assert "x" not in table.replace("max", "") and "tinyserve" not in table
+
+
+# --- the worker protocol, against fake workers -------------------------------------------------------------------
+
+FAKE = textwrap.dedent("""
+    import os, sys
+    sys.path.insert(0, {peers!r})
+    from protocol import serve
+
+    def load():
+        if os.environ.get("FAKE_FAIL_LOAD"):
+            raise RuntimeError("no such model file")
+        print("a native library chatting on stdout")          # must not reach the protocol channel
+        os.write(1, b"and one writing to fd 1 directly\\n")
+
+        def decode(prompts, new_tokens):
+            print("noise during a request")
+            return {{"tokens": [[p[-1]] * new_tokens for p in prompts], "decode_seconds": 0.5,
+                    "decode_tokens": len(prompts) * (new_tokens - 1)}}
+
+        def boom():
+            raise ValueError("the batch does not fit")
+
+        def die():
+            sys.stderr.write("fatal: segmentation fault in llama_decode\\n"); sys.stderr.flush()
+            os._exit(3)
+
+        return {{"engine": "fake"}}, {{"decode": decode, "boom": boom, "die": die}}
+
+    raise SystemExit(serve(load))
+""")
+
+
+@pytest.fixture
+def fake_worker(tmp_path):
+    script = tmp_path / "fake_worker.py"
+    script.write_text(FAKE.format(peers=str(ROOT / "tools" / "peers")))
+
+    def start(**env):
+        import os
+        return Worker("fake", [sys.executable, str(script)], tmp_path / "fake.log", env={**os.environ, **env})
+    return start
+
+
+def test_worker_round_trip_survives_stray_stdout(fake_worker, tmp_path):
+    w = fake_worker()
+    try:
+        assert w.info == {"engine": "fake"}
+        r = w.request("decode", prompts=[[1, 2, 3], [4, 5]], new_tokens=4)
+        assert r == {"ok": True, "tokens": [[3, 3, 3, 3], [5, 5, 5, 5]], "decode_seconds": 0.5, "decode_tokens": 6}
+        s = bp.measure(w, "decode_bN", [[1, 2, 3], [4, 5]], bp.Settings(new_tokens=4), 0, "fake")
+        assert (s.tokens, s.seconds, s.tokens_per_s) == (6, 0.5, 12.0)
+        with pytest.raises(PeerError, match="unknown command 'prefill'"):
+            w.request("prefill", ids=[1])
+        with pytest.raises(PeerError, match="boom: ValueError: the batch does not fit"):
+            w.request("boom")
+        assert w.request("decode", prompts=[[9]], new_tokens=2)["tokens"] == [[9, 9]]   # still serving
+    finally:
+        w.close()
+    assert w.proc.returncode == 0
+    log = (tmp_path / "fake.log").read_text()
+    assert "a native library chatting on stdout" in log and "noise during a request" in log
+
+
+def test_a_worker_that_dies_is_reported_with_its_exit_code_and_log(fake_worker):
+    w = fake_worker()
+    with pytest.raises(PeerError, match=r"exited with code 3(.|\n)*segmentation fault in llama_decode"):
+        w.request("die")
+    with pytest.raises(PeerError, match="exited with code 3"):
+        w.request("decode", prompts=[[1]], new_tokens=2)
+    w.close()
+
+
+def test_a_worker_that_cannot_load_says_why(fake_worker):
+    with pytest.raises(PeerError, match="could not start: RuntimeError: no such model file"):
+        fake_worker(FAKE_FAIL_LOAD="1")
+
+
+# --- tinyserve's side --------------------------------------------------------------------------------------------
+
+def test_tinyserve_decode_times_decode_steps_only_and_ignores_eos(tiny):
+    prompts = [[3, 7, 11, 5], [9, 4, 2, 8], [6, 6, 1, 12]]
+    r = bp.tinyserve_decode(tiny, prompts, new_tokens=6)
+    assert r["decode_tokens"] == 3 * 5 and r["decode_seconds"] > 0
+    assert all(len(t) == 6 for t in r["tokens"])        # EOS (id 2) ignored: all 6 tokens every time
+    greedy = ts.SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+    assert r["tokens"] == [ts.kv_cache.generate(tiny, p, 6, greedy) for p in prompts]
+
+
+def test_tinyserve_prefill_predicts_the_next_greedy_token(tiny):
+    ids = [3, 7, 11, 5, 9, 4]
+    r = bp.tinyserve_prefill(tiny, ids)
+    assert r["seconds"] > 0
+    assert r["next_token"] == int(np.argmax(ts.naive.forward(tiny, ids)[-1]))
+
+
+@pytest.mark.real
+@pytest.mark.slow
+def test_quick_run_with_tinyserve_alone_writes_the_json(tmp_path, capsys):
+    out = tmp_path / "peers.json"
+    assert bp.main(["--quick", "--engines", "tinyserve", "--batch", "4", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "CPU:" in printed and "decode B=4 (aggregate)" in printed
+    data = json.loads(out.read_text())
+    assert {s["workload"] for s in data["samples"]} == {"decode_b1", "decode_bN", "prefill"}
+    assert all(s["engine"] == "tinyserve" and s["tokens_per_s"] > 0 for s in data["samples"])
+    assert data["settings"]["rounds"] == 1 and data["ratios"] == {"decode_b1": {}, "decode_bN": {}, "prefill": {}}
+
+
+# --- the run itself, with in-process fake engines -----------------------------------------------------------------
+
+class FakeEngine:
+    """Answers like a worker: tokens continue the last prompt token; speed `rate` tokens/s; can fail on call n."""
+
+    def __init__(self, rate: float, fail_on_call: int | None = None, shift: int = 0):
+        self.rate, self.fail_on_call, self.shift, self.calls, self.closed = rate, fail_on_call, shift, [], False
+        self.info = {"engine": "fake"}
+
+    def request(self, cmd: str, **f) -> dict:
+        self.calls.append(cmd)
+        if len(self.calls) == self.fail_on_call:
+            raise PeerError("worker exited with code -11")
+        if cmd == "prefill":
+            return {"seconds": len(f["ids"]) / self.rate, "next_token": 0}
+        n = len(f["prompts"]) * (f["new_tokens"] - 1)
+        toks = [[p[-1] + i + (self.shift if i >= 2 else 0) for i in range(f["new_tokens"])] for p in f["prompts"]]
+        return {"tokens": toks, "decode_seconds": n / self.rate, "decode_tokens": n}
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _settings_and_report(rounds=2):
+    st = bp.Settings(rounds=rounds, new_tokens=5, batch=3, prompt_len=4, prefill_len=8, check_tokens=4)
+    return st, bp.Report(st, prompts=bp.make_token_ids(list(range(10, 40)), st))
+
+
+def test_rounds_measure_every_engine_on_every_workload_and_drop_a_failing_one(capsys):
+    st, rep = _settings_and_report(rounds=3)
+    engines = {"llama.cpp": FakeEngine(100.0, fail_on_call=4), "PyTorch": FakeEngine(50.0),
+               "tinyserve": FakeEngine(75.0)}
+    crashed = engines["llama.cpp"]
+    bp.run_rounds(engines, rep)
+    assert crashed.closed and "llama.cpp" not in engines and "code -11" in rep.failed["llama.cpp"]
+    assert len([s for s in rep.samples if s.engine == "llama.cpp"]) == 3      # round 1 only, then dropped
+    for name in ("PyTorch", "tinyserve"):
+        assert sorted((s.round, s.workload) for s in rep.samples if s.engine == name) == sorted(
+            (r, w) for r in range(3) for w in ("decode_b1", "decode_bN", "prefill"))
+    assert rep.speeds("PyTorch", "decode_bN").median == pytest.approx(50.0)
+    assert rep.ratio("prefill", "PyTorch").median == pytest.approx(1.5)
+    assert rep.ratio("decode_b1", "llama.cpp").n == 1
+    assert "dropped from the rest of the run" in capsys.readouterr().err
+
+
+def test_greedy_check_compares_peers_with_tinyserve_and_warms_up_every_workload(capsys):
+    st, rep = _settings_and_report()
+    engines = {"llama.cpp": FakeEngine(1.0, shift=7), "PyTorch": FakeEngine(1.0), "tinyserve": FakeEngine(1.0)}
+    agree = bp.greedy_check(engines, rep, [1, 2, 3], decode=lambda ids: " ".join(map(str, ids)))
+    assert agree["PyTorch"]["equal_leading_tokens"] == 4 and agree["llama.cpp"]["equal_leading_tokens"] == 2
+    assert all(e.calls == ["decode", "decode", "decode", "prefill"] for e in engines.values())
+    printed = capsys.readouterr().out
+    assert "PyTorch: 4/4 tokens equal to tinyserve's: identical" in printed
+    assert "after the 8-token prefill prompt: llama.cpp 0, PyTorch 0, tinyserve 0" in printed
+    assert agree["llama.cpp"]["after_prefill_equal"] is True
+    assert "llama.cpp: 2/4 tokens equal" in printed and "expected, not an error" in printed
