@@ -274,7 +274,8 @@ def test_set_backend_switches_an_already_quantised_model():
 
 @pytest.mark.real
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="open, reported to the lead: on SmolLM2 the W8A8 Engine with the Numba paged "
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="open, reported to the lead: on SmolLM2 the W8A8 Engine with the Numba paged "
                    "attention (Engine(fast) follows model.backend) leaves the reference's greedy tokens at the 6th "
                    "('english') and 7th ('chat') new token, while the same weights with NumPy attention match; "
                    "strict: this fails once fixed, then drop the marker")
