@@ -55,7 +55,8 @@ def w8a32_bound(x: np.ndarray, q: quant.QuantizedLinear) -> np.ndarray:   # [T, 
     return 1e-6 * (np.abs(x).astype(np.float64) @ np.abs(q.dequantize()).astype(np.float64)) + 1e-30
 
 
-shapes = st.tuples(st.integers(1, 40), st.integers(1, 64).map(lambda n: 4 * n), st.integers(1, 16).map(lambda n: 16 * n),
+shapes = st.tuples(st.integers(1, 40), st.integers(1, 64).map(lambda n: 4 * n),
+                   st.integers(1, 16).map(lambda n: 16 * n),
                    st.integers(0, 2**32 - 1))
 
 

@@ -110,7 +110,7 @@ def test_matmul_reference_weight_only_is_x_times_the_dequantised_weights():
 @pytest.mark.exercise("matmul_reference")
 def test_matmul_reference_w8a8_by_hand():
     x = np.array([[2.0, -1.0, 0.5, 0.0]], np.float32)                          # sx = 2 / 127: xq = [127, -63, 32, 0]
-    w = np.array([[1.0], [1.0], [-1.0], [0.5]], np.float32)                     # scale = 1 / 127: wq = [127, 127, -127, 64]
+    w = np.array([[1.0], [1.0], [-1.0], [0.5]], np.float32)                     # scale 1/127: wq 127, 127, -127, 64
     q = quant.quantize_weight(w, "w8a8")
     acc = 127 * 127 - 63 * 127 - 32 * 127       # -63.5 rounds half up to -63; the sum is an exact integer: 4064
     want = np.float32(acc) * (np.float32(2) / np.float32(127)) * (np.float32(1) / np.float32(127))
