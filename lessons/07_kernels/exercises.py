@@ -1,0 +1,90 @@
+"""Lesson 7 exercises: int8 quantisation (weights per output channel, activations per row), the int8 matmul it
+defines, the VNNI weight layout, and an int8 matmul in Numba with int32 accumulation.
+
+Replace each `raise NotImplementedError(...)`, then run `make check-7`: it runs tests/lessons/test_lesson_07.py
+against this file and tells you, exercise by exercise, what passes. The reference answers are in
+tinyserve/quant.py (quantize_weight, quantize_rows, matmul_reference) and tinyserve/kernels/matmul.py (pack_vnni,
+matmul_w8a8): try first, compare after.
+
+Conventions (as in tinyserve): a weight matrix is [D, O] (y = x @ W); int8 values live in [-127, 127] (-128 is
+never used, so the range is symmetric); a scale of 0 would divide by zero, so an all-zero column or row gets scale 1.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange  # noqa: F401  (for matmul_w8a8)
+
+from tinyserve.quant import QuantizedLinear  # noqa: F401  (what quantize_weight returns)
+
+BLOCK = 16   # output channels per packed block (one 512-bit vector of 16 int32 accumulators)
+
+
+def quantize_weight(w: np.ndarray, mode: str = "int8") -> QuantizedLinear:
+    """[D, O] float32 -> QuantizedLinear(wq [D, O] int8 C-contiguous, scale [O] float32, mode).
+
+    Symmetric, one scale per output channel (column o): scale[o] = max_i |w[i, o]| / 127 (1 for an all-zero
+    column), wq = round-half-to-even(w / scale) clipped to [-127, 127] (np.rint). `w` may be a transposed view
+    (the tied LM head is embed.T): make wq contiguous. `mode` ("int8" or "w8a8") is stored as given.
+    """
+    raise NotImplementedError(
+        "quantize_weight: amax = |w|.max(axis=0); scale = amax / 127 as float32 (1 where amax == 0); "
+        "wq = clip(rint(w / scale), -127, 127) as int8, np.ascontiguousarray; return QuantizedLinear(wq, scale, mode)")
+
+
+def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Dynamic per-row (per-token) activation quantisation: x [T, D] float32 -> (xq [T, D] int8, sx [T] float32).
+
+    sx[t] = max_i |x[t, i]| / 127 (1 for an all-zero row), xq = floor(x / sx + 0.5) clipped to [-127, 127]:
+    rounding half *up*, all in float32, exactly as the Numba kernels do it (they must produce the same int8
+    values bit for bit, and np.rint rounds half to even).
+    """
+    raise NotImplementedError(
+        "quantize_rows: like quantize_weight but along axis=1 (one scale per row), and round with "
+        "np.floor(x / sx[:, None] + np.float32(0.5)) instead of np.rint; keep everything float32")
+
+
+def matmul_reference(x: np.ndarray, q: QuantizedLinear) -> np.ndarray:
+    """x [T, D] float32 @ q -> [T, O] float32: the definition the kernels are tested against.
+
+    q.mode == "int8" (W8A32): (x @ float32(q.wq)) * q.scale.
+    q.mode == "w8a8": xq, sx = quantize_rows(x); acc = xq @ q.wq computed *exactly* as integers (int32 result:
+    a float32 accumulator is exact only up to 2^24 = 16.7 M, and D * 127 * 127 reaches 24.8 M for D = 1536);
+    then float32(acc) * sx[:, None] * q.scale, in that order.
+    """
+    raise NotImplementedError(
+        "matmul_reference: for w8a8, an exact integer product: e.g. float64 matmul of the int8 values (every "
+        "partial sum is an integer below 2^53) cast to int32, or an int32/int64 matmul; then the two scales")
+
+
+def pack_vnni(wq: np.ndarray) -> np.ndarray:
+    """[D, O] int8 -> [O/16, D/4 * 64] int8, the layout of one vpdpbusd operand per 64 bytes.
+
+    Block b holds outputs 16b .. 16b+15; within it, step i (inputs 4i .. 4i+3) is 64 bytes, output-major:
+        packed[b, 64*i + 4*l + k] = wq[4*i + k, 16*b + l]        (l < 16 outputs, k < 4 inputs)
+    Raise ValueError (with a sentence) unless D % 4 == 0 and O % 16 == 0.
+    """
+    raise NotImplementedError(
+        "pack_vnni: reshape wq to [D/4, 4, O/16, 16] (axes i, k, b, l), transpose to (b, i, l, k), make it "
+        "contiguous and reshape to [O/16, D/4 * 64]; check the shape first")
+
+
+def matmul_w8a8(xu: np.ndarray, sx: np.ndarray, wp: np.ndarray, wsum: np.ndarray, sw: np.ndarray,
+                out: np.ndarray | None = None, accumulate: bool = False) -> np.ndarray:
+    """The W8A8 matmul in Numba: y [T, O] float32, bit-identical to matmul_reference for mode "w8a8".
+
+    xu [T, D] uint8: the int8 activations plus 128 (what vpdpbusd wants: unsigned x signed bytes), sx [T] their
+    row scales; wp = pack_vnni(wq) [O/16, D/4*64] int8; wsum [O] int32 = wq.sum(axis=0); sw [O] the weight
+    scales. For every row t and output o = 16b + l:
+        acc = sum_i xu[t, i] * wq[i, o]          (int32: read wq[i, o] from wp with the pack_vnni formula)
+        y[t, o] = float32(acc - 128 * wsum[o]) * sx[t] * sw[o]       (undoes the +128 exactly, in integers)
+    With accumulate=True add y into `out` (the residual stream) instead of overwriting it. Allocate `out`
+    ([T, O] float32) when it is None; return it.
+
+    Write the loops in an @njit(parallel=True) function (prange over output blocks) and call it from here. Keep
+    the accumulator int32: `acc += np.int32(a) * np.int32(b)` alone is widened to int64 by Numba (2-3x slower;
+    the notebook measures it): write `acc = np.int32(acc + np.int32(a) * np.int32(b))`.
+    """
+    raise NotImplementedError(
+        "matmul_w8a8: an @njit(parallel=True) kernel: for b in prange(O/16): for t, l: acc = np.int32(0); for "
+        "i in range(D/4): for k in range(4): acc = np.int32(acc + np.int32(xu[t, 4i+k]) * np.int32(wp[b, "
+        "64i+4l+k])); then the epilogue above")

@@ -1,0 +1,206 @@
+"""Lesson 7 self-checks: per-channel weight quantisation, per-row activation quantisation, the int8 matmul they
+define, the VNNI layout, and the W8A8 matmul in Numba (bit-exact).
+
+`make check-7` runs these against lessons/07_kernels/exercises.py; `make test` runs them against tinyserve.
+Where a check compares with tinyserve's own function it says why that function is the truth (the kernels and the
+fast forward are tested bit for bit against it in tests/test_quant.py); every exercise also has hand-made cases.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.lessons.impl import load_impl
+from tinyserve import quant
+from tinyserve.kernels import matmul as kernels
+
+REFERENCE = {
+    "quantize_weight": "tinyserve.quant:quantize_weight",
+    "quantize_rows": "tinyserve.quant:quantize_rows",
+    "matmul_reference": "tinyserve.quant:matmul_reference",
+    "pack_vnni": "tinyserve.kernels.matmul:pack_vnni",
+    "matmul_w8a8": "tinyserve.kernels.matmul:matmul_w8a8",
+}
+impl = load_impl(7, REFERENCE)
+
+
+def rand(shape, seed=0, scale=1.0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
+
+
+# --- quantize_weight -----------------------------------------------------------------------------------------------
+
+@pytest.mark.exercise("quantize_weight")
+def test_quantize_weight_by_hand():
+    w = np.array([[1.0, -0.5, 0.0],
+                  [-2.54, 0.25, 0.0],
+                  [0.5, 0.2, 0.0]], np.float32)                                 # [D=3, O=3]; column 2 is all zero
+    q = impl.quantize_weight(w, "w8a8")
+    assert q.mode == "w8a8" and q.wq.dtype == np.int8 and q.scale.dtype == np.float32
+    np.testing.assert_allclose(q.scale, [2.54 / 127, 0.5 / 127, 1.0], rtol=1e-6)   # one scale per column
+    assert q.wq[:, 0].tolist() == [50, -127, 25]          # 1 / 0.02 = 50, 0.5 / 0.02 = 25
+    assert q.wq[:, 1].tolist() == [-127, 64, 51]          # 63.5 -> 64 and 50.8 -> 51 (float32 w / scale)
+    assert q.wq[:, 2].tolist() == [0, 0, 0]
+
+
+@pytest.mark.exercise("quantize_weight")
+def test_quantize_weight_error_is_at_most_half_a_step():
+    w = rand((96, 40), seed=1)
+    w[:, 3] *= 100                                                              # a column with a large range
+    q = impl.quantize_weight(w)
+    assert q.mode == "int8" and q.wq.shape == (96, 40) and q.scale.shape == (40,)
+    assert np.abs(q.wq.astype(int)).max() == 127 and q.wq.min() >= -127     # every column reaches +-127
+    err = np.abs(q.wq.astype(np.float32) * q.scale - w)                       # [D, O]
+    assert (err <= q.scale * 0.5001).all(), "rounding to the nearest step: at most scale / 2 off"
+    assert np.array_equal(q.wq, quant.quantize_weight(w).wq) and np.array_equal(q.scale, quant.quantize_weight(w).scale)
+
+
+@pytest.mark.exercise("quantize_weight")
+def test_quantize_weight_of_a_transposed_view():
+    e = rand((50, 8), seed=2)                                                   # like the tied embedding [V, D]
+    q = impl.quantize_weight(e.T)                                               # its LM head view [D, V]
+    assert q.wq.shape == (8, 50) and q.wq.flags.c_contiguous, "the kernels stream wq: it must be contiguous"
+    np.testing.assert_allclose(q.wq * q.scale, e.T, atol=float(q.scale.max()) / 2 + 1e-7)
+
+
+# --- quantize_rows -------------------------------------------------------------------------------------------------
+
+@pytest.mark.exercise("quantize_rows")
+def test_quantize_rows_by_hand_rounds_half_up():
+    x = np.array([[127.0, 0.5, -0.5, 1.5, -1.5, 2.5],
+                  [0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+                  [-254.0, 1.0, 3.0, -3.0, 0.9, 127.0]], np.float32)             # [T=3, D=6]
+    xq, sx = impl.quantize_rows(x)
+    assert xq.dtype == np.int8 and sx.dtype == np.float32 and xq.shape == (3, 6) and sx.shape == (3,)
+    assert sx.tolist() == [1.0, 1.0, 2.0]                                       # a zero row gets scale 1
+    assert xq[0].tolist() == [127, 1, 0, 2, -1, 3], "floor(v + 0.5): halves go up (np.rint would give 0, -0, 2, -2)"
+    assert xq[1].tolist() == [0] * 6
+    assert xq[2].tolist() == [-127, 1, 2, -1, 0, 64]                            # 0.5 -> 1, -1.5 -> -1, 63.5 -> 64
+
+
+@pytest.mark.exercise("quantize_rows")
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 20), st.integers(1, 200), st.integers(0, 2**32 - 1))
+def test_quantize_rows_matches_the_kernel_exactly(T, D, seed):
+    """The Numba kernel (kernels.matmul.quantize_rows, fused into RMSNorm in the fast path) must see the very same
+    int8 values: a one-step difference would change the W8A8 result. It is tested bit for bit against tinyserve's
+    quantize_rows in tests/test_quant.py; here your function against the kernel."""
+    x = rand((T, D), seed=seed, scale=float(np.random.default_rng(seed).choice([1e-3, 1.0, 50.0])))
+    xq, sx = impl.quantize_rows(x)
+    xu, sx_kernel = np.empty((T, D), np.uint8), np.empty(T, np.float32)
+    kernels.quantize_rows(x, xu, sx_kernel)
+    assert np.array_equal(sx, sx_kernel)
+    assert np.array_equal(xq.astype(np.int16), xu.astype(np.int16) - 128)
+
+
+# --- matmul_reference ----------------------------------------------------------------------------------------------
+
+@pytest.mark.exercise("matmul_reference")
+def test_matmul_reference_weight_only_is_x_times_the_dequantised_weights():
+    x, w = rand((5, 64), seed=3), rand((64, 32), seed=4)
+    q = quant.quantize_weight(w, "int8")
+    y = impl.matmul_reference(x, q)
+    assert y.shape == (5, 32) and y.dtype == np.float32
+    np.testing.assert_allclose(y, x @ q.dequantize(), rtol=1e-5, atol=1e-5)
+    assert np.abs(y - x @ w).max() > 0, "the weights are int8 now: not exactly the float32 product"
+
+
+@pytest.mark.exercise("matmul_reference")
+def test_matmul_reference_w8a8_by_hand():
+    x = np.array([[2.0, -1.0, 0.5, 0.0]], np.float32)                          # sx = 2 / 127: xq = [127, -63, 32, 0]
+    w = np.array([[1.0], [1.0], [-1.0], [0.5]], np.float32)                     # scale 1/127: wq 127, 127, -127, 64
+    q = quant.quantize_weight(w, "w8a8")
+    acc = 127 * 127 - 63 * 127 - 32 * 127       # -63.5 rounds half up to -63; the sum is an exact integer: 4064
+    want = np.float32(acc) * (np.float32(2) / np.float32(127)) * (np.float32(1) / np.float32(127))
+    assert impl.matmul_reference(x, q)[0, 0] == want
+
+
+@pytest.mark.exercise("matmul_reference")
+def test_matmul_reference_w8a8_sums_exactly_beyond_float32():
+    """D = 1536 (SmolLM2's MLP width) with +-127 everywhere: sums up to 24.8 M, beyond float32's 2^24 = 16.7 M
+    where a float32 accumulator starts rounding. The integer sum must be exact."""
+    D = 1536
+    x = np.ones((2, D), np.float32)
+    x[1, ::3] = -1.0
+    x[1, 0] = 0.9                                                               # 0.9 * 127 = 114.3 -> 114
+    w = np.ones((D, 16), np.float32)
+    w[7, :] = -0.5                                                              # -63.5 -> -64 (rint: to even)
+    q = quant.quantize_weight(w, "w8a8")
+    xq, sx = quant.quantize_rows(x)
+    acc = xq.astype(np.int64) @ q.wq.astype(np.int64)                           # the exact integers
+    assert acc.max() > 2**24 and acc.max() % 2 == 1, "the case must be beyond float32's exact integers"
+    want = acc.astype(np.int32).astype(np.float32) * sx[:, None] * q.scale
+    assert np.array_equal(impl.matmul_reference(x, q), want)
+
+
+# --- pack_vnni -------------------------------------------------------------------------------------------------------
+
+@pytest.mark.exercise("pack_vnni")
+def test_pack_vnni_by_hand():
+    D, O = 8, 32
+    wq = (np.arange(D * O).reshape(D, O) % 251 - 125).astype(np.int8)          # every entry recognisable
+    p = impl.pack_vnni(wq)
+    assert p.shape == (2, 128) and p.dtype == np.int8
+    assert p[0, :8].tolist() == [wq[0, 0], wq[1, 0], wq[2, 0], wq[3, 0], wq[0, 1], wq[1, 1], wq[2, 1], wq[3, 1]]
+    assert p[1, 64 + 4 * 15 + 3] == wq[7, 31]                                   # b=1, i=1, l=15, k=3
+
+
+@pytest.mark.exercise("pack_vnni")
+@settings(max_examples=20, deadline=None)
+@given(st.integers(1, 24), st.integers(1, 6), st.integers(0, 2**32 - 1))
+def test_pack_vnni_holds_every_weight_where_the_formula_says(n4, nb, seed):
+    D, O = 4 * n4, 16 * nb
+    wq = np.random.default_rng(seed).integers(-127, 128, (D, O)).astype(np.int8)
+    p = impl.pack_vnni(wq)
+    assert p.shape == (nb, n4 * 64)
+    i, k, b, l = np.meshgrid(np.arange(n4), np.arange(4), np.arange(nb), np.arange(16), indexing="ij")
+    assert np.array_equal(p[b, 64 * i + 4 * l + k], wq[4 * i + k, 16 * b + l])
+
+
+@pytest.mark.exercise("pack_vnni")
+@pytest.mark.parametrize("shape", [(6, 16), (8, 24)])
+def test_pack_vnni_refuses_other_shapes(shape):
+    with pytest.raises(ValueError):
+        impl.pack_vnni(np.zeros(shape, np.int8))
+
+
+# --- matmul_w8a8 in Numba --------------------------------------------------------------------------------------------
+
+def w8a8_inputs(x: np.ndarray, q: quant.QuantizedLinear):
+    """What the kernel takes, made with tinyserve's helpers (so this exercise does not depend on the others)."""
+    xq, sx = quant.quantize_rows(x)
+    xu = (xq.astype(np.int16) + 128).astype(np.uint8)
+    return xu, sx, kernels.pack_vnni(q.wq), q.wq.sum(axis=0, dtype=np.int32), q.scale
+
+
+@pytest.mark.exercise("matmul_w8a8")
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 12), st.integers(1, 40), st.integers(1, 5), st.integers(0, 2**32 - 1))
+def test_matmul_w8a8_is_bit_exact(T, n4, nb, seed):
+    x, w = rand((T, 4 * n4), seed=seed), rand((4 * n4, 16 * nb), seed=seed + 1)
+    q = quant.quantize_weight(w, "w8a8")
+    y = impl.matmul_w8a8(*w8a8_inputs(x, q))
+    assert y.shape == (T, 16 * nb) and y.dtype == np.float32
+    ref = quant.matmul_reference(x, q)
+    assert np.array_equal(y, ref), f"not bit-exact: max diff {np.abs(y - ref).max():.3g} (integer sums, then " \
+                                   "float32(acc - 128 * wsum) * sx * sw in that order)"
+
+
+@pytest.mark.exercise("matmul_w8a8")
+def test_matmul_w8a8_large_sums_and_accumulate():
+    D, O, T = 1536, 32, 3                                                       # sums beyond 2^24: int32, not float32
+    x = rand((T, D), seed=5)
+    x[0] = 1.0
+    w = np.ones((D, O), np.float32)
+    w[::5] = 0.3
+    q = quant.quantize_weight(w, "w8a8")
+    args = w8a8_inputs(x, q)
+    ref = quant.matmul_reference(x, q)
+    assert np.array_equal(impl.matmul_w8a8(*args), ref)
+    residual = rand((T, O), seed=6)
+    out = residual.copy()
+    got = impl.matmul_w8a8(*args, out=out, accumulate=True)
+    assert got is out, "accumulate into the given buffer (no temporary)"
+    assert np.array_equal(out, residual + ref)

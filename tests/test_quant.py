@@ -1,0 +1,288 @@
+"""int8 kernels and the quantised model are exact where integer arithmetic allows, and say so where it does not.
+
+What must hold (lesson 7):
+- W8A8: the Numba kernel (VNNI microkernels, or the portable loop) equals quant.matmul_reference bit for bit: every
+  dot product is an exact integer in int32, then the same float32 scalings in the same order.
+- W8A32 (weight-only): float32 sums in another order than BLAS. Tolerance: |kernel - reference| <= 1e-6 * sum_i
+  |x_i * w_io| (+1e-30): float32 has a unit roundoff of 6e-8, and a sum of D terms in any order is within ~D * 6e-8
+  of the exact one in the worst case, ~sqrt(D) * 6e-8 typically; D <= 256 here. Measured: <= 1.5e-7 of that sum.
+- the packed layouts hold every weight exactly once where the kernels look for it; quantize_rows (Numba) gives the
+  NumPy reference's int8 values and scales exactly;
+- the fast forward = model.forward of the same quantised weights: exactly for w8a8, within tolerance for int8; so
+  greedy tokens through kv_cache and the Engine are identical between the backends (tiny model and SmolLM2);
+- bad quant / backend values are refused with a sentence; the int8 tensors cached on disk are reused by the next
+  load and rebuilt when model.safetensors changes.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tinyserve as ts
+from tinyserve import kv_cache, naive, quant
+from tinyserve.engine import Engine
+from tinyserve.kernels.matmul import (BLOCK, matmul_w8a8, matmul_w8a32, pack_vnni, pack_w8a32,
+                                      quantize_rows as quantize_rows_numba)
+from tinyserve.sampling import SamplingParams
+from tinyserve.weights import save_hf_folder
+
+GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
+GREEDY24 = SamplingParams(temperature=0.0, ignore_eos=True, max_new_tokens=24)
+GREEDY16 = SamplingParams(temperature=0.0, ignore_eos=True, max_new_tokens=16)
+
+
+def random_case(seed: int, T: int, D: int, O: int, outliers: bool = True):
+    """x [T, D] float32 and w [D, O] float32, with a few large activations (as in real residual streams)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((T, D)).astype(np.float32)
+    if outliers:
+        x[rng.integers(0, T, 3), rng.integers(0, D, 3)] *= 20
+    w = (rng.standard_normal((D, O)) / np.sqrt(D)).astype(np.float32)
+    return x, w
+
+
+def w8a8_kernel(x: np.ndarray, q: quant.QuantizedLinear, out=None, accumulate=False) -> np.ndarray:
+    xu, sx = np.empty(x.shape, np.uint8), np.empty(x.shape[0], np.float32)
+    quantize_rows_numba(x, xu, sx)
+    return matmul_w8a8(xu, sx, pack_vnni(q.wq), q.wq.sum(axis=0, dtype=np.int32), q.scale, out, accumulate)
+
+
+def w8a32_bound(x: np.ndarray, q: quant.QuantizedLinear) -> np.ndarray:   # [T, O]: the tolerance of each output
+    return 1e-6 * (np.abs(x).astype(np.float64) @ np.abs(q.dequantize()).astype(np.float64)) + 1e-30
+
+
+shapes = st.tuples(st.integers(1, 40), st.integers(1, 64).map(lambda n: 4 * n),
+                   st.integers(1, 16).map(lambda n: 16 * n),
+                   st.integers(0, 2**32 - 1))
+
+
+# --- the matmuls -------------------------------------------------------------------------------------------------
+
+@settings(max_examples=60, deadline=None)
+@given(shapes)
+def test_w8a8_kernel_is_bit_exact(case):
+    T, D, O, seed = case
+    x, w = random_case(seed, T, D, O)
+    q = quant.quantize_weight(w, "w8a8")
+    ref = quant.matmul_reference(x, q)                                          # [T, O]
+    got = w8a8_kernel(x, q)
+    assert got.dtype == np.float32 and got.shape == (T, O)
+    assert np.array_equal(got, ref), f"max diff {np.abs(got - ref).max():.3g}"
+    # accumulate=True adds into `out` (the residual stream): the same float32 addition as `out + y`
+    base = np.random.default_rng(seed).standard_normal((T, O)).astype(np.float32)
+    out = base.copy()
+    w8a8_kernel(x, q, out=out, accumulate=True)
+    assert np.array_equal(out, base + ref)
+
+
+def test_w8a8_kernel_extremes():
+    """All-zero rows (scale falls back to 1), saturated int8 on both sides (-127 * -127 summed over D = 1536:
+    24.8 M, far below 2^31, the largest sum SmolLM2 can produce), and a zero weight column."""
+    D, O = 1536, 48
+    x = np.zeros((3, D), np.float32)
+    x[1] = -1.0                          # every activation -> -127
+    x[2, ::2], x[2, 1::2] = 5.0, -5.0
+    w = -np.ones((D, O), np.float32)     # every weight -> -127
+    w[:, 5] = 0.0
+    q = quant.quantize_weight(w, "w8a8")
+    got, ref = w8a8_kernel(x, q), quant.matmul_reference(x, q)
+    assert np.array_equal(got, ref)
+    assert abs(got[1, 0] - D) < 1e-3 * D      # the integer sum 127 * 127 * 1536 = 24,774,144, times 1/127 twice
+    assert (got[0] == 0).all() and (got[:, 5] == 0).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(shapes)
+def test_w8a32_kernel_within_stated_tolerance(case):
+    T, D, O, seed = case
+    x, w = random_case(seed, T, D, O)
+    q = quant.quantize_weight(w, "int8")
+    ref = quant.matmul_reference(x, q)
+    out = np.zeros((T, O), np.float32)
+    got = matmul_w8a32(x, pack_w8a32(q.wq), q.scale, out)
+    assert got is out and got.shape == (T, O)
+    err = np.abs(got.astype(np.float64) - ref)
+    assert (err <= w8a32_bound(x, q)).all(), f"worst error / bound {(err / w8a32_bound(x, q)).max():.3g}"
+
+
+# --- the layouts and the activation quantiser ------------------------------------------------------------------
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 32).map(lambda n: 4 * n), st.integers(1, 8).map(lambda n: 16 * n), st.integers(0, 2**32 - 1))
+def test_packings_round_trip(D, O, seed):
+    wq = np.random.default_rng(seed).integers(-127, 128, (D, O)).astype(np.int8)
+    p = pack_vnni(wq)                                                           # [O/16, D/4*64]
+    assert p.shape == (O // BLOCK, D // 4 * 64) and p.dtype == np.int8
+    # byte 64 i + 4 l + k of block b is W[4 i + k, 16 b + l]: undo it and get W back
+    back = p.reshape(O // BLOCK, D // 4, BLOCK, 4).transpose(1, 3, 0, 2).reshape(D, O)
+    assert np.array_equal(back, wq)
+    b, i, l, k = O // BLOCK - 1, D // 4 - 1, 3, 2                               # one element by the formula
+    assert p[b, 64 * i + 4 * l + k] == wq[4 * i + k, 16 * b + l]
+    f = pack_w8a32(wq)                                                          # [O/16, D, 16]
+    assert f.shape == (O // BLOCK, D, BLOCK)
+    assert np.array_equal(f.transpose(1, 0, 2).reshape(D, O), wq)
+
+
+@pytest.mark.parametrize("shape", [(6, 8), (4, 20)])
+def test_packings_refuse_shapes_they_cannot_hold(shape):
+    wq = np.zeros(shape, np.int8)
+    with pytest.raises(ValueError, match="pack_vnni needs"):
+        pack_vnni(wq)
+    if shape[1] % BLOCK:
+        with pytest.raises(ValueError, match="pack_w8a32 needs"):
+            pack_w8a32(wq)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 300), st.integers(0, 2**32 - 1), st.sampled_from([1e-3, 1.0, 300.0]))
+def test_quantize_rows_matches_reference_exactly(T, D, seed, magnitude):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((T, D)) * magnitude).astype(np.float32)
+    x[0, :] = 0.0                                                               # a zero row: scale 1, all zeros
+    if D > 1:                                                                   # ties: exactly half a step
+        x[-1, 0], x[-1, 1] = 127.0, 0.5
+    xq, sx = quant.quantize_rows(x)
+    xu, sx2 = np.empty((T, D), np.uint8), np.empty(T, np.float32)
+    quantize_rows_numba(x, xu, sx2)
+    assert np.array_equal(xu.astype(np.int16) - 128, xq) and np.array_equal(sx2, sx)
+    assert np.abs(xq).max() <= 127 and sx[0] == 1.0
+
+
+# --- the whole model ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_q():
+    """mode -> (numpy reference, numba) of the same quantised tiny model."""
+    base = ts.tiny_model(seed=0)
+    out = {}
+    for mode in ("int8", "w8a8"):
+        ref = quant.quantize_model(base, mode)
+        out[mode] = (ref, quant.set_backend(ref, mode, "numba"))
+    return out
+
+
+TINY_PROMPT = [5, 17, 99, 3, 42, 250, 7, 7, 128, 64, 1, 200]
+
+
+def test_fast_forward_equals_reference_on_tiny(tiny_q):
+    ref, fast = tiny_q["w8a8"]
+    a, b = naive.forward(ref, TINY_PROMPT), naive.forward(fast, TINY_PROMPT)   # [T, V] each
+    assert fast.fast is not None, "the numba backend did not run its fast forward"
+    assert np.array_equal(a, b), f"w8a8 must be exact, max diff {np.abs(a - b).max():.3g}"
+    ref, fast = tiny_q["int8"]
+    a, b = naive.forward(ref, TINY_PROMPT), naive.forward(fast, TINY_PROMPT)
+    # float32 sums in another order in every matmul and norm, 2 layers deep: ~1e-6 relative on O(10) logits
+    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4 * np.abs(a).max())
+
+
+@pytest.mark.parametrize("mode", ["int8", "w8a8"])
+def test_greedy_tokens_identical_across_backends_tiny(tiny_q, mode):
+    ref, fast = tiny_q[mode]
+    prompts = [TINY_PROMPT, [3, 1, 4, 1, 5, 9, 2, 6]]
+    want = [kv_cache.generate(ref, p, 24, GREEDY) for p in prompts]
+    assert [kv_cache.generate(fast, p, 24, GREEDY) for p in prompts] == want
+    eng = lambda m: Engine(m, num_blocks=32, block_size=4, max_batch_tokens=16)   # noqa: E731 (chunked prefill)
+    assert eng(ref).generate(prompts, GREEDY24) == want
+    assert eng(fast).generate(prompts, GREEDY24) == want
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("mode", ["int8", "w8a8"])
+def test_greedy_tokens_identical_across_backends_smol(smol, mode):
+    from tests.quant_accuracy import reference_prompts
+    ref = quant.quantize_model(smol, mode)
+    fast = quant.set_backend(ref, mode, "numba")
+    prompts = [ids for name, ids in reference_prompts().items() if name in ("english", "chat")]
+    want = [kv_cache.generate(ref, p, 16, GREEDY) for p in prompts]
+    assert [kv_cache.generate(fast, p, 16, GREEDY) for p in prompts] == want
+    # the Engine: the int8 kernels against the NumPy reference with the same (NumPy) paged attention. With the
+    # Numba paged-attention kernel as well, W8A8 tokens diverge early: see the xfail test at the end of this file.
+    assert Engine(fast, backend="numpy").generate(prompts, GREEDY16) == Engine(ref).generate(prompts, GREEDY16)
+
+
+# --- choosing and caching --------------------------------------------------------------------------------------
+
+def write_tiny_folder(path, seed: int = 0):
+    """A folder load_model reads: the tiny model's tensors in the Hugging Face layout ([out, in] matrices)."""
+    m = ts.tiny_model(seed=seed)
+    t = {"model.embed_tokens.weight": m.embed, "model.norm.weight": m.final_norm}
+    names = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm", "wq": "self_attn.q_proj",
+             "wk": "self_attn.k_proj", "wv": "self_attn.v_proj", "wo": "self_attn.o_proj",
+             "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj", "w_down": "mlp.down_proj"}
+    for i, w in enumerate(m.layers):
+        for f, hf in names.items():
+            a = getattr(w, f)
+            t[f"model.layers.{i}.{hf}.weight"] = np.ascontiguousarray(a.T if a.ndim == 2 else a)
+    save_hf_folder(t, m.config, path)
+    return m
+
+
+def test_bad_quant_or_backend_is_refused(tmp_path):
+    write_tiny_folder(tmp_path)
+    with pytest.raises(ValueError, match="quant must be one of"):
+        ts.load_model(tmp_path, quant="int4")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        ts.load_model(tmp_path, quant="int8", backend="cuda")
+    with pytest.raises(ValueError, match="quant must be one of"):
+        quant.quantize_model(ts.tiny_model(), "fp8")
+
+
+def test_disk_cache_is_reused_then_rebuilt_when_the_weights_change(tmp_path, monkeypatch):
+    m0 = write_tiny_folder(tmp_path, seed=0)
+    first = ts.load_model(tmp_path, quant="int8")
+    assert (tmp_path / "model.int8.safetensors").exists()
+    key = json.loads((tmp_path / "model.int8.json").read_text())
+    assert np.array_equal(first.layers[1].w_down.wq, quant.quantize_weight(m0.layers[1].w_down).wq)
+
+    # a second start (either mode) reads the cache and does not quantise
+    def no_quantising(*args, **kwargs):
+        raise AssertionError("quantised again although the cache is valid")
+    with monkeypatch.context() as mp:
+        mp.setattr(quant, "quantize_model", no_quantising)
+        for mode in ("int8", "w8a8"):
+            again = ts.load_model(tmp_path, quant=mode)
+            assert again.quant == mode and again.layers[0].wq.mode == mode
+            for f in quant.MATRICES:
+                assert np.array_equal(getattr(again.layers[1], f).wq, getattr(first.layers[1], f).wq)
+                assert np.array_equal(getattr(again.layers[1], f).scale, getattr(first.layers[1], f).scale)
+            assert np.array_equal(again.lm_head_q.wq, first.lm_head_q.wq)
+
+    # new weights in the same place (same shapes, so the same file size): the cache must not be served
+    m1 = write_tiny_folder(tmp_path, seed=1)
+    rebuilt = ts.load_model(tmp_path, quant="w8a8")
+    assert json.loads((tmp_path / "model.int8.json").read_text()) != key
+    assert np.array_equal(rebuilt.layers[1].w_down.wq, quant.quantize_weight(m1.layers[1].w_down).wq)
+    assert not np.array_equal(rebuilt.layers[1].w_down.wq, first.layers[1].w_down.wq)
+    np.testing.assert_array_equal(naive.forward(rebuilt, TINY_PROMPT),
+                                  naive.forward(quant.quantize_model(m1, "w8a8"), TINY_PROMPT))
+
+
+def test_set_backend_switches_an_already_quantised_model():
+    """Found while writing these tests: set_backend(quantised model, same mode, "numba") quantised the
+    QuantizedLinears again (TypeError deep in NumPy) instead of only switching the backend."""
+    q = quant.quantize_model(ts.tiny_model(), "w8a8")
+    fast = quant.set_backend(q, "w8a8", "numba")
+    assert fast.backend == "numba" and fast.layers[0].wq is q.layers[0].wq     # the same int8 tensors
+    back = quant.set_backend(fast, "int8", "numpy")
+    assert back.backend == "numpy" and back.quant == "int8" and back.layers[0].wq.wq is q.layers[0].wq.wq
+    with pytest.raises(ValueError, match="already quantised"):
+        quant.set_backend(q, "none", "numpy")
+
+
+@pytest.mark.real
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="open, reported to the lead: on SmolLM2 the W8A8 Engine with the Numba paged "
+                   "attention (Engine(fast) follows model.backend) leaves the reference's greedy tokens at the 6th "
+                   "('english') and 7th ('chat') new token, while the same weights with NumPy attention match; "
+                   "strict: this fails once fixed, then drop the marker")
+def test_w8a8_engine_with_numba_attention_matches_reference_smol(smol):
+    from tests.quant_accuracy import reference_prompts
+    ref = quant.quantize_model(smol, "w8a8")
+    fast = quant.set_backend(ref, "w8a8", "numba")
+    prompts = [ids for name, ids in reference_prompts().items() if name in ("english", "chat")]
+    assert Engine(fast).generate(prompts, GREEDY16) == [kv_cache.generate(ref, p, 16, GREEDY) for p in prompts]
