@@ -49,13 +49,14 @@ def rectangular_mask(m: int, S: int) -> np.ndarray:
         "a row vector against a column vector builds the whole [m, S] table in one expression")
 
 
-def forward_with_cache(model: Model, cache: KVCache, tokens: Sequence[int], attend: AttendFn = grouped_attention,
+def forward_with_cache(model: Model, cache: KVCache, tokens: Sequence[int], attend: AttendFn | None = None,
                        all_logits: bool = False) -> np.ndarray:
     """Run m new tokens after the cache's history and append their K/V: the one step of prefill and decode.
 
     tokens: [m] ids that follow the cache.length positions already cached. `model_forward(model, tokens,
     positions, attention, logit_rows)` runs the whole model and calls `attention(layer, q, k, v)` once per layer
-    with this step's q [m, N, H] and k, v [m, K, H]; `attend(q, k_all, v_all)` is attention over history + new keys.
+    with this step's q [m, N, H] and k, v [m, K, H]; `attend(q, k_all, v_all)` is attention over history + new keys
+    (None: `grouped_attention`, lesson 3's; the reference picks the model backend's kernel there, lesson 7).
     Returns logits [m, V] if all_logits else [1, V] (only the last row: the LM head is the largest matmul).
     Afterwards cache.length has grown by m. Raises KVCacheFull (before writing anything) if m positions do not fit.
     """
