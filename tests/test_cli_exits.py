@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -62,7 +63,8 @@ def fake_generate(monkeypatch):
 
     monkeypatch.setattr(cli, "strategies", lambda: {"kv": strategy})
     monkeypatch.setattr(tokenizer_mod, "load_tokenizer", lambda path: tok)
-    monkeypatch.setattr(weights_mod, "load_model", lambda path: None)
+    monkeypatch.setattr(weights_mod, "load_model",
+                        lambda path, **backend: types.SimpleNamespace(quant="none", backend="numpy"))
     plan["tok"] = tok
     return plan
 
