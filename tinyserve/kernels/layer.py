@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .matmul import _quantize_row, matmul_w8a8_body
+from .matmul import _quantize_row, matmul_w8a8_body, split_rope_row
 
 
 @njit(cache=True)
@@ -100,27 +100,12 @@ def _rms_norm_quant_rows(x, weight, eps, xu, sx):
 def pre_attention(x, norm_w, eps, wp, wsum, sw, cos, sin, n_heads, n_kv_heads, q, k, v):
     """x [T, D] -> q [T, N, H], k [T, K, H] (RoPE applied), v [T, K, H]."""
     T, D = x.shape
-    H = q.shape[2]
-    half = H // 2
     xu, sx = np.empty((T, D), np.uint8), np.empty(T, np.float32)
     _rms_norm_quant_rows(x, norm_w, eps, xu, sx)
     qkv = np.empty((T, wp.shape[0] * 16), np.float32)                      # [T, (N + 2K) H]
     matmul_w8a8_body(xu, sx, wp, wsum, sw, qkv, False)
-    for t in range(T):                                                     # layers.apply_rope's operations
-        for hd in range(n_heads + n_kv_heads):
-            base = hd * H
-            for i in range(half):
-                x1, x2 = qkv[t, base + i], qkv[t, base + half + i]
-                c, s = cos[t, i], sin[t, i]
-                if hd < n_heads:
-                    q[t, hd, i] = x1 * c - x2 * s
-                    q[t, hd, half + i] = x2 * c + x1 * s
-                else:
-                    k[t, hd - n_heads, i] = x1 * c - x2 * s
-                    k[t, hd - n_heads, half + i] = x2 * c + x1 * s
-        for hd in range(n_kv_heads):
-            for i in range(H):
-                v[t, hd, i] = qkv[t, (n_heads + n_kv_heads + hd) * H + i]
+    for t in range(T):
+        split_rope_row(qkv, cos, sin, n_heads, n_kv_heads, q, k, v, t)         # layers.apply_rope
 
 
 @njit(cache=True, parallel=True)

@@ -158,28 +158,33 @@ def swiglu_quant(gu, e, xu, sx):
         sx[t] = _quantize_row(a, xu[t])
 
 
-@_serial_and_parallel
-def split_rope(qkv, cos, sin, n_heads, n_kv_heads, q, k, v):
-    """qkv [T, (N + 2K) H] (the fused projection) -> q [T, N, H], k [T, K, H] with RoPE applied, v [T, K, H].
+@njit(cache=True, inline="always")
+def split_rope_row(qkv, cos, sin, n_heads, n_kv_heads, q, k, v, t):
+    """Row t of qkv [T, (N + 2K) H] (the fused projection) -> q[t] [N, H], k[t] [K, H] with RoPE applied, v[t].
     The same float32 operations as layers.apply_rope, in one pass instead of ~12 NumPy calls."""
-    T = qkv.shape[0]
     H = q.shape[2]
     half = H // 2
-    for t in prange(T):
-        for h in range(n_heads + n_kv_heads):
-            base = h * H
-            for i in range(half):
-                x1, x2 = qkv[t, base + i], qkv[t, base + half + i]
-                c, s = cos[t, i], sin[t, i]
-                if h < n_heads:
-                    q[t, h, i] = x1 * c - x2 * s
-                    q[t, h, half + i] = x2 * c + x1 * s
-                else:
-                    k[t, h - n_heads, i] = x1 * c - x2 * s
-                    k[t, h - n_heads, half + i] = x2 * c + x1 * s
-        for h in range(n_kv_heads):
-            for i in range(H):
-                v[t, h, i] = qkv[t, (n_heads + n_kv_heads + h) * H + i]
+    for h in range(n_heads + n_kv_heads):
+        base = h * H
+        for i in range(half):
+            x1, x2 = qkv[t, base + i], qkv[t, base + half + i]
+            c, s = cos[t, i], sin[t, i]
+            if h < n_heads:
+                q[t, h, i] = x1 * c - x2 * s
+                q[t, h, half + i] = x2 * c + x1 * s
+            else:
+                k[t, h - n_heads, i] = x1 * c - x2 * s
+                k[t, h - n_heads, half + i] = x2 * c + x1 * s
+    for h in range(n_kv_heads):
+        for i in range(H):
+            v[t, h, i] = qkv[t, (n_heads + n_kv_heads + h) * H + i]
+
+
+@_serial_and_parallel
+def split_rope(qkv, cos, sin, n_heads, n_kv_heads, q, k, v):
+    """split_rope_row for every row: qkv [T, (N + 2K) H] -> q [T, N, H], k [T, K, H] (RoPE applied), v [T, K, H]."""
+    for t in prange(qkv.shape[0]):
+        split_rope_row(qkv, cos, sin, n_heads, n_kv_heads, q, k, v, t)
 
 
 # --- W8A8 --------------------------------------------------------------------------------------------------------
