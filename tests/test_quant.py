@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 import tinyserve as ts
 from tinyserve import kv_cache, naive, quant
 from tinyserve.engine import Engine
+from tinyserve.gqa import grouped_attention
 from tinyserve.kernels.matmul import (BLOCK, matmul_w8a8, matmul_w8a32, pack_vnni, pack_w8a32,
                                       quantize_rows as quantize_rows_numba)
 from tinyserve.sampling import SamplingParams
@@ -198,7 +199,13 @@ def test_greedy_tokens_identical_across_backends_smol(smol, mode):
     fast = quant.set_backend(ref, mode, "numba")
     prompts = [ids for name, ids in reference_prompts().items() if name in ("english", "chat")]
     want = [kv_cache.generate(ref, p, 16, GREEDY) for p in prompts]
-    assert [kv_cache.generate(fast, p, 16, GREEDY) for p in prompts] == want
+    # the int8 kernels against the reference under the same (NumPy) attention: bit-identical for W8A8
+    same_attention = [list(kv_cache.generate_stream(fast, p, 16, GREEDY, attend=grouped_attention)) for p in prompts]
+    assert same_attention == want
+    if mode == "int8":   # float32 activations: the Numba attention kernels' float order changes no token either
+        assert [kv_cache.generate(fast, p, 16, GREEDY) for p in prompts] == want
+    # W8A8 with the Numba attention kernels (prefill >= 16 rows here, paged in the Engine) is not token-identical:
+    # their ~1e-7 float differences can move an activation across an int8 rounding boundary. See the xfail below.
     # the Engine: the int8 kernels against the NumPy reference with the same (NumPy) paged attention. With the
     # Numba paged-attention kernel as well, W8A8 tokens diverge early: see the xfail test at the end of this file.
     assert Engine(fast, backend="numpy").generate(prompts, GREEDY16) == Engine(ref).generate(prompts, GREEDY16)
