@@ -19,8 +19,7 @@ import numpy as np
 
 from . import single_thread_blas
 from .layer import lm_head, mlp_down, post_attention, pre_attention
-from .matmul import (matmul_w8a8, matmul_w8a32, pack_vnni, pack_w8a32, quantize_rows, rms_norm_quant,
-                     rms_norm_rows, split_rope, swiglu_quant, swiglu_rows)
+from .matmul import matmul_w8a32, pack_vnni, pack_w8a32, rms_norm_rows, split_rope, swiglu_rows
 
 
 @dataclass(slots=True)
@@ -64,50 +63,12 @@ def prepare(model) -> FastWeights:
     return FastWeights(mode, layers, _pack(mode, model.lm_head_q))
 
 
-class _Linear:
-    """y = x @ W for one mode: `norm` (RMSNorm, then W), `plain`, `swiglu` (silu(gate) * up, then W)."""
-
-    def __init__(self, mode: str, eps: float):
-        self.w8a8 = mode == "w8a8"
-        self.eps = np.float32(eps)
-
-    def _run(self, xu_or_x, sx, p: PackedLinear, out, accumulate):
-        if self.w8a8:
-            return matmul_w8a8(xu_or_x, sx, p.w, p.wsum, p.scale, out, accumulate)
-        return matmul_w8a32(xu_or_x, p.w, p.scale, out, accumulate)
-
-    def _quantized(self, x):                        # [T, D] float32 -> what the matmul takes
-        if not self.w8a8:
-            return x, None
-        xu, sx = np.empty(x.shape, np.uint8), np.empty(x.shape[0], np.float32)
-        quantize_rows(x, xu, sx)
-        return xu, sx
-
-    def norm(self, x, weight, p, out=None, accumulate=False):
-        # [T]: what np.mean(np.square(x), -1) in layers.rms_norm computes, bit for bit (see kernels/matmul.py),
-        # without np.mean's Python-level overhead (~5 us a call, 61 calls a step)
-        ms = np.add.reduce(x * x, axis=-1) / np.float32(x.shape[1])
-        if self.w8a8:
-            xu, sx = np.empty(x.shape, np.uint8), np.empty(x.shape[0], np.float32)
-            rms_norm_quant(x, ms, weight, self.eps, xu, sx)
-            return self._run(xu, sx, p, out, accumulate)
-        h = np.empty_like(x)
-        rms_norm_rows(x, ms, weight, self.eps, h)
-        return self._run(h, None, p, out, accumulate)
-
-    def plain(self, x, p, out=None, accumulate=False):
-        return self._run(*self._quantized(x), p, out, accumulate)
-
-    def swiglu(self, gu, p, out=None, accumulate=False):
-        T, F = gu.shape[0], gu.shape[1] // 2
-        e = np.exp(-gu[:, :F])                      # [T, F]: NumPy's exp, as layers.silu (see kernels/matmul.py)
-        if self.w8a8:
-            xu, sx = np.empty((T, F), np.uint8), np.empty(T, np.float32)
-            swiglu_quant(gu, e, xu, sx)
-            return self._run(xu, sx, p, out, accumulate)
-        a = np.empty((T, F), np.float32)
-        swiglu_rows(gu, e, a)
-        return self._run(a, None, p, out, accumulate)
+def _norm(x, weight, eps):
+    """layers.rms_norm with the mean of squares NumPy computes (bit for bit), the rest in one Numba pass."""
+    ms = np.add.reduce(x * x, axis=-1) / np.float32(x.shape[1])     # what np.mean(np.square(x), -1) gives
+    h = np.empty_like(x)
+    rms_norm_rows(x, ms, weight, eps, h)
+    return h
 
 
 def fast_forward(model, tokens: np.ndarray, positions: np.ndarray, attention, logit_rows=None) -> np.ndarray:
@@ -117,23 +78,27 @@ def fast_forward(model, tokens: np.ndarray, positions: np.ndarray, attention, lo
     fw: FastWeights = model.fast
     if fw.mode == "w8a8":
         return _forward_w8a8(model, fw, tokens, positions, attention, logit_rows)
+    # W8A32: the activations stay float32, so each step is a plain kernel call
     cfg = model.config
-    T, N, K, H = len(tokens), cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    lin = _Linear(fw.mode, cfg.norm_eps)
+    T, N, K, H, F = len(tokens), cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate_size
+    eps = np.float32(cfg.norm_eps)
+    mm = lambda x, p, out=None, acc=False: matmul_w8a32(x, p.w, p.scale, out, acc)   # noqa: E731
     cos, sin = model.rope_cos[positions], model.rope_sin[positions]                # [T, H/2]
     x = model.embed[tokens]                                                         # [T, D] (a copy: ours to update)
     with single_thread_blas():
         for i, w in enumerate(fw.layers):
-            qkv = lin.norm(x, w.attn_norm, w.qkv)                                   # [T, (N + 2K) H]
+            qkv = mm(_norm(x, w.attn_norm, eps), w.qkv)                             # [T, (N + 2K) H]
             q, k, v = np.empty((T, N, H), np.float32), np.empty((T, K, H), np.float32), np.empty((T, K, H), np.float32)
             split_rope(qkv, cos, sin, N, K, q, k, v)                                # RoPE on q, k (layers.apply_rope)
             a = np.ascontiguousarray(attention(i, q, k, v)).reshape(T, N * H)       # [T, N H]
-            lin.plain(a, w.o, out=x, accumulate=True)                               # x += a @ Wo
-            gu = lin.norm(x, w.mlp_norm, w.gate_up)                                 # [T, 2F]
-            lin.swiglu(gu, w.down, out=x, accumulate=True)                          # x += swiglu @ Wdown
+            mm(a, w.o, x, True)                                                     # x += a @ Wo
+            gu = mm(_norm(x, w.mlp_norm, eps), w.gate_up)                           # [T, 2F]
+            act = np.empty((T, F), np.float32)
+            swiglu_rows(gu, np.exp(-gu[:, :F]), act)                                # NumPy's exp, as layers.silu
+            mm(act, w.down, x, True)                                                # x += swiglu @ Wdown
         if logit_rows is not None:
             x = np.ascontiguousarray(x[logit_rows])                                 # [R, D]
-        return lin.norm(x, model.final_norm, fw.lm_head)                            # [R, V]
+        return mm(_norm(x, model.final_norm, eps), fw.lm_head)                      # [R, V]
 
 
 def _forward_w8a8(model, fw: FastWeights, tokens, positions, attention, logit_rows) -> np.ndarray:

@@ -2,7 +2,7 @@
 
 Two kernels, one per quantisation mode of tinyserve.quant:
 - `matmul_w8a8`: the activations are quantised too (int8 per row, by `quantize_rows` or fused into
-  `rms_norm_quant` / `swiglu_quant`), so the dot products are integer: VNNI microkernels (kernels/vnni.py) over
+  the fused layer of kernels/layer.py), so the dot products are integer: VNNI microkernels (kernels/vnni.py) over
   weights packed by `pack_vnni`. Bit-identical to the NumPy reference in tinyserve.quant (integer sums; the
   same float32 scaling in the same order).
 - `matmul_w8a32`: weight-only; each int8 weight is widened to float32 and multiplied with the float32 activation.
@@ -115,19 +115,6 @@ def quantize_rows(x, xu, sx):
 # quantises: a 1-ulp difference before rounding to int8 could otherwise become a whole quantisation step.
 
 @_serial_and_parallel
-def rms_norm_quant(x, ms, weight, eps, xu, sx):
-    """RMSNorm (layers.rms_norm) fused with quantize_rows: x [T, D], ms [T] = mean(x^2) -> xu [T, D] uint8, sx [T].
-    The normalised row lives only in a scratch of D floats: one pass less over memory than norm, then quantise."""
-    T, D = x.shape
-    for t in prange(T):
-        inv = np.float32(1.0) / np.sqrt(ms[t] + eps)
-        h = np.empty(D, np.float32)
-        for i in range(D):
-            h[i] = x[t, i] * inv * weight[i]
-        sx[t] = _quantize_row(h, xu[t])
-
-
-@_serial_and_parallel
 def rms_norm_rows(x, ms, weight, eps, out):
     """RMSNorm for the weight-only path (its activations stay float32): x [T, D], ms [T] -> out [T, D]."""
     T, D = x.shape
@@ -144,18 +131,6 @@ def swiglu_rows(gu, e, out):
     for t in prange(T):
         for i in range(F):
             out[t, i] = gu[t, i] / (np.float32(1.0) + e[t, i]) * gu[t, F + i]
-
-
-@_serial_and_parallel
-def swiglu_quant(gu, e, xu, sx):
-    """swiglu_rows fused with quantize_rows: gu [T, 2F], e [T, F] -> xu [T, F] uint8, sx [T]."""
-    T = gu.shape[0]
-    F = xu.shape[1]
-    for t in prange(T):
-        a = np.empty(F, np.float32)
-        for i in range(F):
-            a[i] = gu[t, i] / (np.float32(1.0) + e[t, i]) * gu[t, F + i]
-        sx[t] = _quantize_row(a, xu[t])
 
 
 @njit(cache=True, inline="always")
