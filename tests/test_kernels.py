@@ -128,3 +128,50 @@ def test_workqueue_threading_layer_warns_loudly(monkeypatch):
     monkeypatch.setattr(kernels, "_threading_checked", False)
     with pytest.warns(RuntimeWarning, match="workqueue"):
         assert kernels.check_threading_layer() == "workqueue"
+
+
+# --- the contiguous-cache attention kernel (kv_cache on the numba backend, prefill rows) ---------------------------
+
+@st.composite
+def dense_cases(draw):
+    """m new rows after S0 cached ones, GQA shapes with head_dim a multiple of 16, scores of several scales."""
+    K = draw(st.sampled_from([1, 2, 3]))
+    return (draw(st.integers(1, 70)), draw(st.integers(0, 200)), K * draw(st.sampled_from([1, 2, 3])), K,
+            draw(st.sampled_from([16, 32, 64])), draw(st.sampled_from([0.3, 1.0, 3.0])), draw(st.integers(0, 10**6)))
+
+
+@settings(max_examples=40, deadline=None)
+@given(dense_cases())
+def test_dense_attention_kernel_matches_grouped_attention(case):
+    from tinyserve.gqa import grouped_attention
+    from tinyserve.kernels.dense_attention import causal_attention
+    m, S0, N, K, H, scale, seed = case
+    rng = np.random.default_rng(seed)
+    q = (rng.standard_normal((m, N, H)) * scale).astype(np.float32)
+    k = (rng.standard_normal((S0 + m, K, H)) * scale).astype(np.float32)
+    v = rng.standard_normal((S0 + m, K, H)).astype(np.float32)
+    np.testing.assert_allclose(causal_attention(q, k, v), grouped_attention(q, k, v), **TOL)
+
+
+def test_dense_attention_kernel_all_negative_and_huge_scores():
+    """The row max is taken over the floats' bits as ordered integers: negative rows (max near 0 from below) and
+    huge scores (a one-hot softmax) must come out as in the reference, and finite."""
+    from tinyserve.gqa import grouped_attention
+    from tinyserve.kernels.dense_attention import causal_attention
+    rng = np.random.default_rng(7)
+    q = np.abs(rng.standard_normal((40, 4, 16))).astype(np.float32)
+    k = -np.abs(rng.standard_normal((60, 2, 16))).astype(np.float32)          # every score < 0
+    v = rng.standard_normal((60, 2, 16)).astype(np.float32)
+    for qs in (q, q * 60):                                                     # scores up to ~1e4: one-hot rows
+        got = causal_attention(qs, k, v)
+        assert np.isfinite(got).all()
+        np.testing.assert_allclose(got, grouped_attention(qs, k, v), **TOL)
+
+
+def test_float_bits_round_trip():
+    from numba import njit
+    from tinyserve.kernels.vnni import bits_float, float_bits
+    both = njit(lambda x: (float_bits(x), bits_float(float_bits(x))))
+    for x in (0.0, -0.0, 1.0, -2.5, 3.4e38, 1e-45):
+        b, back = both(np.float32(x))
+        assert b == np.array([x], np.float32).view(np.int32)[0] and back == np.float32(x)

@@ -110,6 +110,24 @@ def test_w8a32_kernel_within_stated_tolerance(case):
     assert (err <= w8a32_bound(x, q)).all(), f"worst error / bound {(err / w8a32_bound(x, q)).max():.3g}"
 
 
+@settings(max_examples=15, deadline=None)
+@given(st.integers(32, 200), st.integers(1, 40).map(lambda n: 4 * n), st.integers(1, 12).map(lambda n: 16 * n),
+       st.integers(0, 2**32 - 1))
+def test_w8a32_prefill_path_is_bit_identical_to_the_tiled_one(T, D, O, seed):
+    """From WIDE_MIN_ROWS rows on, matmul_w8a32 widens each weight group once per chunk of rows instead of in every
+    tile: the same fma per output in the same order, so not one bit may change."""
+    from tinyserve.kernels import matmul as mm
+    assert T >= mm.WIDE_MIN_ROWS
+    x, w = random_case(seed, T, D, O)
+    q = quant.quantize_weight(w, "int8")
+    wp = pack_w8a32(q.wq)
+    tiled, wide = np.zeros((T, O), np.float32), np.ones((T, O), np.float32)
+    mm._matmul_w8a32(x, wp, q.scale, tiled, False)
+    mm._matmul_w8a32_wide(x, wp, q.scale, wide, True)            # accumulate=True onto ones
+    assert np.array_equal(wide, np.float32(1) + tiled)
+    assert np.array_equal(matmul_w8a32(x, wp, q.scale), tiled)   # and the public function takes it
+
+
 # --- the layouts and the activation quantiser ------------------------------------------------------------------
 
 @settings(max_examples=30, deadline=None)

@@ -14,14 +14,14 @@ Bit-identical to the NumPy W8A8 reference (tinyserve.quant through model.forward
 the elementwise steps are the reference's float32 operations in the reference's order, RMSNorm's mean of squares
 is NumPy's own pairwise summation (`_pairwise_sum`), and SiLU's exp is NumPy's (its SIMD exp differs from libm's
 in the last bit now and then, and a last-bit difference before rounding to int8 can become a whole int8 step).
-The row-wise steps run serially: at decode there is one row; at prefill they are ~5 % of the work.
+The row-wise steps run serially at decode (one row) and in parallel at prefill.
 """
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
-from .matmul import _quantize_row, matmul_w8a8_body, split_rope_row
+from .matmul import PARALLEL_ROWS, _quantize_row, matmul_w8a8_body, split_rope_row
 
 
 @njit(cache=True)
@@ -81,19 +81,40 @@ def _pairwise_sum(a, lo, n):
 
 
 @njit(cache=True, inline="always")
+def _rms_norm_quant_row(x, t, weight, eps, xu, sx):
+    """layers.rms_norm then quant.quantize_rows for row t: x [T, D] -> xu[t] [D] uint8 (+128), sx[t]."""
+    D = x.shape[1]
+    sq, h = np.empty(D, np.float32), np.empty(D, np.float32)
+    for i in range(D):
+        sq[i] = x[t, i] * x[t, i]
+    ms = _pairwise_sum(sq, 0, D) / np.float32(D)
+    inv = np.float32(1.0) / np.sqrt(ms + eps)
+    for i in range(D):
+        h[i] = x[t, i] * inv * weight[i]
+    sx[t] = _quantize_row(h, xu[t])
+
+
+@njit(cache=True, inline="always")
+def _swiglu_quant_row(gu, e, t, au, sa):
+    """silu(gate) * up for row t (gu [T, 2F] = gate | up, e = exp(-gate)), quantised into au[t], sa[t]."""
+    F = e.shape[1]
+    act = np.empty(F, np.float32)
+    for i in range(F):
+        act[i] = gu[t, i] / (np.float32(1.0) + e[t, i]) * gu[t, F + i]
+    sa[t] = _quantize_row(act, au[t])
+
+
+# Each row-wise step below runs serially at decode (a parallel launch costs more than one row's work) and in
+# parallel from PARALLEL_ROWS rows on (prefill: ~15 % of a layer's time when serial).
+
+@njit(cache=True, inline="always")
 def _rms_norm_quant_rows(x, weight, eps, xu, sx):
-    """layers.rms_norm then quant.quantize_rows, row by row: x [T, D] -> xu [T, D] uint8 (+128), sx [T]."""
-    T, D = x.shape
-    sq = np.empty(D, np.float32)
-    h = np.empty(D, np.float32)
-    for t in range(T):
-        for i in range(D):
-            sq[i] = x[t, i] * x[t, i]
-        ms = _pairwise_sum(sq, 0, D) / np.float32(D)
-        inv = np.float32(1.0) / np.sqrt(ms + eps)
-        for i in range(D):
-            h[i] = x[t, i] * inv * weight[i]
-        sx[t] = _quantize_row(h, xu[t])
+    if x.shape[0] >= PARALLEL_ROWS:
+        for t in prange(x.shape[0]):
+            _rms_norm_quant_row(x, t, weight, eps, xu, sx)
+    else:
+        for t in range(x.shape[0]):
+            _rms_norm_quant_row(x, t, weight, eps, xu, sx)
 
 
 @njit(cache=True, parallel=True)
@@ -104,8 +125,12 @@ def pre_attention(x, norm_w, eps, wp, wsum, sw, cos, sin, n_heads, n_kv_heads, q
     _rms_norm_quant_rows(x, norm_w, eps, xu, sx)
     qkv = np.empty((T, wp.shape[0] * 16), np.float32)                      # [T, (N + 2K) H]
     matmul_w8a8_body(xu, sx, wp, wsum, sw, qkv, False)
-    for t in range(T):
-        split_rope_row(qkv, cos, sin, n_heads, n_kv_heads, q, k, v, t)         # layers.apply_rope
+    if T >= PARALLEL_ROWS:
+        for t in prange(T):
+            split_rope_row(qkv, cos, sin, n_heads, n_kv_heads, q, k, v, t)     # layers.apply_rope
+    else:
+        for t in range(T):
+            split_rope_row(qkv, cos, sin, n_heads, n_kv_heads, q, k, v, t)
 
 
 @njit(cache=True, parallel=True)
@@ -113,8 +138,12 @@ def post_attention(x, a, wo, wo_sum, wo_scale, norm_w, eps, wgu, wgu_sum, wgu_sc
     """x += a @ Wo (a [T, N H], the attention output), then gu [T, 2F] = RMSNorm(x) @ [Wgate | Wup]."""
     T = a.shape[0]
     au, sa = np.empty(a.shape, np.uint8), np.empty(T, np.float32)
-    for t in range(T):
-        sa[t] = _quantize_row(a[t], au[t])
+    if T >= PARALLEL_ROWS:
+        for t in prange(T):
+            sa[t] = _quantize_row(a[t], au[t])
+    else:
+        for t in range(T):
+            sa[t] = _quantize_row(a[t], au[t])
     matmul_w8a8_body(au, sa, wo, wo_sum, wo_scale, x, True)
     xu, sx = np.empty(x.shape, np.uint8), np.empty(T, np.float32)
     _rms_norm_quant_rows(x, norm_w, eps, xu, sx)
@@ -125,12 +154,13 @@ def post_attention(x, a, wo, wo_sum, wo_scale, norm_w, eps, wgu, wgu_sum, wgu_sc
 def mlp_down(x, gu, e, wd, wd_sum, wd_scale):
     """x += (silu(gate) * up) @ Wdown with e = exp(-gate) from NumPy: silu(g) = g / (1 + e)."""
     T, F = e.shape
-    act = np.empty(F, np.float32)
     au, sa = np.empty((T, F), np.uint8), np.empty(T, np.float32)
-    for t in range(T):
-        for i in range(F):
-            act[i] = gu[t, i] / (np.float32(1.0) + e[t, i]) * gu[t, F + i]
-        sa[t] = _quantize_row(act, au[t])
+    if T >= PARALLEL_ROWS:
+        for t in prange(T):
+            _swiglu_quant_row(gu, e, t, au, sa)
+    else:
+        for t in range(T):
+            _swiglu_quant_row(gu, e, t, au, sa)
     matmul_w8a8_body(au, sa, wd, wd_sum, wd_scale, x, True)
 
 

@@ -24,6 +24,9 @@ from .vnni import HAVE_VNNI, make_fma_microkernel, make_microkernel
 BLOCK = 16            # output channels per packed block: one vector of 16 int32 accumulators
 ROWS = 4              # R: rows (tokens) per tile: each weight load serves 4 rows
 COLS = 4              # C: packed blocks per tile: each activation broadcast serves 4 x 16 = 64 outputs
+WIDE_ROWS = 6         # W8A32 prefill tile: 6 x 4 accumulators + 4 weight vectors of the 32 registers
+WIDE_CHUNK = 96       # W8A32 prefill: rows per work item (a multiple of WIDE_ROWS); its weights are widened once
+WIDE_MIN_ROWS = 32    # from this many rows on, W8A32 widens each weight group once instead of in every tile
 
 
 def _portable_tile(R: int, C: int):
@@ -49,6 +52,9 @@ _tile_RC, _tile_1C, _tile_11 = _make_tile(ROWS, COLS), _make_tile(1, COLS), _mak
 _ftile_RC = make_fma_microkernel(ROWS, COLS, b_int8=True)
 _ftile_1C = make_fma_microkernel(1, COLS, b_int8=True)
 _ftile_11 = make_fma_microkernel(1, 1, b_int8=True)
+_wide_RC = make_fma_microkernel(WIDE_ROWS, COLS, b_int8=False)     # prefill: weights widened once (see below)
+_wide_1C = make_fma_microkernel(1, COLS, b_int8=False)
+_wide_11 = make_fma_microkernel(1, 1, b_int8=False)
 
 
 # --- layout ------------------------------------------------------------------------------------------------------
@@ -254,10 +260,53 @@ def _matmul_w8a32(x, wp, sw, out, accumulate):
                     out[r0 + r, o] = y
 
 
+# At prefill the kernel above is compute-bound, and a third of its vector instructions are not multiply-adds: every
+# tile widens its 4 weight vectors (int8 -> int32 -> float32, two instructions each) for only 4 rows. Here a work
+# item (a group of COLS blocks, a chunk of WIDE_CHUNK rows) widens its weights once into a float32 scratch that
+# stays in L2 (D x 64 x 4 bytes: 147 KB at D = 576), then sweeps its rows with the plain float tile, 6 rows per
+# weight load. Each output still sums x[t, i] * w[i] for i = 0, 1, ... with one fma per step, so the result is
+# bit-identical to _matmul_w8a32's; only the instruction mix changes.
+
+@njit(cache=True, parallel=True)
+def _matmul_w8a32_wide(x, wp, sw, out, accumulate):
+    T, D = x.shape
+    n_blocks = wp.shape[0]
+    row_chunks = (T + WIDE_CHUNK - 1) // WIDE_CHUNK
+    col_groups = (n_blocks + COLS - 1) // COLS
+    xf = x.ravel()
+    for item in prange(row_chunks * col_groups):
+        g, rc = item // row_chunks, item % row_chunks
+        b0, c0 = g * COLS, rc * WIDE_CHUNK
+        nc, n_rows = min(COLS, n_blocks - b0), min(WIDE_CHUNK, T - c0)
+        wf = wp[b0:b0 + nc].astype(np.float32).ravel()          # [nc, D, 16] widened once (exact: small integers)
+        step = D * BLOCK
+        acc = np.empty(WIDE_ROWS * COLS * BLOCK, np.float32)
+        for r0 in range(c0, c0 + n_rows, WIDE_ROWS):
+            nr = min(WIDE_ROWS, c0 + n_rows - r0)
+            if nr == WIDE_ROWS and nc == COLS:
+                _wide_RC(xf, r0 * D, D, wf, 0, step, D, BLOCK, acc, 0, COLS * BLOCK)
+            elif nc == COLS:
+                for r in range(nr):
+                    _wide_1C(xf, (r0 + r) * D, D, wf, 0, step, D, BLOCK, acc, r * COLS * BLOCK, COLS * BLOCK)
+            else:
+                for r in range(nr):
+                    for c in range(nc):
+                        _wide_11(xf, (r0 + r) * D, D, wf, c * step, step, D, BLOCK, acc,
+                                 r * COLS * BLOCK + c * BLOCK, COLS * BLOCK)
+            for r in range(nr):
+                for j in range(nc * BLOCK):
+                    o = b0 * BLOCK + j
+                    y = acc[r * COLS * BLOCK + j] * sw[o]
+                    if accumulate:
+                        out[r0 + r, o] += y
+                    else:
+                        out[r0 + r, o] = y
+
+
 def matmul_w8a32(x: np.ndarray, wp: np.ndarray, sw: np.ndarray, out: np.ndarray | None = None,
                  accumulate: bool = False) -> np.ndarray:
     """x [T, D] float32, wp = pack_w8a32(wq), sw [O] -> [T, O] float32 (added to `out` if accumulate)."""
     if out is None:
         out = np.empty((x.shape[0], wp.shape[0] * BLOCK), np.float32)
-    _matmul_w8a32(x, wp, sw, out, accumulate)
+    (_matmul_w8a32_wide if x.shape[0] >= WIDE_MIN_ROWS else _matmul_w8a32)(x, wp, sw, out, accumulate)
     return out

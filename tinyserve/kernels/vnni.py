@@ -163,3 +163,23 @@ def make_fma_microkernel(R: int, C: int, b_int8: bool):
         return sig, codegen
 
     return tile
+
+
+# Two more things LLVM does in zero instructions but Numba cannot say: read a float32's bits as an int32 and back
+# (C's memcpy / a union). Attention's softmax uses them to build 2^k for its exp, and to take a row's max with
+# integer compares, which LLVM vectorises (it leaves a float max reduction scalar: a NaN could hide in one).
+
+@intrinsic
+def float_bits(typingctx, x):
+    """The IEEE-754 bits of a float32, as an int32."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], _I32)
+    return types.int32(types.float32), codegen
+
+
+@intrinsic
+def bits_float(typingctx, i):
+    """The float32 whose bits are the int32 i."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], _F32)
+    return types.float32(types.int32), codegen
