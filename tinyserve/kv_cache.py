@@ -146,8 +146,7 @@ def attention_for(model: Model) -> AttendFn:
     (lesson 7) its kernel (kernels/dense_attention.py: same result within rtol 1e-4)."""
     if model.backend == "numba":
         from .kernels.dense_attention import causal_attention
-        # a decode row is a few microseconds of work either way: NumPy's few calls beat a parallel launch
-        return lambda q, k, v: causal_attention(q, k, v) if q.shape[0] >= 16 else grouped_attention(q, k, v)
+        return causal_attention
     return grouped_attention
 
 

@@ -1,12 +1,13 @@
 """The fast forward: model.forward's steps with int8 Numba kernels, for a model loaded with quant="int8"|"w8a8"
 and backend="numba". model.forward calls it; it returns the same logits as the NumPy reference of the same
-quantised weights (tinyserve.quant) up to float order: W8A8 matmuls are bit-identical, RMSNorm and SwiGLU sum in
-a different order (~1e-6 relative), W8A32 matmuls too (tests/test_fast_forward.py).
+quantised weights (tinyserve.quant): W8A8 bit for bit under the same attention, W8A32 within ~1e-6 relative (its
+matmuls and norms sum in another order; tests/test_quant.py).
 
 What it does differently, and why each pays (lesson 7 measures them):
+- A layer is three fused Numba calls (kernels/layer.py) around the strategy's attention, for both modes: at decode
+  the ~20 NumPy calls and 9 kernel launches of a layer written step by step cost more than their arithmetic.
 - Q|K|V are one matrix [D, (N + 2K) H] and gate|up one [D, 2F]: a decode step launches 4 matmuls per layer
   instead of 7, and the small K and V projections (192 columns) no longer pay a kernel launch each.
-- RMSNorm is fused with the activation quantisation (W8A8), SwiGLU too: one pass over the row instead of three.
 - The O and down projections add into the residual stream in place (`accumulate=True`): no temporary.
 - Everything runs on Numba's thread pool; NumPy's BLAS (used by the attention reference) is held at one thread
   for the whole forward, so two pools never fight over the 2 cores (perf-notes: that trap costs ~10x).
@@ -18,8 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import single_thread_blas
-from .layer import lm_head, mlp_down, post_attention, pre_attention
-from .matmul import matmul_w8a32, pack_vnni, pack_w8a32, rms_norm_rows, split_rope, swiglu_rows
+from .layer import (lm_head, lm_head_w8a32, mlp_down, mlp_down_w8a32, post_attention, post_attention_w8a32,
+                    pre_attention, pre_attention_w8a32)
+from .matmul import pack_vnni, pack_w8a32
 
 
 @dataclass(slots=True)
@@ -63,14 +65,6 @@ def prepare(model) -> FastWeights:
     return FastWeights(mode, layers, _pack(mode, model.lm_head_q))
 
 
-def _norm(x, weight, eps):
-    """layers.rms_norm with the mean of squares NumPy computes (bit for bit), the rest in one Numba pass."""
-    ms = np.add.reduce(x * x, axis=-1) / np.float32(x.shape[1])     # what np.mean(np.square(x), -1) gives
-    h = np.empty_like(x)
-    rms_norm_rows(x, ms, weight, eps, h)
-    return h
-
-
 def fast_forward(model, tokens: np.ndarray, positions: np.ndarray, attention, logit_rows=None) -> np.ndarray:
     """model.forward for quantised weights on the Numba backend (same arguments, same result up to float order)."""
     if model.fast is None:
@@ -78,27 +72,27 @@ def fast_forward(model, tokens: np.ndarray, positions: np.ndarray, attention, lo
     fw: FastWeights = model.fast
     if fw.mode == "w8a8":
         return _forward_w8a8(model, fw, tokens, positions, attention, logit_rows)
-    # W8A32: the activations stay float32, so each step is a plain kernel call
+    return _forward_w8a32(model, fw, tokens, positions, attention, logit_rows)
+
+
+def _forward_w8a32(model, fw: FastWeights, tokens, positions, attention, logit_rows) -> np.ndarray:
+    """The W8A32 forward: the same three fused calls per layer (kernels/layer.py), float32 activations."""
     cfg = model.config
     T, N, K, H, F = len(tokens), cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate_size
     eps = np.float32(cfg.norm_eps)
-    mm = lambda x, p, out=None, acc=False: matmul_w8a32(x, p.w, p.scale, out, acc)   # noqa: E731
     cos, sin = model.rope_cos[positions], model.rope_sin[positions]                # [T, H/2]
     x = model.embed[tokens]                                                         # [T, D] (a copy: ours to update)
+    gu = np.empty((T, 2 * F), np.float32)                                           # [T, 2F], reused by every layer
     with single_thread_blas():
         for i, w in enumerate(fw.layers):
-            qkv = mm(_norm(x, w.attn_norm, eps), w.qkv)                             # [T, (N + 2K) H]
             q, k, v = np.empty((T, N, H), np.float32), np.empty((T, K, H), np.float32), np.empty((T, K, H), np.float32)
-            split_rope(qkv, cos, sin, N, K, q, k, v)                                # RoPE on q, k (layers.apply_rope)
-            a = np.ascontiguousarray(attention(i, q, k, v)).reshape(T, N * H)       # [T, N H]
-            mm(a, w.o, x, True)                                                     # x += a @ Wo
-            gu = mm(_norm(x, w.mlp_norm, eps), w.gate_up)                           # [T, 2F]
-            act = np.empty((T, F), np.float32)
-            swiglu_rows(gu, np.exp(-gu[:, :F]), act)                                # NumPy's exp, as layers.silu
-            mm(act, w.down, x, True)                                                # x += swiglu @ Wdown
+            pre_attention_w8a32(x, w.attn_norm, eps, w.qkv.w, w.qkv.scale, cos, sin, N, K, q, k, v)
+            a = np.ascontiguousarray(attention(i, q, k, v)).reshape(T, N * H)     # [T, N H]
+            post_attention_w8a32(x, a, w.o.w, w.o.scale, w.mlp_norm, eps, w.gate_up.w, w.gate_up.scale, gu)
+            mlp_down_w8a32(x, gu, w.down.w, w.down.scale)
         if logit_rows is not None:
             x = np.ascontiguousarray(x[logit_rows])                                 # [R, D]
-        return mm(_norm(x, model.final_norm, eps), fw.lm_head)                      # [R, V]
+        return lm_head_w8a32(x, model.final_norm, eps, fw.lm_head.w, fw.lm_head.scale)    # [R, V]
 
 
 def _forward_w8a8(model, fw: FastWeights, tokens, positions, attention, logit_rows) -> np.ndarray:

@@ -21,7 +21,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .matmul import PARALLEL_ROWS, _quantize_row, matmul_w8a8_body, split_rope_row
+from .fast_exp import exp32
+from .matmul import PARALLEL_ROWS, _quantize_row, matmul_w8a8_body, matmul_w8a32_body, split_rope_row
 
 
 @njit(cache=True)
@@ -171,4 +172,86 @@ def lm_head(x, norm_w, eps, w, w_sum, w_scale):
     _rms_norm_quant_rows(x, norm_w, eps, xu, sx)
     out = np.empty((x.shape[0], w.shape[0] * 16), np.float32)
     matmul_w8a8_body(xu, sx, w, w_sum, w_scale, out, False)
+    return out
+
+
+# --- W8A32 (int8 weights, float32 activations): the same three calls per layer ----------------------------------
+# Nothing to keep bit-identical here (the W8A32 matmuls already sum in another order than BLAS), so the norm sums in
+# float64 and SiLU uses fast_exp's exp: within ~1e-6 relative of the NumPy reference (tests/test_quant.py). What
+# fusing buys is the same as for W8A8: at decode, ~20 NumPy calls and 9 kernel launches per layer become 3 calls.
+
+@njit(cache=True, inline="always")
+def _rms_norm_row(x, t, weight, eps, h):
+    """layers.rms_norm for row t: x [T, D] -> h[t] (the mean of squares summed in float64)."""
+    D = x.shape[1]
+    ss = 0.0
+    for i in range(D):
+        ss += np.float64(x[t, i]) * np.float64(x[t, i])
+    inv = np.float32(1.0) / np.sqrt(np.float32(ss / D) + eps)
+    for i in range(D):
+        h[t, i] = x[t, i] * inv * weight[i]
+
+
+@njit(cache=True, inline="always")
+def _rms_norm_rows(x, weight, eps):
+    h = np.empty(x.shape, np.float32)
+    if x.shape[0] >= PARALLEL_ROWS:
+        for t in prange(x.shape[0]):
+            _rms_norm_row(x, t, weight, eps, h)
+    else:
+        for t in range(x.shape[0]):
+            _rms_norm_row(x, t, weight, eps, h)
+    return h
+
+
+@njit(cache=True, inline="always")
+def _swiglu_row(gu, t, act):
+    """act[t] = silu(gate) * up for row t of gu [T, 2F] = gate | up; silu(g) = g / (1 + e^-g)."""
+    F = act.shape[1]
+    for i in range(F):
+        g = gu[t, i]
+        act[t, i] = g / (np.float32(1.0) + exp32(-g)) * gu[t, F + i]
+
+
+@njit(cache=True, parallel=True)
+def pre_attention_w8a32(x, norm_w, eps, wp, sw, cos, sin, n_heads, n_kv_heads, q, k, v):
+    """x [T, D] -> q [T, N, H], k [T, K, H] (RoPE applied), v [T, K, H]."""
+    T = x.shape[0]
+    h = _rms_norm_rows(x, norm_w, eps)
+    qkv = np.empty((T, wp.shape[0] * 16), np.float32)                      # [T, (N + 2K) H]
+    matmul_w8a32_body(h, wp, sw, qkv, False)
+    if T >= PARALLEL_ROWS:
+        for t in prange(T):
+            split_rope_row(qkv, cos, sin, n_heads, n_kv_heads, q, k, v, t)
+    else:
+        for t in range(T):
+            split_rope_row(qkv, cos, sin, n_heads, n_kv_heads, q, k, v, t)
+
+
+@njit(cache=True, parallel=True)
+def post_attention_w8a32(x, a, wo, wo_scale, norm_w, eps, wgu, wgu_scale, gu):
+    """x += a @ Wo, then gu [T, 2F] = RMSNorm(x) @ [Wgate | Wup]."""
+    matmul_w8a32_body(a, wo, wo_scale, x, True)
+    matmul_w8a32_body(_rms_norm_rows(x, norm_w, eps), wgu, wgu_scale, gu, False)
+
+
+@njit(cache=True, parallel=True)
+def mlp_down_w8a32(x, gu, wd, wd_scale):
+    """x += (silu(gate) * up) @ Wdown."""
+    T, F = x.shape[0], gu.shape[1] // 2
+    act = np.empty((T, F), np.float32)
+    if T >= PARALLEL_ROWS:
+        for t in prange(T):
+            _swiglu_row(gu, t, act)
+    else:
+        for t in range(T):
+            _swiglu_row(gu, t, act)
+    matmul_w8a32_body(act, wd, wd_scale, x, True)
+
+
+@njit(cache=True, parallel=True)
+def lm_head_w8a32(x, norm_w, eps, w, w_scale):
+    """logits [R, V] = RMSNorm(x) @ W_head for the R rows that sample."""
+    out = np.empty((x.shape[0], w.shape[0] * 16), np.float32)
+    matmul_w8a32_body(_rms_norm_rows(x, norm_w, eps), w, w_scale, out, False)
     return out

@@ -115,30 +115,6 @@ def quantize_rows(x, xu, sx):
         sx[t] = _quantize_row(x[t], xu[t])
 
 
-# The mean of squares (RMSNorm) and exp (SiLU) come from NumPy, the caller computes them: they are what the
-# NumPy reference computes, to the last bit (NumPy sums pairwise and has its own SIMD exp). Everything after them
-# is elementwise and in the reference's order, so the W8A8 path quantises exactly the activations the reference
-# quantises: a 1-ulp difference before rounding to int8 could otherwise become a whole quantisation step.
-
-@_serial_and_parallel
-def rms_norm_rows(x, ms, weight, eps, out):
-    """RMSNorm for the weight-only path (its activations stay float32): x [T, D], ms [T] -> out [T, D]."""
-    T, D = x.shape
-    for t in prange(T):
-        inv = np.float32(1.0) / np.sqrt(ms[t] + eps)
-        for i in range(D):
-            out[t, i] = x[t, i] * inv * weight[i]
-
-
-@_serial_and_parallel
-def swiglu_rows(gu, e, out):
-    """gu [T, 2F] (gate | up, the fused projection), e [T, F] = exp(-gate) -> out [T, F] = silu(gate) * up."""
-    T, F = out.shape
-    for t in prange(T):
-        for i in range(F):
-            out[t, i] = gu[t, i] / (np.float32(1.0) + e[t, i]) * gu[t, F + i]
-
-
 @njit(cache=True, inline="always")
 def split_rope_row(qkv, cos, sin, n_heads, n_kv_heads, q, k, v, t):
     """Row t of qkv [T, (N + 2K) H] (the fused projection) -> q[t] [N, H], k[t] [K, H] with RoPE applied, v[t].
@@ -159,13 +135,6 @@ def split_rope_row(qkv, cos, sin, n_heads, n_kv_heads, q, k, v, t):
     for h in range(n_kv_heads):
         for i in range(H):
             v[t, h, i] = qkv[t, (n_heads + n_kv_heads + h) * H + i]
-
-
-@_serial_and_parallel
-def split_rope(qkv, cos, sin, n_heads, n_kv_heads, q, k, v):
-    """split_rope_row for every row: qkv [T, (N + 2K) H] -> q [T, N, H], k [T, K, H] (RoPE applied), v [T, K, H]."""
-    for t in prange(qkv.shape[0]):
-        split_rope_row(qkv, cos, sin, n_heads, n_kv_heads, q, k, v, t)
 
 
 # --- W8A8 --------------------------------------------------------------------------------------------------------
@@ -226,8 +195,9 @@ def matmul_w8a8(xu: np.ndarray, sx: np.ndarray, wp: np.ndarray, wsum: np.ndarray
 
 # --- W8A32 -------------------------------------------------------------------------------------------------------
 
-@njit(cache=True, parallel=True)
-def _matmul_w8a32(x, wp, sw, out, accumulate):
+@njit(cache=True, inline="always")
+def matmul_w8a32_tiled(x, wp, sw, out, accumulate):
+    """The W8A32 matmul's parallel loop for few rows (decode); inlined into _matmul_w8a32 and the fused layer."""
     T, D = x.shape
     n_blocks = wp.shape[0]
     step = D * BLOCK                                 # bytes of one packed block
@@ -270,8 +240,9 @@ def _matmul_w8a32(x, wp, sw, out, accumulate):
 # also why W8A32 prefill cannot beat PyTorch's float32 by much (same multiply-adds on the same units); W8A8's
 # integer dot products (4 multiply-adds per lane per instruction) can.
 
-@njit(cache=True, parallel=True)
-def _matmul_w8a32_wide(x, wp, sw, out, accumulate):
+@njit(cache=True, inline="always")
+def matmul_w8a32_wide(x, wp, sw, out, accumulate):
+    """The W8A32 matmul's parallel loop for many rows (prefill), weights widened once per work item."""
     T, D = x.shape
     n_blocks = wp.shape[0]
     row_chunks = (T + WIDE_CHUNK - 1) // WIDE_CHUNK
@@ -304,6 +275,25 @@ def _matmul_w8a32_wide(x, wp, sw, out, accumulate):
                         out[r0 + r, o] += y
                     else:
                         out[r0 + r, o] = y
+
+
+@njit(cache=True, inline="always")
+def matmul_w8a32_body(x, wp, sw, out, accumulate):
+    """The W8A32 matmul: the wide loop from WIDE_MIN_ROWS rows on, the tiled one below (the same result)."""
+    if x.shape[0] >= WIDE_MIN_ROWS:
+        matmul_w8a32_wide(x, wp, sw, out, accumulate)
+    else:
+        matmul_w8a32_tiled(x, wp, sw, out, accumulate)
+
+
+@njit(cache=True, parallel=True)
+def _matmul_w8a32(x, wp, sw, out, accumulate):
+    matmul_w8a32_tiled(x, wp, sw, out, accumulate)
+
+
+@njit(cache=True, parallel=True)
+def _matmul_w8a32_wide(x, wp, sw, out, accumulate):
+    matmul_w8a32_wide(x, wp, sw, out, accumulate)
 
 
 def matmul_w8a32(x: np.ndarray, wp: np.ndarray, sw: np.ndarray, out: np.ndarray | None = None,

@@ -30,13 +30,18 @@ layout, same exact results, slower).
 """
 from __future__ import annotations
 
+import os
+
 import llvmlite.binding as llvm
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-HAVE_VNNI = "+avx512vnni" in llvm.get_host_cpu_features().flatten().split(",")
+# TINYSERVE_PORTABLE_KERNELS=1 takes the plain tiles even on a VNNI CPU (the test of that path does; give such a
+# process a NUMBA_CACHE_DIR of its own: Numba's on-disk cache does not know which tile a kernel was built with)
+HAVE_VNNI = ("+avx512vnni" in llvm.get_host_cpu_features().flatten().split(",")
+             and os.environ.get("TINYSERVE_PORTABLE_KERNELS", "0") in ("", "0"))
 
 _I8, _I32 = ir.IntType(8), ir.IntType(32)
 _V16 = ir.VectorType(_I32, 16)     # one zmm register as 16 int32 lanes (or 64 bytes)
