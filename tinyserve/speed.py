@@ -7,8 +7,11 @@ machines are shared and noisy; the table shows the median and the min..max of th
   steps where all B decode are timed (prefill excluded);
 - prefill tokens/s for a prompt of n tokens: one `kv_cache.prefill` into a fresh cache (time to its last logits).
 Next to each decode figure: the bytes one step must read (every weight once + the KV cache of the B sequences),
-and the share of the roofline bound B / (bytes / bandwidth) it reached, the bandwidth measured on the spot with a
-parallel read of a 512 MiB array (what the kernels can stream from memory, 2 threads).
+and the share of the roofline bound B / (bytes / bandwidth) it reached, the bandwidth measured on the spot by
+roofline.measure_bandwidth (a float32 matrix-vector product over 256 MiB on BLAS's 2 threads: the access pattern of
+streaming weights). An earlier version summed an array in a Numba loop whose 16 running sums lived in an array LLVM
+could not keep in registers (it might alias the data): the loop ran scalar and reported ~12 GB/s where BLAS reads
+~27, flattering every roofline share by 2x. Measure the measuring instrument too.
 """
 from __future__ import annotations
 
@@ -17,40 +20,15 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-from numba import njit, prange
 
 from .engine import Engine
 from .kv_cache import KVCache, prefill
 from .model import Model
 from .quant import bytes_per_decode_step
-from .roofline import kv_bytes_per_token
+from .roofline import kv_bytes_per_token, measure_bandwidth
 from .sampling import SamplingParams
 
 BACKENDS = {"fp32-NumPy": ("none", "numpy"), "int8-Numba": ("int8", "numba"), "W8A8-Numba": ("w8a8", "numba")}
-
-
-@njit(cache=True, parallel=True)
-def _sum_chunks(a):                          # a [chunks, n] float32 -> [chunks]: every byte read once
-    out = np.zeros(a.shape[0], np.float32)
-    for c in prange(a.shape[0]):
-        s = np.zeros(16, np.float32)
-        for i in range(0, a.shape[1], 16):
-            for lane in range(16):
-                s[lane] += a[c, i + lane]
-        out[c] = s.sum()
-    return out
-
-
-def read_bandwidth(nbytes: int = 512 * 2**20, repeat: int = 5) -> float:
-    """Bytes/s that Numba's thread pool reads from memory (median of `repeat` passes over nbytes)."""
-    a = np.ones((64, nbytes // 4 // 64), np.float32)
-    _sum_chunks(a)
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        _sum_chunks(a)
-        times.append(time.perf_counter() - t0)
-    return a.nbytes / statistics.median(times)
 
 
 def decode_tokens_per_s(model: Model, batch: int, prompt_len: int = 32, new_tokens: int = 32, seed: int = 0) -> float:
@@ -156,7 +134,7 @@ def main(args) -> int:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor()) if platform.system() == "Linux" else platform.processor()
     print(f"CPU: {cpu}; {args.rounds} interleaved rounds; decode: prompt 32, {args.new_tokens} new tokens")
-    bandwidth = read_bandwidth()
+    bandwidth = measure_bandwidth()
     results = run(models, batches, prefills, args.rounds, args.new_tokens)
     print(format_report(models, results, bandwidth, batches, prefills, new_tokens=args.new_tokens))
     return 0
