@@ -60,6 +60,16 @@ def test_numba_matches_contiguous_on_random_batches(case):
     np.testing.assert_allclose(paged_attention_numba(*batch.args(), partition=partition), batch.expected, **TOL)
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(1, 700), min_size=1, max_size=6), st.sampled_from([1, 5, 16]),
+       st.sampled_from([(4, 4), (9, 3), (8, 1)]), st.integers(0, 10**6))
+def test_decode_steps_take_the_decode_kernel_and_match(ctxs, block_size, heads, seed):
+    """A batch of one new row per sequence (T == B) runs _paged_decode_kernel: same answers as the reference."""
+    N, K = heads
+    batch = make_batch([(c, 1) for c in ctxs], block_size, N=N, K=K, H=32, seed=seed)
+    np.testing.assert_allclose(paged_attention_numba(*batch.args()), batch.expected, **TOL)
+
+
 @pytest.mark.parametrize("N,K", [(4, 4), (4, 2), (9, 3), (8, 1)])
 def test_numba_gqa_group_sizes(N, K):
     batch = make_batch([(30, 1), (19, 5)], block_size=4, N=N, K=K, H=24)   # H not a multiple of 8 either

@@ -20,17 +20,10 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .fast_exp import exp32
-from .vnni import bits_float, float_bits, make_fma_microkernel
+from .fast_exp import exp32, row_max
+from .vnni import make_fma_microkernel
 
 ROWS = 16                        # query rows per work item
-
-
-@njit(cache=True, inline="always")
-def _ordered(b):
-    """A float32's bits (int32) -> an int32 in the same order as the floats (negative floats count down), and back
-    (the map is its own inverse)."""
-    return b ^ ((b >> 31) & np.int32(0x7FFFFFFF))
 
 
 @njit(cache=True, fastmath={"reassoc", "contract"})
@@ -38,14 +31,11 @@ def _softmax_row(x, see, width, scale):
     """x[:see] <- exp(scale * (x[:see] - max)), x[see:width] <- 0 (masked keys and padding); returns 1 / their sum
     (the caller scales the row of P V by it: 64 multiplies instead of `see`).
 
-    Two passes LLVM vectorises 16 keys wide: the max as an integer max over the floats' ordered bits (a float max
-    reduction stays scalar: ~5x slower here), and exp + sum in one loop ("reassoc" lets the sum run in 16 lanes,
+    Two passes LLVM vectorises 16 keys wide: the max (fast_exp.row_max: an integer max over the floats' ordered
+    bits; a float max reduction stays scalar, ~5x slower here), and exp + sum in one loop ("reassoc" lets the sum run in 16 lanes,
     so it adds in another order than a plain loop; exact enough: rtol 1e-4 against the reference).
     """
-    top = np.int32(-2147483647)
-    for j in range(see):
-        top = max(top, _ordered(float_bits(x[j])))
-    shift = bits_float(_ordered(top))
+    shift = row_max(x, see)
     total = np.float32(0.0)
     for j in range(see):
         y = exp32((x[j] - shift) * scale)
