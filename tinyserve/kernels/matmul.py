@@ -196,6 +196,19 @@ def matmul_w8a8(xu: np.ndarray, sx: np.ndarray, wp: np.ndarray, wsum: np.ndarray
 # --- W8A32 -------------------------------------------------------------------------------------------------------
 
 @njit(cache=True, inline="always")
+def _scale_tile(acc, nr, nc, r0, b0, sw, out, accumulate):
+    """The W8A32 epilogue: out[r0 + r, 16 b0 + j] = (or +=) acc[r, j] * sw[16 b0 + j] for a tile's nr x 16 nc."""
+    for r in range(nr):
+        for j in range(nc * BLOCK):
+            o = b0 * BLOCK + j
+            y = acc[r * COLS * BLOCK + j] * sw[o]
+            if accumulate:
+                out[r0 + r, o] += y
+            else:
+                out[r0 + r, o] = y
+
+
+@njit(cache=True, inline="always")
 def matmul_w8a32_tiled(x, wp, sw, out, accumulate):
     """The W8A32 matmul's parallel loop for few rows (decode); inlined into _matmul_w8a32 and the fused layer."""
     T, D = x.shape
@@ -220,14 +233,7 @@ def matmul_w8a32_tiled(x, wp, sw, out, accumulate):
                 for c in range(nc):
                     _ftile_11(xf, (r0 + r) * D, D, wf, (b0 + c) * step, step, D, BLOCK, acc, r * COLS * BLOCK + c * BLOCK,
                               COLS * BLOCK)
-        for r in range(nr):
-            for j in range(nc * BLOCK):
-                o = b0 * BLOCK + j
-                y = acc[r * COLS * BLOCK + j] * sw[o]
-                if accumulate:
-                    out[r0 + r, o] += y
-                else:
-                    out[r0 + r, o] = y
+        _scale_tile(acc, nr, nc, r0, b0, sw, out, accumulate)
 
 
 # At prefill the kernel above is compute-bound, and a third of its vector instructions are not multiply-adds: every
@@ -267,14 +273,7 @@ def matmul_w8a32_wide(x, wp, sw, out, accumulate):
                     for c in range(nc):
                         _wide_11(xf, (r0 + r) * D, D, wf, c * step, step, D, BLOCK, acc,
                                  r * COLS * BLOCK + c * BLOCK, COLS * BLOCK)
-            for r in range(nr):
-                for j in range(nc * BLOCK):
-                    o = b0 * BLOCK + j
-                    y = acc[r * COLS * BLOCK + j] * sw[o]
-                    if accumulate:
-                        out[r0 + r, o] += y
-                    else:
-                        out[r0 + r, o] = y
+            _scale_tile(acc, nr, nc, r0, b0, sw, out, accumulate)
 
 
 @njit(cache=True, inline="always")
