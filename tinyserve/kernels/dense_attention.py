@@ -12,6 +12,8 @@ What it does differently from the NumPy reference:
   tile's 64 keys are contiguous;
 - float sums in another order than BLAS and a vectorisable exp (kernels/fast_exp.py, within 2e-7 relative of
   the true exp): results match the reference within rtol 1e-4 (as the paged kernel; tests/test_kernels.py).
+Below FEW_ROWS new rows (decode) a second, serial kernel does the same with plain loops: one row is too little
+work to wake the thread pool for.
 """
 from __future__ import annotations
 
