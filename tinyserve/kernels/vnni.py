@@ -53,6 +53,21 @@ def _data_pointer(context, builder, array_type, array, byte_offset):
     return builder.gep(builder.bitcast(data, _I8.as_pointer()), [byte_offset])
 
 
+def _broadcast(builder, scalar, vec_type):
+    """One 32-bit value in all 16 lanes (vpbroadcastd / vbroadcastss)."""
+    one = builder.insert_element(ir.Constant(vec_type, None), scalar, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(one, ir.Constant(vec_type, None), ir.Constant(_V16, None))
+
+
+def _store_tile(builder, acc, R, C, out_base, o_off, o_stride, vec_type):
+    """The R x C accumulators to memory: row r of the tile at o_off + r*o_stride, block c 16 elements further."""
+    for r in range(R):
+        row = builder.add(o_off, builder.mul(o_stride, ir.Constant(o_off.type, r)))
+        for c in range(C):
+            p = builder.gep(out_base, [builder.add(row, ir.Constant(row.type, 16 * c))])
+            builder.store(builder.load(acc[r * C + c]), builder.bitcast(p, vec_type.as_pointer()), align=4)
+
+
 def make_microkernel(R: int, C: int):
     """An intrinsic `tile(x, x_off, x_stride, w, w_off, w_stride, n4, out, o_off, o_stride)`:
 
@@ -88,18 +103,12 @@ def make_microkernel(R: int, C: int):
                 for r in range(R):
                     x4 = builder.load(builder.bitcast(builder.gep(x_rows[r], [builder.mul(i, ir.Constant(i.type, 4))]),
                                                       _I32.as_pointer()), align=1)        # 4 bytes as one i32
-                    x_vec = builder.shuffle_vector(builder.insert_element(ir.Constant(_V16, None), x4,
-                                                                          ir.Constant(_I32, 0)),
-                                                   ir.Constant(_V16, None), ir.Constant(_V16, None))  # broadcast
+                    x_vec = _broadcast(builder, x4, _V16)
                     for c in range(C):
                         a = acc[r * C + c]
                         builder.store(builder.call(vpdpbusd, [builder.load(a), x_vec, w_vec[c]]), a)
             out_base = cgutils.create_struct_proxy(ty[7])(context, builder, out_arr).data     # int32*
-            for r in range(R):
-                row = builder.add(o_off, builder.mul(o_stride, ir.Constant(o_off.type, r)))
-                for c in range(C):
-                    p = builder.gep(out_base, [builder.add(row, ir.Constant(row.type, 16 * c))])
-                    builder.store(builder.load(acc[r * C + c]), builder.bitcast(p, _V16.as_pointer()), align=4)
+            _store_tile(builder, acc, R, C, out_base, o_off, o_stride, _V16)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -151,18 +160,12 @@ def make_fma_microkernel(R: int, C: int, b_int8: bool):
                         w_vec.append(builder.load(builder.bitcast(p, _VF16.as_pointer()), align=4))
                 for r in range(R):
                     xi = builder.load(builder.gep(x_rows[r], [i]))
-                    x_vec = builder.shuffle_vector(builder.insert_element(ir.Constant(_VF16, None), xi,
-                                                                          ir.Constant(_I32, 0)),
-                                                   ir.Constant(_VF16, None), ir.Constant(_V16, None))
+                    x_vec = _broadcast(builder, xi, _VF16)
                     for c in range(C):
                         a = acc[r * C + c]
                         builder.store(builder.call(fma, [x_vec, w_vec[c], builder.load(a)]), a)
             out_base = cgutils.create_struct_proxy(ty[8])(context, builder, out_arr).data      # float*
-            for r in range(R):
-                row = builder.add(o_off, builder.mul(o_stride, ir.Constant(o_off.type, r)))
-                for c in range(C):
-                    p = builder.gep(out_base, [builder.add(row, ir.Constant(row.type, 16 * c))])
-                    builder.store(builder.load(acc[r * C + c]), builder.bitcast(p, _VF16.as_pointer()), align=4)
+            _store_tile(builder, acc, R, C, out_base, o_off, o_stride, _VF16)
             return context.get_dummy_value()
 
         return sig, codegen
