@@ -31,7 +31,7 @@ from numba import njit, prange
 
 from ..attention_backends import check_paged_inputs
 from . import check_threading_layer
-from .fast_exp import exp32, row_max
+from .fast_exp import exp_row, row_max
 
 PARTITION = 256   # positions per work item: a 1k-context decode row gives 4 items, enough for 2 cores
 TILE = 64         # positions per step inside an item: kt is K*H*TILE*4 = 48 KiB for SmolLM2, cache-resident
@@ -75,18 +75,6 @@ def _work_items(context_lens, query_starts, partition, rows_per_item):
                 items[it, 3] = p
                 it += 1
     return items, row_first
-
-
-@njit(cache=True, fastmath={"reassoc", "contract"})
-def _exp_row(x, n, scale, shift):
-    """x[:n] <- exp(scale * x[:n] - shift) (fast_exp's vectorisable exp, not math.exp one key at a time); returns
-    their sum, in 16 lanes ("reassoc")."""
-    total = np.float32(0.0)
-    for j in range(n):
-        e = exp32(scale * x[j] - shift)
-        x[j] = e
-        total += e
-    return total
 
 
 @njit(cache=True, parallel=True)
@@ -145,7 +133,7 @@ def _paged_attention_kernel(q, k_cache, v_cache, block_tables, context_lens, que
                     correction = np.float32(math.exp(mx[i, h] - new_max))   # exp(-inf) = 0 on the first tile
                     for d in range(H):
                         acc[i, h, d] *= correction
-                    sm[i, h] = sm[i, h] * correction + _exp_row(s[h], nt, scale, new_max)
+                    sm[i, h] = sm[i, h] * correction + exp_row(s[h], nt, scale, new_max)
                     mx[i, h] = new_max
                 # 3. weighted sum of V, read in place from the pool; each V row serves its g query heads
                 for j in range(nt):
@@ -234,7 +222,7 @@ def _paged_decode_kernel(q, k_cache, v_cache, block_tables, context_lens, out):
                 p[r, j] = s
         inv = np.empty(g, np.float32)
         for r in range(g):                                        # 2. softmax, vectorised (fast_exp)
-            inv[r] = np.float32(1.0) / _exp_row(p[r], S, scale, scale * row_max(p[r], S))
+            inv[r] = np.float32(1.0) / exp_row(p[r], S, scale, scale * row_max(p[r], S))
         for j in range(S):                                        # 3. P V: each V row serves the g heads
             slot = block_tables[b, j // bs] * bs + j % bs
             for r in range(g):

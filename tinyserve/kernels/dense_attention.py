@@ -22,27 +22,21 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .fast_exp import exp32, row_max
+from .fast_exp import exp_row, row_max
 from .vnni import make_fma_microkernel
 
 ROWS = 16                        # query rows per work item
 
 
-@njit(cache=True, fastmath={"reassoc", "contract"})
+@njit(cache=True)
 def _softmax_row(x, see, width, scale):
     """x[:see] <- exp(scale * (x[:see] - max)), x[see:width] <- 0 (masked keys and padding); returns 1 / their sum
     (the caller scales the row of P V by it: 64 multiplies instead of `see`).
 
     Two passes LLVM vectorises 16 keys wide: the max (fast_exp.row_max: an integer max over the floats' ordered
-    bits; a float max reduction stays scalar, ~5x slower here), and exp + sum in one loop ("reassoc" lets the sum run in 16 lanes,
-    so it adds in another order than a plain loop; exact enough: rtol 1e-4 against the reference).
+    bits; a float max reduction stays scalar, ~5x slower here), and exp + sum in one loop (fast_exp.exp_row).
     """
-    shift = row_max(x, see)
-    total = np.float32(0.0)
-    for j in range(see):
-        y = exp32((x[j] - shift) * scale)
-        x[j] = y
-        total += y
+    total = exp_row(x, see, scale, scale * row_max(x, see))
     for j in range(see, width):
         x[j] = 0.0
     return np.float32(1.0) / total
