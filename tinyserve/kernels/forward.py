@@ -66,17 +66,14 @@ def prepare(model) -> FastWeights:
 
 
 def fast_forward(model, tokens: np.ndarray, positions: np.ndarray, attention, logit_rows=None) -> np.ndarray:
-    """model.forward for quantised weights on the Numba backend (same arguments, same result up to float order)."""
+    """model.forward for quantised weights on the Numba backend (same arguments, same result up to float order).
+
+    A layer is three fused Numba calls (kernels/layer.py) around the strategy's attention; the W8A8 and W8A32
+    kernels differ in their arguments (W8A8 also needs each matrix's column sums, and NumPy's exp for SiLU)."""
     if model.fast is None:
         model.fast = prepare(model)
     fw: FastWeights = model.fast
-    if fw.mode == "w8a8":
-        return _forward_w8a8(model, fw, tokens, positions, attention, logit_rows)
-    return _forward_w8a32(model, fw, tokens, positions, attention, logit_rows)
-
-
-def _forward_w8a32(model, fw: FastWeights, tokens, positions, attention, logit_rows) -> np.ndarray:
-    """The W8A32 forward: the same three fused calls per layer (kernels/layer.py), float32 activations."""
+    w8a8 = fw.mode == "w8a8"
     cfg = model.config
     T, N, K, H, F = len(tokens), cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate_size
     eps = np.float32(cfg.norm_eps)
@@ -86,32 +83,22 @@ def _forward_w8a32(model, fw: FastWeights, tokens, positions, attention, logit_r
     with single_thread_blas():
         for i, w in enumerate(fw.layers):
             q, k, v = np.empty((T, N, H), np.float32), np.empty((T, K, H), np.float32), np.empty((T, K, H), np.float32)
-            pre_attention_w8a32(x, w.attn_norm, eps, w.qkv.w, w.qkv.scale, cos, sin, N, K, q, k, v)
+            if w8a8:    # norm -> quantise -> [Q|K|V] -> RoPE
+                pre_attention(x, w.attn_norm, eps, w.qkv.w, w.qkv.wsum, w.qkv.scale, cos, sin, N, K, q, k, v)
+            else:
+                pre_attention_w8a32(x, w.attn_norm, eps, w.qkv.w, w.qkv.scale, cos, sin, N, K, q, k, v)
             a = np.ascontiguousarray(attention(i, q, k, v)).reshape(T, N * H)     # [T, N H]
-            post_attention_w8a32(x, a, w.o.w, w.o.scale, w.mlp_norm, eps, w.gate_up.w, w.gate_up.scale, gu)
-            mlp_down_w8a32(x, gu, w.down.w, w.down.scale)
+            if w8a8:    # x += a @ Wo; gu = norm(x) @ [gate|up]; x += silu(gate) * up @ Wdown
+                post_attention(x, a, w.o.w, w.o.wsum, w.o.scale, w.mlp_norm, eps, w.gate_up.w, w.gate_up.wsum,
+                               w.gate_up.scale, gu)
+                e = np.exp(-gu[:, :F])                                              # NumPy's exp, as layers.silu
+                mlp_down(x, gu, e, w.down.w, w.down.wsum, w.down.scale)
+            else:
+                post_attention_w8a32(x, a, w.o.w, w.o.scale, w.mlp_norm, eps, w.gate_up.w, w.gate_up.scale, gu)
+                mlp_down_w8a32(x, gu, w.down.w, w.down.scale)
         if logit_rows is not None:
             x = np.ascontiguousarray(x[logit_rows])                                 # [R, D]
-        return lm_head_w8a32(x, model.final_norm, eps, fw.lm_head.w, fw.lm_head.scale)    # [R, V]
-
-
-def _forward_w8a8(model, fw: FastWeights, tokens, positions, attention, logit_rows) -> np.ndarray:
-    """The W8A8 forward in three fused Numba calls per layer (kernels/layer.py), bit-identical to the reference."""
-    cfg = model.config
-    T, N, K, H, F = len(tokens), cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate_size
-    eps = np.float32(cfg.norm_eps)
-    cos, sin = model.rope_cos[positions], model.rope_sin[positions]                # [T, H/2]
-    x = model.embed[tokens]                                                         # [T, D] (a copy: ours to update)
-    gu = np.empty((T, 2 * F), np.float32)                                           # [T, 2F], reused by every layer
-    with single_thread_blas():
-        for i, w in enumerate(fw.layers):
-            q, k, v = np.empty((T, N, H), np.float32), np.empty((T, K, H), np.float32), np.empty((T, K, H), np.float32)
-            pre_attention(x, w.attn_norm, eps, w.qkv.w, w.qkv.wsum, w.qkv.scale, cos, sin, N, K, q, k, v)
-            a = np.ascontiguousarray(attention(i, q, k, v)).reshape(T, N * H)     # [T, N H]
-            post_attention(x, a, w.o.w, w.o.wsum, w.o.scale, w.mlp_norm, eps, w.gate_up.w, w.gate_up.wsum,
-                           w.gate_up.scale, gu)
-            e = np.exp(-gu[:, :F])                                                  # NumPy's exp, as layers.silu
-            mlp_down(x, gu, e, w.down.w, w.down.wsum, w.down.scale)
-        if logit_rows is not None:
-            x = np.ascontiguousarray(x[logit_rows])                                 # [R, D]
-        return lm_head(x, model.final_norm, eps, fw.lm_head.w, fw.lm_head.wsum, fw.lm_head.scale)    # [R, V]
+        p = fw.lm_head
+        if w8a8:
+            return lm_head(x, model.final_norm, eps, p.w, p.wsum, p.scale)         # [R, V]
+        return lm_head_w8a32(x, model.final_norm, eps, p.w, p.scale)
