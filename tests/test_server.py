@@ -300,14 +300,17 @@ def test_a_client_that_disconnects_mid_stream_is_aborted_and_its_blocks_freed(sr
     assert 'tinyserve_requests_total{finish_reason="abort"}' in httpx.get(srv.url + "/metrics").text
 
 
-def test_a_non_streaming_client_that_gives_up_is_aborted_too(srv):
-    before = wait_idle(srv)
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "q" * 300, "max_tokens": 700,
-                                                      "temperature": 0, "ignore_eos": True}, timeout=0.3)
-    after = wait_idle(srv)
-    assert after["aborted"] == before["aborted"] + 1
-    assert_no_leak(srv)
+def test_a_non_streaming_client_that_gives_up_is_aborted_too():
+    # a slow engine (20 ms a step): the tiny model at full speed could finish 200 tokens before the client's 0.3 s
+    # are up, and the request would count as completed (this test was flaky that way)
+    with ServerThread(tiny_app(engine_class=SlowEngine)) as s:
+        before = wait_idle(s)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "q" * 300, "max_tokens": 200,
+                                                        "temperature": 0, "ignore_eos": True}, timeout=0.3)
+        after = wait_idle(s)
+        assert after["aborted"] == before["aborted"] + 1 and after["completed"] == before["completed"]
+        assert_no_leak(s)
 
 
 # --- load -------------------------------------------------------------------------------------------------------
