@@ -199,39 +199,49 @@ def paged_attention_numba(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarra
 # a context of 100 (30 layers: ~3 ms of a ~10 ms step). This kernel reads K and V rows in place from the pool, one
 # work item per (sequence, KV head), so each K row is read once for the g query heads that share it.
 
-@njit(cache=True, parallel=True, fastmath={"reassoc", "contract"})
-def _paged_decode_kernel(q, k_cache, v_cache, block_tables, context_lens, out):
-    # q, out: [B, N, H] (row b is sequence b's one new row); the rest as in _paged_attention_kernel
-    B, N, H = q.shape
-    num_blocks, bs, K = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
+@njit(cache=True, fastmath={"reassoc", "contract"})
+def decode_attention_item(q, k_rows, v_rows, block_tables, bs, context_lens, b, kh, out):
+    """Sequence b's one new row, the g query heads of KV head kh: out[b, heads] = softmax(q K^T / sqrt(H)) V over
+    its context_lens[b] positions. q, out: [B, N, H]; k_rows, v_rows: the pool as rows addressed by slot
+    [num_blocks * bs, K, H], position j of sequence b at slot block_tables[b, j // bs] * bs + j % bs.
+    One work item of _paged_decode_kernel, and of the fused decode step (kernels/decode_step.py)."""
+    N, H = q.shape[1], q.shape[2]
+    K = k_rows.shape[1]
     g = N // K
     scale = np.float32(1.0 / math.sqrt(H))
+    S = context_lens[b]
+    p = np.empty((g, S), np.float32)                          # scores, then exp(score - max)
+    acc = np.zeros((g, H), np.float32)
+    for j in range(S):                                        # 1. scores: dot products ("reassoc": 16 lanes)
+        slot = block_tables[b, j // bs] * bs + j % bs
+        for r in range(g):
+            s = np.float32(0.0)
+            for d in range(H):
+                s += q[b, kh * g + r, d] * k_rows[slot, kh, d]
+            p[r, j] = s
+    inv = np.empty(g, np.float32)
+    for r in range(g):                                        # 2. softmax, vectorised (fast_exp)
+        inv[r] = np.float32(1.0) / exp_row(p[r], S, scale, scale * row_max(p[r], S))
+    for j in range(S):                                        # 3. P V: each V row serves the g heads
+        slot = block_tables[b, j // bs] * bs + j % bs
+        for r in range(g):
+            w = p[r, j]
+            for d in range(H):
+                acc[r, d] += w * v_rows[slot, kh, d]
+    for r in range(g):
+        for d in range(H):
+            out[b, kh * g + r, d] = acc[r, d] * inv[r]
+
+
+@njit(cache=True, parallel=True)
+def _paged_decode_kernel(q, k_cache, v_cache, block_tables, context_lens, out):
+    # q, out: [B, N, H] (row b is sequence b's one new row); the rest as in _paged_attention_kernel
+    B = q.shape[0]
+    num_blocks, bs, K, H = k_cache.shape
     k_rows = k_cache.reshape(num_blocks * bs, K, H)
     v_rows = v_cache.reshape(num_blocks * bs, K, H)
     for item in prange(B * K):
-        b, kh = item // K, item % K
-        S = context_lens[b]
-        p = np.empty((g, S), np.float32)                          # scores, then exp(score - max)
-        acc = np.zeros((g, H), np.float32)
-        for j in range(S):                                        # 1. scores: dot products ("reassoc": 16 lanes)
-            slot = block_tables[b, j // bs] * bs + j % bs
-            for r in range(g):
-                s = np.float32(0.0)
-                for d in range(H):
-                    s += q[b, kh * g + r, d] * k_rows[slot, kh, d]
-                p[r, j] = s
-        inv = np.empty(g, np.float32)
-        for r in range(g):                                        # 2. softmax, vectorised (fast_exp)
-            inv[r] = np.float32(1.0) / exp_row(p[r], S, scale, scale * row_max(p[r], S))
-        for j in range(S):                                        # 3. P V: each V row serves the g heads
-            slot = block_tables[b, j // bs] * bs + j % bs
-            for r in range(g):
-                w = p[r, j]
-                for d in range(H):
-                    acc[r, d] += w * v_rows[slot, kh, d]
-        for r in range(g):
-            for d in range(H):
-                out[b, kh * g + r, d] = acc[r, d] * inv[r]
+        decode_attention_item(q, k_rows, v_rows, block_tables, bs, context_lens, item // K, item % K, out)
 
 
 def paged_attention_numba_unchecked(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,

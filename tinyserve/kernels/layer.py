@@ -33,13 +33,15 @@ def _block_sum(a, lo, n):
         for i in range(n):
             res += a[lo + i]
         return res
-    r = a[lo:lo + 8].copy()
+    # eight scalars, not a small array: LLVM keeps them in one vector register (an array it would leave in memory)
+    r0, r1, r2, r3, r4, r5, r6, r7 = a[lo], a[lo + 1], a[lo + 2], a[lo + 3], a[lo + 4], a[lo + 5], a[lo + 6], a[lo + 7]
     i = 8
     while i < n - n % 8:
-        for j in range(8):
-            r[j] += a[lo + i + j]
+        b = lo + i
+        r0, r1, r2, r3 = r0 + a[b], r1 + a[b + 1], r2 + a[b + 2], r3 + a[b + 3]
+        r4, r5, r6, r7 = r4 + a[b + 4], r5 + a[b + 5], r6 + a[b + 6], r7 + a[b + 7]
         i += 8
-    res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]))
+    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
     while i < n:
         res += a[lo + i]
         i += 1

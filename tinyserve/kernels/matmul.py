@@ -19,7 +19,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .vnni import HAVE_VNNI, make_fma_microkernel, make_microkernel
+from .vnni import HAVE_VNNI, bits_float, float_bits, make_fma_microkernel, make_microkernel
 
 BLOCK = 16            # output channels per packed block: one vector of 16 int32 accumulators
 ROWS = 4              # R: rows (tokens) per tile: each weight load serves 4 rows
@@ -98,9 +98,10 @@ def _serial_and_parallel(fn):
 def _quantize_row(h, xu_row):
     """One row [D] float32 -> xu_row [D] uint8 (int8 value + 128); returns its scale. Same arithmetic as
     quant.quantize_rows: s = max|h| / 127, q = floor(h / s + 0.5), all float32."""
-    amax = np.float32(0.0)
-    for i in range(h.shape[0]):
-        amax = max(amax, abs(h[i]))
+    top = np.int32(0)                    # max |h[i]| over the bits with the sign cleared: an integer max vectorises,
+    for i in range(h.shape[0]):          # a float one does not (fast_exp.row_max; the same value, no NaN here)
+        top = max(top, float_bits(h[i]) & np.int32(0x7FFFFFFF))
+    amax = bits_float(top)
     s = amax / np.float32(127.0) if amax > 0 else np.float32(1.0)
     for i in range(h.shape[0]):
         q = math.floor(h[i] / s + np.float32(0.5))
@@ -140,12 +141,38 @@ def split_rope_row(qkv, cos, sin, n_heads, n_kv_heads, q, k, v, t):
 # --- W8A8 --------------------------------------------------------------------------------------------------------
 
 @njit(cache=True, inline="always")
+def w8a8_tile(xf, sx, wf, wsum, sw, out, accumulate, D, r0, nr, b0, nc, acc):
+    """One work item of the W8A8 matmul: rows r0 .. r0+nr (nr <= ROWS) x packed blocks b0 .. b0+nc (nc <= COLS).
+    xf, wf: the raveled activations and packed weights; acc: int32 scratch [ROWS * COLS * 16]."""
+    n4 = D // 4
+    step = n4 * 64                                   # bytes of one packed block
+    if nr == ROWS and nc == COLS:
+        _tile_RC(xf, r0 * D, D, wf, b0 * step, step, n4, acc, 0, COLS * BLOCK)
+    elif nc == COLS:
+        for r in range(nr):
+            _tile_1C(xf, (r0 + r) * D, D, wf, b0 * step, step, n4, acc, r * COLS * BLOCK, COLS * BLOCK)
+    else:
+        for r in range(nr):
+            for c in range(nc):
+                _tile_11(xf, (r0 + r) * D, D, wf, (b0 + c) * step, step, n4, acc, r * COLS * BLOCK + c * BLOCK,
+                         COLS * BLOCK)
+    # epilogue: undo the +128 offset of the activations (exact, in int32), then the two float scales
+    for r in range(nr):
+        t = r0 + r
+        for j in range(nc * BLOCK):
+            o = b0 * BLOCK + j
+            y = np.float32(acc[r * COLS * BLOCK + j] - 128 * wsum[o]) * sx[t] * sw[o]
+            if accumulate:
+                out[t, o] += y
+            else:
+                out[t, o] = y
+
+
+@njit(cache=True, inline="always")
 def matmul_w8a8_body(xu, sx, wp, wsum, sw, out, accumulate):
     """The W8A8 matmul's parallel loop; inlined into _matmul_w8a8 and into the fused layer kernels (layer.py)."""
     T, D = xu.shape
     n_blocks = wp.shape[0]
-    n4 = D // 4
-    step = n4 * 64                                   # bytes of one packed block
     row_tiles = (T + ROWS - 1) // ROWS
     col_groups = (n_blocks + COLS - 1) // COLS
     xf = xu.ravel()
@@ -154,28 +181,19 @@ def matmul_w8a8_body(xu, sx, wp, wsum, sw, out, accumulate):
     for item in prange(row_tiles * col_groups):
         g, rt = item // row_tiles, item % row_tiles
         r0, b0 = rt * ROWS, g * COLS
-        nr, nc = min(ROWS, T - r0), min(COLS, n_blocks - b0)
         acc = np.empty(ROWS * COLS * BLOCK, np.int32)  # [nr, nc*16] row-major, row stride COLS*16
-        if nr == ROWS and nc == COLS:
-            _tile_RC(xf, r0 * D, D, wf, b0 * step, step, n4, acc, 0, COLS * BLOCK)
-        elif nc == COLS:
-            for r in range(nr):
-                _tile_1C(xf, (r0 + r) * D, D, wf, b0 * step, step, n4, acc, r * COLS * BLOCK, COLS * BLOCK)
-        else:
-            for r in range(nr):
-                for c in range(nc):
-                    _tile_11(xf, (r0 + r) * D, D, wf, (b0 + c) * step, step, n4, acc, r * COLS * BLOCK + c * BLOCK,
-                             COLS * BLOCK)
-        # epilogue: undo the +128 offset of the activations (exact, in int32), then the two float scales
-        for r in range(nr):
-            t = r0 + r
-            for j in range(nc * BLOCK):
-                o = b0 * BLOCK + j
-                y = np.float32(acc[r * COLS * BLOCK + j] - 128 * wsum[o]) * sx[t] * sw[o]
-                if accumulate:
-                    out[t, o] += y
-                else:
-                    out[t, o] = y
+        w8a8_tile(xf, sx, wf, wsum, sw, out, accumulate, D, r0, min(ROWS, T - r0), b0, min(COLS, n_blocks - b0), acc)
+
+
+@njit(cache=True, inline="always")
+def w8a8_blocks(xu, sx, wp, wsum, sw, out, accumulate, b_lo, b_hi, acc):
+    """The W8A8 matmul restricted to output blocks b_lo .. b_hi (every row), on the calling thread: one thread's
+    share of a matmul in kernels/decode_step.py."""
+    T, D = xu.shape
+    xf, wf = xu.ravel(), wp.ravel()
+    for b0 in range(b_lo, b_hi, COLS):
+        for r0 in range(0, T, ROWS):
+            w8a8_tile(xf, sx, wf, wsum, sw, out, accumulate, D, r0, min(ROWS, T - r0), b0, min(COLS, b_hi - b0), acc)
 
 
 @njit(cache=True, parallel=True)
@@ -209,11 +227,28 @@ def _scale_tile(acc, nr, nc, r0, b0, sw, out, accumulate):
 
 
 @njit(cache=True, inline="always")
+def w8a32_tile(xf, wf, sw, out, accumulate, D, r0, nr, b0, nc, acc):
+    """One work item of the W8A32 matmul (few rows): rows r0 .. r0+nr x packed blocks b0 .. b0+nc; acc: float32
+    scratch [ROWS * COLS * 16]."""
+    step = D * BLOCK                                 # bytes of one packed block
+    if nr == ROWS and nc == COLS:
+        _ftile_RC(xf, r0 * D, D, wf, b0 * step, step, D, BLOCK, acc, 0, COLS * BLOCK)
+    elif nc == COLS:
+        for r in range(nr):
+            _ftile_1C(xf, (r0 + r) * D, D, wf, b0 * step, step, D, BLOCK, acc, r * COLS * BLOCK, COLS * BLOCK)
+    else:
+        for r in range(nr):
+            for c in range(nc):
+                _ftile_11(xf, (r0 + r) * D, D, wf, (b0 + c) * step, step, D, BLOCK, acc, r * COLS * BLOCK + c * BLOCK,
+                          COLS * BLOCK)
+    _scale_tile(acc, nr, nc, r0, b0, sw, out, accumulate)
+
+
+@njit(cache=True, inline="always")
 def matmul_w8a32_tiled(x, wp, sw, out, accumulate):
     """The W8A32 matmul's parallel loop for few rows (decode); inlined into _matmul_w8a32 and the fused layer."""
     T, D = x.shape
     n_blocks = wp.shape[0]
-    step = D * BLOCK                                 # bytes of one packed block
     row_tiles = (T + ROWS - 1) // ROWS
     col_groups = (n_blocks + COLS - 1) // COLS
     xf = x.ravel()
@@ -221,19 +256,18 @@ def matmul_w8a32_tiled(x, wp, sw, out, accumulate):
     for item in prange(row_tiles * col_groups):     # the same work split as _matmul_w8a8
         g, rt = item // row_tiles, item % row_tiles
         r0, b0 = rt * ROWS, g * COLS
-        nr, nc = min(ROWS, T - r0), min(COLS, n_blocks - b0)
         acc = np.empty(ROWS * COLS * BLOCK, np.float32)
-        if nr == ROWS and nc == COLS:
-            _ftile_RC(xf, r0 * D, D, wf, b0 * step, step, D, BLOCK, acc, 0, COLS * BLOCK)
-        elif nc == COLS:
-            for r in range(nr):
-                _ftile_1C(xf, (r0 + r) * D, D, wf, b0 * step, step, D, BLOCK, acc, r * COLS * BLOCK, COLS * BLOCK)
-        else:
-            for r in range(nr):
-                for c in range(nc):
-                    _ftile_11(xf, (r0 + r) * D, D, wf, (b0 + c) * step, step, D, BLOCK, acc, r * COLS * BLOCK + c * BLOCK,
-                              COLS * BLOCK)
-        _scale_tile(acc, nr, nc, r0, b0, sw, out, accumulate)
+        w8a32_tile(xf, wf, sw, out, accumulate, D, r0, min(ROWS, T - r0), b0, min(COLS, n_blocks - b0), acc)
+
+
+@njit(cache=True, inline="always")
+def w8a32_blocks(x, wp, sw, out, accumulate, b_lo, b_hi, acc):
+    """The W8A32 matmul restricted to output blocks b_lo .. b_hi (every row), on the calling thread."""
+    T, D = x.shape
+    xf, wf = x.ravel(), wp.ravel()
+    for b0 in range(b_lo, b_hi, COLS):
+        for r0 in range(0, T, ROWS):
+            w8a32_tile(xf, wf, sw, out, accumulate, D, r0, min(ROWS, T - r0), b0, min(COLS, b_hi - b0), acc)
 
 
 # At prefill the kernel above is compute-bound, and a third of its vector instructions are not multiply-adds: every
