@@ -75,6 +75,36 @@ def test_teacher_forced_agreement_with_float32(smol, fp32_ref, mode):
     assert a.max_flip_margin <= b["flip_margin"], f"a flip where float32's margin was {a.max_flip_margin:.2f}"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["int8", "w8a8"])
+def test_engine_decode_on_the_numba_kernels_stays_within_the_bounds(smol, mode):
+    """Decoding through the Engine on every Numba kernel (its decode-only steps fused into one call each,
+    kernels/decode_step.py; paged attention) chooses tokens float32 finds as good as the bounds above allow.
+
+    Why not "the reference's tokens": W8A8 rounds every activation to int8, so the ~1e-7 float differences of the
+    Numba attention and of fast_exp's exp (in the fused step's SiLU) move an activation across a rounding boundary
+    now and then, and from there the two runs are as far apart as W8A8 is from float32 (teacher-forced, the NumPy
+    W8A8 reference and this path differ by up to 3-5 logits, measured). Their accuracy is the same: measured on
+    these prompts, the reference's greedy tokens agree with float32's choice at 91 % of the steps (widest gap 0.59),
+    this path's at 90 % (0.71). The Numba kernels' arithmetic itself is checked bit for bit against the reference
+    where it can be (tests/test_quant.py, tests/test_decode_step.py)."""
+    from tinyserve import naive
+    from tinyserve.engine import Engine
+    from tinyserve.sampling import SamplingParams
+    from .quant_accuracy import reference_prompts
+    prompts = [ids for name, ids in reference_prompts().items() if name != "long"]        # 4: one fused batch
+    outs = Engine(fast(smol, mode)).generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=16,
+                                                                       ignore_eos=True))
+    gaps = []    # per step: float32's best logit minus its logit of the token we chose (0: float32's choice)
+    for prompt, out in zip(prompts, outs):
+        logits = naive.forward(smol, list(prompt) + out)[len(prompt) - 1:-1]              # [16, V] teacher-forced
+        gaps += list(logits.max(axis=1) - logits[np.arange(len(out)), out])
+    gaps = np.array(gaps)
+    print(f"{mode}: float32's choice at {np.mean(gaps == 0):.1%} of {len(gaps)} steps, widest gap {gaps.max():.2f}")
+    assert np.mean(gaps == 0) >= BOUNDS[mode]["top1"]
+    assert gaps.max() <= BOUNDS[mode]["flip_margin"]
+
+
 @pytest.mark.parametrize("mode", ["int8", "w8a8"])
 def test_perplexity_close_to_float32(smol, ppl_ids, fp32_ppl, mode):
     ppl = perplexity(fast(smol, mode), ppl_ids)

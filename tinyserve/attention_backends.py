@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -20,6 +21,20 @@ BACKENDS: dict[str, tuple[str, str, str]] = {
     "numpy": ("tinyserve.paged", "paged_attention", "paged_attention_unchecked"),
     "numba": ("tinyserve.kernels.attention", "paged_attention_numba", "paged_attention_numba_unchecked"),
 }
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Where a decode step's K/V live, for a kernel that runs the whole step itself (lesson 7,
+    kernels/decode_step.py). The cache is seen as rows addressed by slot; sequence b's position j is at slot
+    block_tables[b, j // block_size] * block_size + j % block_size. A contiguous KVCache is one block of
+    max_len positions. A strategy attaches one to its attention function (`attention.kv_layout = ...`) when the
+    step is a decode step with its default attention; the kernel writes the step's K/V into those slots."""
+    k: np.ndarray             # [L, num_slots, K, H]: the cache's keys of every layer, by slot (a view)
+    v: np.ndarray             # [L, num_slots, K, H]
+    block_tables: np.ndarray  # [B, max_blocks] int64
+    block_size: int
+    context_lens: np.ndarray  # [B] int64: each sequence's positions after this step (its new row is the last)
 
 
 def get_paged_attention(backend: str = "numpy", checked: bool = True) -> Callable[..., np.ndarray]:

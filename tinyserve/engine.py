@@ -32,7 +32,7 @@ from typing import Iterator, NamedTuple, Sequence as Seq
 
 import numpy as np
 
-from .attention_backends import get_paged_attention
+from .attention_backends import KVLayout, get_paged_attention
 from .block_manager import BlockManager
 from .config import check_positive_int, is_int
 from .model import Model, check_token_ids, forward
@@ -231,6 +231,11 @@ class Engine:
             return attend(q, pool.k[layer], pool.v[layer], batch.block_tables, batch.context_lens,
                           batch.query_starts)
 
+        if self.backend == "numba" and len(batch.tokens) == len(batch.seqs):
+            # lesson 7: a decode-only step (one row per sequence) may run as one kernel that also writes the K/V
+            L, nb, bs, K, H = pool.k.shape
+            attention.kv_layout = KVLayout(pool.k.reshape(L, nb * bs, K, H), pool.v.reshape(L, nb * bs, K, H),
+                                           batch.block_tables, bs, batch.context_lens)
         with self._threads():
             logits = forward(self.model, batch.tokens, batch.positions, attention, logit_rows=batch.logit_rows)
         if self.backend == "numba":

@@ -17,6 +17,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from .attention_backends import KVLayout
 from .config import ModelConfig, check_positive_int, is_int
 from .gqa import grouped_attention
 from .layers import rectangular_mask, softmax
@@ -173,8 +174,12 @@ def forward_with_cache(model: Model, cache: KVCache, tokens: Sequence[int], atte
     cache.check_room(m)  # fail before any layer has written anything
     positions = np.arange(cache.length, cache.length + m)   # RoPE positions continue from the history
     rows = None if all_logits else np.array([m - 1])
-    attend = attend or attention_for(model)
-    logits = model_forward(model, tokens, positions, cache_attention(cache, attend), logit_rows=rows)
+    attention = cache_attention(cache, attend or attention_for(model))
+    if attend is None and m == 1 and model.backend == "numba":
+        # lesson 7: with its default attention, a decode step may run as one kernel that also writes the K/V
+        attention.kv_layout = KVLayout(cache.k, cache.v, np.zeros((1, 1), np.int64), cache.max_len,
+                                       np.array([cache.length + 1]))
+    logits = model_forward(model, tokens, positions, attention, logit_rows=rows)
     cache.length += m  # every layer has appended its block at the same positions
     return logits
 

@@ -1,0 +1,238 @@
+"""The fused decode step (kernels/decode_step.py) computes what the three-call path computes, and fails safe.
+
+What must hold:
+- the spin barrier keeps the threads in step: no thread reads a phase's results before every thread wrote them;
+- one fused step = one three-call step on the same cache (paged blocks and the contiguous KVCache): the logits and
+  the K/V written into the cache. W8A32 runs the very same code per element (matmul tiles, norms, SiLU on exp32,
+  the decode attention item): equal to ~1e-6. W8A8's three-call path takes SiLU's exp from NumPy (to be the NumPy
+  reference bit for bit) where the fused step uses fast_exp.exp32; given exp32 there too, the two are bit-identical;
+- the strategies really take it: kv_cache decode and the Engine's decode-only steps (greedy tokens as before);
+- threads that do not meet (here: a step told it has 2 threads while Numba runs 1) give up at the deadline, warn
+  once, and the step is run the three-call way with the same result.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numba
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from numba import njit, prange
+
+import tinyserve as ts
+from tinyserve import kv_cache, quant
+from tinyserve.attention_backends import KVLayout
+from tinyserve.engine import Engine
+from tinyserve.kernels import decode_step, forward as fast
+from tinyserve.kernels.attention import paged_attention_numba_unchecked
+from tinyserve.kernels.fast_exp import exp32
+from tinyserve.kernels.spin import FAILED, SYNC_SIZE, barrier
+from tinyserve.paged import write_kv_unchecked
+from tinyserve.sampling import SamplingParams
+
+GREEDY12 = SamplingParams(temperature=0.0, ignore_eos=True, max_new_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def tiny_fast():
+    """mode -> the tiny model quantised, on the numba backend."""
+    base = ts.tiny_model(seed=0)
+    return {mode: quant.set_backend(quant.quantize_model(base, mode), mode, "numba") for mode in ("int8", "w8a8")}
+
+
+@njit(cache=True)
+def _exp32_array(x):
+    out = np.empty_like(x)
+    for i in range(x.size):
+        out.flat[i] = exp32(x.flat[i])
+    return out
+
+
+def _require_fused(T, layout, rows):
+    assert decode_step.usable(T, layout, rows), (
+        f"the fused decode step is not usable here (numba threading layer: {numba.threading_layer()!r}; it needs "
+        "'omp', i.e. libgomp): this test would only compare the three-call path with itself")
+
+
+# --- the barrier -------------------------------------------------------------------------------------------------
+
+@njit(cache=True)
+def _phases_thread(tid, n_threads, sync, n_phases, stamps, seen):
+    """Each thread writes its phase number, meets the others, then reads every thread's slot: all must show the
+    phase just finished (a barrier that let a thread through early would show an older one)."""
+    for phase in range(n_phases):
+        stamps[tid] = phase
+        if not barrier(sync, n_threads, 10_000_000_000):
+            return
+        for other in range(n_threads):
+            if stamps[other] != phase:
+                seen[tid] += 1
+        if not barrier(sync, n_threads, 10_000_000_000):       # nobody writes the next phase before all have read
+            return
+
+
+@njit(cache=True, parallel=True)
+def _phases(n_threads, sync, n_phases, seen):
+    stamps = np.full(n_threads, -1, np.int64)
+    for tid in prange(n_threads):          # (a `return` inside a prange body would make the loop serial)
+        _phases_thread(tid, n_threads, sync, n_phases, stamps, seen)
+
+
+def test_barrier_keeps_the_threads_in_step():
+    n = numba.get_num_threads()
+    sync, seen = np.zeros(SYNC_SIZE, np.int64), np.zeros(n, np.int64)
+    _phases(n, sync, 2000, seen)
+    assert sync[FAILED] == 0 and seen.sum() == 0, f"{seen.sum()} stale reads, failed={sync[FAILED]}"
+
+
+def test_barrier_gives_up_when_a_partner_never_comes():
+    sync = np.zeros(SYNC_SIZE, np.int64)
+    assert not barrier(sync, 2, 1_000_000)          # one caller of two: waits ~1 M cycles (~0.5 ms), then fails
+    assert sync[FAILED] == 1
+    assert not barrier(sync, 2, 1_000_000)          # and every later barrier of the step fails at once
+
+
+# --- one step, fused and not ---------------------------------------------------------------------------------------
+
+def _paged_case(model, B, ctx, bs, seed):
+    """A pool with random history for B sequences (block tables shuffled over the pool), and their next tokens."""
+    cfg = model.config
+    rng = np.random.default_rng(seed)
+    per_seq = [-(-c // bs) for c in ctx]
+    nb = sum(per_seq) + 3
+    ids = rng.permutation(nb)
+    tables = np.full((B, max(per_seq)), -1, np.int64)
+    start = 0
+    for b, n in enumerate(per_seq):
+        tables[b, :n] = ids[start:start + n]
+        start += n
+    shape = (cfg.n_layers, nb, bs, cfg.n_kv_heads, cfg.head_dim)
+    k, v = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)
+    tokens = rng.integers(0, cfg.vocab_size, B)
+    return k, v, tables, np.array(ctx, np.int64), tokens
+
+
+def _paged_step(model, k_pool, v_pool, tables, ctx, tokens, fused):
+    """One decode step over the pool, the way the Engine runs it: logits [B, V]; K/V written into the pool."""
+    L, nb, bs, K, H = k_pool.shape
+    B = len(tokens)
+    pos = ctx - 1
+    blocks, offsets = tables[np.arange(B), pos // bs], pos % bs
+    starts = np.arange(B + 1, dtype=np.int64)
+
+    def attention(layer, q, k, v):
+        write_kv_unchecked(k_pool[layer], v_pool[layer], blocks, offsets, k, v)
+        return paged_attention_numba_unchecked(q, k_pool[layer], v_pool[layer], tables, ctx, starts)
+    if fused:
+        attention.kv_layout = KVLayout(k_pool.reshape(L, nb * bs, K, H), v_pool.reshape(L, nb * bs, K, H), tables,
+                                       bs, ctx)
+        _require_fused(B, attention.kv_layout, np.arange(B))
+    return fast.fast_forward(model, tokens, pos, attention, logit_rows=np.arange(B))
+
+
+@settings(max_examples=25)
+@given(B=st.integers(1, decode_step.MAX_ROWS), bs=st.sampled_from([1, 4, 16]), seed=st.integers(0, 10**6),
+       ctx=st.lists(st.integers(1, 40), min_size=decode_step.MAX_ROWS, max_size=decode_step.MAX_ROWS))
+def test_fused_step_equals_three_calls_on_paged_blocks(tiny_fast, B, bs, seed, ctx):
+    for mode, model in tiny_fast.items():
+        k, v, tables, lens, tokens = _paged_case(model, B, ctx[:B], bs, seed)
+        k3, v3 = k.copy(), v.copy()
+        want = _paged_step(model, k3, v3, tables, lens, tokens, fused=False)
+        if mode == "w8a8":
+            with pytest.MonkeyPatch.context() as mp:      # the one difference: SiLU's exp
+                mp.setattr(fast, "silu_exp", _exp32_array)
+                k32, v32 = k.copy(), v.copy()
+                want_exp32 = _paged_step(model, k32, v32, tables, lens, tokens, fused=False)
+        got = _paged_step(model, k, v, tables, lens, tokens, fused=True)
+        if mode == "w8a8":
+            assert np.array_equal(got, want_exp32), f"max diff {np.abs(got - want_exp32).max():.3g}"
+            assert np.array_equal(k, k32) and np.array_equal(v, v32)
+            # NumPy's exp vs exp32 (<= 2e-7 relative) can move an activation across an int8 rounding boundary
+            np.testing.assert_allclose(got, want, atol=0.05 * np.abs(want).max())
+        else:
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+            np.testing.assert_allclose(k, k3, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(v, v3, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["int8", "w8a8"])
+def test_kv_cache_decode_takes_the_fused_step(tiny_fast, mode, monkeypatch):
+    model = tiny_fast[mode]
+    prompt = [5, 17, 99, 3, 42, 250, 7, 7, 128]
+    calls = []
+    real = decode_step.decode_step
+    monkeypatch.setattr(decode_step, "decode_step", lambda *a: calls.append(1) or real(*a))
+    if mode == "w8a8":
+        monkeypatch.setattr(fast, "silu_exp", _exp32_array)
+    runs = {}
+    for fused in (True, False):
+        with contextlib.nullcontext() if fused else decode_step.three_call_path():
+            cache = kv_cache.KVCache.allocate(model.config, 40)
+            rows = [kv_cache.prefill(model, cache, prompt)]
+            for tok in [7, 200, 2, 19, 88, 88, 1]:
+                rows.append(kv_cache.forward_with_cache(model, cache, [tok])[0])
+        runs[fused] = (np.array(rows), cache.k[:, :cache.length].copy(), cache.v[:, :cache.length].copy())
+    assert len(calls) == 7, "every decode step should have run fused"
+    # the contiguous cache's three-call path attends with the few-rows kernel, the fused step with the paged decode
+    # item: both add in 16 lanes, but nothing promises the same order, hence a tolerance even for W8A8
+    for got, want in zip(runs[True], runs[False]):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("mode", ["int8", "w8a8"])
+def test_engine_decode_steps_run_fused_with_the_same_tokens(tiny_fast, mode, monkeypatch):
+    model = tiny_fast[mode]
+    prompts = [[5, 17, 99, 3], [3, 1, 4, 1, 5, 9, 2, 6], [250], [8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8]]
+    calls = []
+    real = decode_step.decode_step
+    monkeypatch.setattr(decode_step, "decode_step", lambda m, t, lay: calls.append(len(t)) or real(m, t, lay))
+    monkeypatch.setattr(fast, "silu_exp", _exp32_array)       # W8A8: the three-call path computes SiLU as fused
+    got = Engine(model, num_blocks=40, block_size=4).generate(prompts, GREEDY12)
+    assert calls and max(calls) == 4, f"fused steps of {sorted(set(calls))} rows; expected batches of up to 4"
+    with decode_step.three_call_path():
+        assert got == Engine(model, num_blocks=40, block_size=4).generate(prompts, GREEDY12)
+
+
+def test_threads_that_do_not_meet_fall_back_to_the_three_call_path(tiny_fast, monkeypatch):
+    model = tiny_fast["int8"]
+    prompt = [5, 17, 99, 3, 42]
+    cache = kv_cache.KVCache.allocate(model.config, 16)
+    kv_cache.prefill(model, cache, prompt)
+    snapshot = (cache.k.copy(), cache.v.copy(), cache.length)
+    with decode_step.three_call_path():
+        want = kv_cache.forward_with_cache(model, cache, [9])
+
+    cache.k[:], cache.v[:], cache.length = snapshot
+    monkeypatch.setattr(decode_step, "threads", lambda: 2)          # the kernel is told 2 threads ...
+    monkeypatch.setattr(decode_step, "TIMEOUT_CYCLES", 2_000_000)   # ... waits ~1 ms for the second ...
+    monkeypatch.setattr(decode_step, "_disabled_reason", None)
+    old = numba.get_num_threads()
+    numba.set_num_threads(1)                                        # ... which never comes: Numba runs 1
+    try:
+        with pytest.warns(RuntimeWarning, match="did not meet"):
+            got = kv_cache.forward_with_cache(model, cache, [9])
+    finally:
+        numba.set_num_threads(old)
+    np.testing.assert_array_equal(got, want)                        # the step ran again, the three-call way
+    assert decode_step._disabled_reason is not None
+    assert not decode_step.usable(1, KVLayout(cache.k, cache.v, np.zeros((1, 1), np.int64), 16, np.array([7])),
+                                  None)                             # and later steps do not try again
+
+
+@pytest.mark.parametrize("rows", [None, np.array([0]), np.array([1, 0])])
+def test_usable_only_for_steps_it_can_run(tiny_fast, rows):
+    model = tiny_fast["int8"]
+    kv_cache.generate(model, [1, 2, 3], 2)                          # a parallel kernel has run: the layer is known
+    cache = kv_cache.KVCache.allocate(model.config, 8)
+    one = KVLayout(cache.k, cache.v, np.zeros((1, 1), np.int64), 8, np.array([3]))
+    two = KVLayout(cache.k, cache.v, np.zeros((2, 1), np.int64), 8, np.array([3, 4]))
+    if rows is None or len(rows) == 1:
+        assert decode_step.usable(1, one, rows) == (numba.threading_layer() == "omp")
+    assert not decode_step.usable(2, one, rows)                     # 2 rows of one sequence: not a decode step
+    assert not decode_step.usable(1, None, rows)                    # no layout: custom attention
+    assert not decode_step.usable(2, two, np.array([1, 0]))         # logits wanted in another order
+    big = decode_step.MAX_ROWS + 1
+    assert not decode_step.usable(big, KVLayout(cache.k, cache.v, np.zeros((big, 1), np.int64), 8,
+                                                np.full(big, 3)), None)

@@ -1,0 +1,217 @@
+"""A whole decode step in one Numba call: every layer, attention included, two threads meeting at spin barriers.
+
+Why. At batch 1 a decode step should cost what it takes to read the weights once (135 MB of int8: ~4-5 ms at this
+machine's ~30 GB/s). The three fused calls per layer (kernels/layer.py) stream each matrix at full speed, yet the
+step took ~9 ms: 120 parallel loops start and join (~3 µs each), Python runs between them, and while one thread
+does the serial bits (a norm, RoPE, attention, a Python call) the memory system idles, so every matrix starts its
+stream cold. Measured on the same weights (lesson 7): the 121 matmuls of a step, called one by one, 4.5 ms; the same
+matmuls in one call whose threads meet at barriers, 3.7 ms; the three-call layers, 5.3 ms.
+
+How. `_decode_step_kernel` starts n threads once (`prange(n)`, one iteration per thread under OpenMP); each runs
+`_thread_step`: the whole forward, doing its share of each step and waiting for the others where the next step
+needs every thread's results (kernels/spin.py):
+
+    per layer                                                   who does it
+    RMSNorm (+ quantise) of every row                            every thread, for itself (cheaper than a barrier)
+    [Q|K|V] = h @ Wqkv                                           thread i: output blocks [i/n, (i+1)/n) of the matrix
+    --- barrier ---
+    RoPE, write K/V to the cache slot, attention over the cache  work items (row, KV head), dealt round robin
+    --- barrier ---
+    x += a @ Wo                                                  output blocks split as above (each x column has
+    --- barrier ---                                              one writer)
+    gu = RMSNorm(x) @ [Wgate | Wup]                               norm: every thread; matmul: split
+    --- barrier ---
+    x += swiglu(gu) @ Wdown                                      swiglu: every thread; matmul: split
+    --- barrier ---
+    logits = RMSNorm(x) @ W_head                                  split (the join of prange ends the step)
+
+Which steps. Decode-only steps of up to MAX_ROWS rows, one row per sequence, whose attention says where its K/V
+live (a `KVLayout`: kv_cache.forward_with_cache and the Engine attach one when they use the default attention).
+Anything else (prefill chunks, speculative verification, custom attention) takes the three-call path.
+
+Same numbers? The matmuls and norms are the three-call path's own code; SiLU uses fast_exp.exp32 (the three-call
+W8A8 path uses NumPy's exp to stay bit-identical to the NumPy reference), and attention is the decode kernel's.
+So W8A32 agrees with the three-call path to ~1e-6; W8A8 to about one int8 step of an activation now and then
+(tests/test_decode_step.py states the bounds; the greedy tokens on SmolLM2 are the reference's).
+"""
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from ..attention_backends import KVLayout
+from .attention import decode_attention_item
+from .layer import _rms_norm_quant_row, _rms_norm_row, _swiglu_row
+from .matmul import BLOCK, COLS, ROWS, _quantize_row, w8a8_blocks, w8a32_blocks
+from .spin import FAILED, SYNC_SIZE, TIMEOUT_CYCLES, barrier
+
+MAX_ROWS = ROWS       # rows (sequences) per fused step: one weight tile serves them all (see matmul.ROWS)
+
+
+@njit(cache=True, inline="always")
+def _norm_rows(w8a8, x, weight, eps, h, xu, sx):
+    """RMSNorm of every row of x: into h (W8A32) or quantised into xu, sx (W8A8)."""
+    for t in range(x.shape[0]):
+        if w8a8:
+            _rms_norm_quant_row(x, t, weight, eps, xu, sx)
+        else:
+            _rms_norm_row(x, t, weight, eps, h)
+
+
+@njit(cache=True, inline="always")
+def _share(w8a8, h, xu, sx, wp, wsum, sw, out, accumulate, tid, n_threads, acc_i, acc_f):
+    """Thread tid's share of out (+)= input @ W: the output blocks [tid/n, (tid+1)/n) of the matrix."""
+    n_blocks = wp.shape[0]
+    lo, hi = n_blocks * tid // n_threads, n_blocks * (tid + 1) // n_threads
+    if w8a8:
+        w8a8_blocks(xu, sx, wp, wsum, sw, out, accumulate, lo, hi, acc_i)
+    else:
+        w8a32_blocks(h, wp, sw, out, accumulate, lo, hi, acc_f)
+
+
+@njit(cache=True, inline="always")
+def _rope(src, base, cos, sin, dst):
+    """dst[:H] = RoPE(src[base:base + H]): layers.apply_rope for one head of one row (cos, sin: [H/2])."""
+    half = cos.shape[0]
+    for i in range(half):
+        x1, x2 = src[base + i], src[base + half + i]
+        dst[i] = x1 * cos[i] - x2 * sin[i]
+        dst[half + i] = x2 * cos[i] + x1 * sin[i]
+
+
+@njit(cache=True)
+def _thread_step(tid, n_threads, sync, timeout, w8a8, x, cos, sin, eps, weights, head, k_pool, v_pool,
+                 block_tables, bs, context_lens, qkv, q, a, gu, logits):
+    """One thread's part of the decode step (see the module docstring); returns early if a barrier fails.
+    x [T, D], qkv [T, (N + 2K) H], q and a [T, N, H], gu [T, 2F], logits [T, V] are shared by the threads (every
+    element has one writer between two barriers)."""
+    (attn_norm, qkv_w, qkv_sum, qkv_scale, o_w, o_sum, o_scale,
+     mlp_norm, gu_w, gu_sum, gu_scale, down_w, down_sum, down_scale) = weights
+    final_norm, head_w, head_sum, head_scale = head
+    T, D = x.shape
+    L, K, H = k_pool.shape[0], k_pool.shape[2], k_pool.shape[3]
+    N = q.shape[1]
+    g = N // K
+    F = gu.shape[1] // 2
+    # this thread's own: the normed / quantised input of the next matmul
+    h, act = np.empty((T, D), np.float32), np.empty((T, F), np.float32)
+    xu, au, ou = np.empty((T, D), np.uint8), np.empty((T, F), np.uint8), np.empty((T, N * H), np.uint8)
+    sx, sa = np.empty(T, np.float32), np.empty(T, np.float32)
+    acc_i, acc_f = np.empty(ROWS * COLS * BLOCK, np.int32), np.empty(ROWS * COLS * BLOCK, np.float32)
+    for layer in range(L):
+        # [Q|K|V] = RMSNorm(x) @ Wqkv
+        _norm_rows(w8a8, x, attn_norm[layer], eps, h, xu, sx)
+        _share(w8a8, h, xu, sx, qkv_w[layer], qkv_sum[layer], qkv_scale[layer], qkv, False, tid, n_threads,
+               acc_i, acc_f)
+        if not barrier(sync, n_threads, timeout):
+            return
+        # RoPE, K/V into the cache, attention: items (row t, KV head kh)
+        k_rows, v_rows = k_pool[layer], v_pool[layer]
+        for item in range(tid, T * K, n_threads):
+            t, kh = item // K, item % K
+            pos = context_lens[t] - 1                               # this row's position: the last of its context
+            slot = block_tables[t, pos // bs] * bs + pos % bs
+            for r in range(g):
+                _rope(qkv[t], (kh * g + r) * H, cos[t], sin[t], q[t, kh * g + r])
+            _rope(qkv[t], (N + kh) * H, cos[t], sin[t], k_rows[slot, kh])
+            for d in range(H):
+                v_rows[slot, kh, d] = qkv[t, (N + K + kh) * H + d]
+            decode_attention_item(q, k_rows, v_rows, block_tables, bs, context_lens, t, kh, a)
+        if not barrier(sync, n_threads, timeout):
+            return
+        # x += a @ Wo
+        a2 = a.reshape(T, N * H)
+        if w8a8:
+            for t in range(T):
+                sa[t] = _quantize_row(a2[t], ou[t])
+        _share(w8a8, a2, ou, sa, o_w[layer], o_sum[layer], o_scale[layer], x, True, tid, n_threads, acc_i, acc_f)
+        if not barrier(sync, n_threads, timeout):
+            return
+        # gu = RMSNorm(x) @ [Wgate | Wup]
+        _norm_rows(w8a8, x, mlp_norm[layer], eps, h, xu, sx)
+        _share(w8a8, h, xu, sx, gu_w[layer], gu_sum[layer], gu_scale[layer], gu, False, tid, n_threads,
+               acc_i, acc_f)
+        if not barrier(sync, n_threads, timeout):
+            return
+        # x += (silu(gate) * up) @ Wdown
+        for t in range(T):
+            _swiglu_row(gu, t, act)
+            if w8a8:
+                sa[t] = _quantize_row(act[t], au[t])
+        _share(w8a8, act, au, sa, down_w[layer], down_sum[layer], down_scale[layer], x, True, tid, n_threads,
+               acc_i, acc_f)
+        if not barrier(sync, n_threads, timeout):
+            return
+    _norm_rows(w8a8, x, final_norm, eps, h, xu, sx)
+    _share(w8a8, h, xu, sx, head_w, head_sum, head_scale, logits, False, tid, n_threads, acc_i, acc_f)
+
+
+@njit(cache=True, parallel=True)
+def _decode_step_kernel(n_threads, sync, timeout, w8a8, x, cos, sin, eps, weights, head, k_pool, v_pool,
+                        block_tables, bs, context_lens, n_heads, logits):
+    T, L, K, H = x.shape[0], k_pool.shape[0], k_pool.shape[2], k_pool.shape[3]
+    qkv = np.empty((T, (n_heads + 2 * K) * H), np.float32)      # the threads' shared intermediate results
+    q, a = np.empty((T, n_heads, H), np.float32), np.empty((T, n_heads, H), np.float32)
+    gu = np.empty((T, weights[8].shape[1] * BLOCK), np.float32)  # [T, 2F]
+    for tid in prange(n_threads):                  # one iteration per thread: the threads start once per step
+        _thread_step(tid, n_threads, sync, timeout, w8a8, x, cos, sin, eps, weights, head, k_pool, v_pool,
+                     block_tables, bs, context_lens, qkv, q, a, gu, logits)
+
+
+_disabled_reason: str | None = None      # set when a step failed: every later step takes the three-call path
+_switched_off = False                    # inside `three_call_path()`
+threads = numba.get_num_threads          # how many threads a step starts (a test makes it lie)
+
+
+@contextmanager
+def three_call_path():
+    """Within the block, decode steps take the three-call path: lesson 7 and the tests compare the two."""
+    global _switched_off
+    before, _switched_off = _switched_off, True
+    try:
+        yield
+    finally:
+        _switched_off = before
+
+
+def usable(T: int, layout: KVLayout | None, logit_rows) -> bool:
+    """Can this step run fused? A decode-only step (one row per sequence) of at most MAX_ROWS rows that needs the
+    logits of every row, with a KVLayout, on the `omp` threading layer (the only one that runs the threads of
+    a parallel loop at the same time, which a barrier needs)."""
+    if layout is None or _switched_off or _disabled_reason is not None or not 1 <= T <= MAX_ROWS \
+            or len(layout.context_lens) != T:
+        return False
+    if logit_rows is not None and (len(logit_rows) != T or np.any(np.asarray(logit_rows) != np.arange(T))):
+        return False
+    try:
+        return numba.threading_layer() == "omp"
+    except ValueError:                     # no parallel kernel has run yet: the layer is not chosen
+        return False
+
+
+def decode_step(model, tokens: np.ndarray, layout: KVLayout) -> np.ndarray | None:
+    """The logits [T, V] of a decode step run as one kernel, its K/V written into the layout's cache; None if the
+    threads failed to meet (then the step should run the ordinary way: rerunning it rewrites the same slots)."""
+    global _disabled_reason
+    fw = model.fast
+    cfg = model.config
+    T = len(tokens)
+    positions = layout.context_lens - 1                                            # [T]
+    x = model.embed[tokens]                                                        # [T, D] (a copy: ours)
+    logits = np.empty((T, fw.lm_head.w.shape[0] * BLOCK), np.float32)             # [T, V]
+    sync = np.zeros(SYNC_SIZE, np.int64)
+    n_threads = threads()
+    _decode_step_kernel(n_threads, sync, TIMEOUT_CYCLES, fw.mode == "w8a8", x, model.rope_cos[positions],
+                        model.rope_sin[positions], np.float32(cfg.norm_eps), fw.stacked, fw.head, layout.k,
+                        layout.v, layout.block_tables, layout.block_size, layout.context_lens, cfg.n_heads, logits)
+    if sync[FAILED]:
+        _disabled_reason = (f"the {n_threads} threads of a fused decode step did not meet within "
+                            f"{TIMEOUT_CYCLES:.0e} cycles")
+        warnings.warn(f"tinyserve: {_disabled_reason}; decode steps take the three-call path from now on",
+                      RuntimeWarning, stacklevel=2)
+        return None
+    return logits

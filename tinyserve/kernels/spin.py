@@ -1,0 +1,108 @@
+"""Threads that meet without leaving Numba: a spin barrier over atomic integers (kernels/decode_step.py uses it).
+
+A `prange` loop is a fork and a join: Numba hands the iterations to its worker threads and waits until all are done.
+That costs ~3 µs per loop, and the loop has to end wherever the next step needs *all* of this step's results
+(a matmul needs the whole input row): at decode, 4 loops per layer, 120 per token, plus a Python call around each.
+Worse, between two loops the memory system idles while one thread does the serial bits.
+
+The other way, the one llama.cpp's CPU backend takes: start the threads once per step, give each a fixed share of
+every matmul, and let them wait for each other at a *barrier* when the next step needs everyone's results:
+
+    arrive:  gen = generation;  if I am the last to arrive (count + 1 == n): count = 0, generation += 1
+             else: spin until generation != gen
+
+A barrier costs ~0.1-0.5 µs when the threads arrive together. It needs atomic read-modify-write on shared
+integers, which Numba does not offer; the intrinsics below emit LLVM's `atomicrmw` / atomic load and store.
+
+The catch: a barrier is only safe if all n threads really run at the same time. OpenMP (Numba's `omp` threading
+layer) guarantees that for the threads of one parallel loop; TBB does not (it may run two iterations one after the
+other on one thread: a deadlock). So decode_step uses it only under `omp`, and every wait gives up after a deadline
+(`TIMEOUT_CYCLES`), marks the step failed and lets the caller run the step the ordinary way.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+# layout of the int64 `sync` array: each field on its own 64-byte cache line, so that spinning on one does not
+# slow the atomic increments of another
+COUNT, GENERATION, FAILED, SYNC_SIZE = 0, 8, 16, 24
+TIMEOUT_CYCLES = 10_000_000_000      # ~3-5 s of the time-stamp counter: a wait this long means a partner never came
+
+_I64 = ir.IntType(64)
+
+
+def _element(context, builder, array_type, array, index):
+    """Pointer to array[index] of a 1-d int64 array."""
+    ary = context.make_array(array_type)(context, builder, array)
+    return cgutils.get_item_pointer(context, builder, array_type, ary, [index])
+
+
+@intrinsic
+def atomic_add(typingctx, array, index, value):
+    """array[index] += value as one atomic step (all threads see one total); returns the value before."""
+    def codegen(context, builder, signature, args):
+        p = _element(context, builder, signature.args[0], args[0], args[1])
+        return builder.atomic_rmw("add", p, args[2], "seq_cst")
+    return types.int64(array, index, types.int64), codegen
+
+
+@intrinsic
+def atomic_load(typingctx, array, index):
+    """array[index], read so that what another thread wrote before its atomic store is visible after it."""
+    def codegen(context, builder, signature, args):
+        return builder.load_atomic(_element(context, builder, signature.args[0], args[0], args[1]), "seq_cst", 8)
+    return types.int64(array, index), codegen
+
+
+@intrinsic
+def atomic_store(typingctx, array, index, value):
+    """array[index] = value, visible to every thread's later atomic_load."""
+    def codegen(context, builder, signature, args):
+        builder.store_atomic(args[2], _element(context, builder, signature.args[0], args[0], args[1]), "seq_cst", 8)
+        return context.get_dummy_value()
+    return types.void(array, index, types.int64), codegen
+
+
+@intrinsic
+def cpu_relax(typingctx):
+    """x86 `pause`: tells the core this is a spin-wait (less power, no penalty for leaving the loop)."""
+    def codegen(context, builder, signature, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse2.pause")
+        builder.call(fn, [])
+        return context.get_dummy_value()
+    return types.void(), codegen
+
+
+@intrinsic
+def cycle_counter(typingctx):
+    """The time-stamp counter (rdtsc): a clock that costs ~20 cycles to read."""
+    def codegen(context, builder, signature, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I64, []), "llvm.readcyclecounter")
+        return builder.call(fn, [])
+    return types.int64(), codegen
+
+
+@njit(cache=True)
+def barrier(sync, n_threads, timeout_cycles):
+    """Wait until all n_threads have called barrier (the k-th call of each thread meets the others' k-th call).
+    Returns False, and marks sync[FAILED], if the step has failed: another thread gave up, or this one waited
+    longer than timeout_cycles. After a failure every thread's next barrier returns False at once."""
+    if atomic_load(sync, FAILED):
+        return False
+    gen = atomic_load(sync, GENERATION)
+    if atomic_add(sync, COUNT, 1) == n_threads - 1:          # the last to arrive opens the barrier
+        atomic_store(sync, COUNT, 0)
+        atomic_add(sync, GENERATION, 1)
+        return True
+    start = cycle_counter()
+    while atomic_load(sync, GENERATION) == gen:
+        cpu_relax()
+        if atomic_load(sync, FAILED):
+            return False
+        if cycle_counter() - start > timeout_cycles:
+            atomic_store(sync, FAILED, 1)
+            return False
+    return True
