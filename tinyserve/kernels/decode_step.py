@@ -52,7 +52,7 @@ from .spin import FAILED, SYNC_SIZE, TIMEOUT_CYCLES, barrier
 MAX_ROWS = ROWS       # rows (sequences) per fused step: one weight tile serves them all (see matmul.ROWS)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _norm_rows(w8a8, x, weight, eps, h, xu, sx):
     """RMSNorm of every row of x: into h (W8A32) or quantised into xu, sx (W8A8)."""
     for t in range(x.shape[0]):
@@ -62,7 +62,7 @@ def _norm_rows(w8a8, x, weight, eps, h, xu, sx):
             _rms_norm_row(x, t, weight, eps, h)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _share(w8a8, h, xu, sx, wp, wsum, sw, out, accumulate, tid, n_threads, acc_i, acc_f):
     """Thread tid's share of out (+)= input @ W: the output blocks [tid/n, (tid+1)/n) of the matrix."""
     n_blocks = wp.shape[0]
@@ -73,7 +73,7 @@ def _share(w8a8, h, xu, sx, wp, wsum, sw, out, accumulate, tid, n_threads, acc_i
         w8a32_blocks(h, wp, sw, out, accumulate, lo, hi, acc_f)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _rope(src, base, cos, sin, dst):
     """dst[:H] = RoPE(src[base:base + H]): layers.apply_rope for one head of one row (cos, sin: [H/2])."""
     half = cos.shape[0]
@@ -158,7 +158,8 @@ def _decode_step_kernel(n_threads, sync, timeout, w8a8, x, cos, sin, eps, weight
     q, a = np.empty((T, n_heads, H), np.float32), np.empty((T, n_heads, H), np.float32)
     gu = np.empty((T, weights[8].shape[1] * BLOCK), np.float32)  # [T, 2F]
     for tid in prange(n_threads):                  # one iteration per thread: the threads start once per step
-        _thread_step(tid, n_threads, sync, timeout, w8a8, x, cos, sin, eps, weights, head, k_pool, v_pool,
+        # (tid is unsigned in the loop Numba generates and signed where it types the body: one type, one compile)
+        _thread_step(np.int64(tid), n_threads, sync, timeout, w8a8, x, cos, sin, eps, weights, head, k_pool, v_pool,
                      block_tables, bs, context_lens, qkv, q, a, gu, logits)
 
 

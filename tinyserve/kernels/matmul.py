@@ -185,10 +185,11 @@ def matmul_w8a8_body(xu, sx, wp, wsum, sw, out, accumulate):
         w8a8_tile(xf, sx, wf, wsum, sw, out, accumulate, D, r0, min(ROWS, T - r0), b0, min(COLS, n_blocks - b0), acc)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def w8a8_blocks(xu, sx, wp, wsum, sw, out, accumulate, b_lo, b_hi, acc):
     """The W8A8 matmul restricted to output blocks b_lo .. b_hi (every row), on the calling thread: one thread's
-    share of a matmul in kernels/decode_step.py."""
+    share of a matmul in kernels/decode_step.py. A function call, not inlined: the decode step has 5 matmuls per
+    mode, and inlining the tiles into each made its first compile take ~70 s."""
     T, D = xu.shape
     xf, wf = xu.ravel(), wp.ravel()
     for b0 in range(b_lo, b_hi, COLS):
@@ -260,7 +261,7 @@ def matmul_w8a32_tiled(x, wp, sw, out, accumulate):
         w8a32_tile(xf, wf, sw, out, accumulate, D, r0, min(ROWS, T - r0), b0, min(COLS, n_blocks - b0), acc)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def w8a32_blocks(x, wp, sw, out, accumulate, b_lo, b_hi, acc):
     """The W8A32 matmul restricted to output blocks b_lo .. b_hi (every row), on the calling thread."""
     T, D = x.shape
