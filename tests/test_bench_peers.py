@@ -23,11 +23,13 @@ from protocol import PeerError, Worker  # noqa: E402  (bench_peers put tools/pee
 
 # --- options ---------------------------------------------------------------------------------------------------
 
-def test_defaults_are_the_issue_workloads_and_pass_nothing_to_load_model():
+def test_defaults_are_the_issue_workloads_on_the_fast_path():
     args = bp.parse_args([])
     assert args.settings == bp.Settings(rounds=3, prompt_len=32, new_tokens=128, batch=16, prefill_len=512)
     assert args.engines == ["llama.cpp", "PyTorch", "tinyserve"]
-    assert bp.load_kwargs(args) == {} and bp.engine_kwargs(args) == {}
+    # the CLI's default path (int8 on the Numba kernels), not load_model's float32 reference
+    assert bp.load_kwargs(args) == {"quant": "int8", "backend": "numba"}
+    assert bp.engine_kwargs(args) == {"backend": "numba"}
 
 
 def test_quick_is_one_short_round_and_explicit_options_win():
@@ -37,11 +39,11 @@ def test_quick_is_one_short_round_and_explicit_options_win():
     assert (q2.rounds, q2.new_tokens, q2.prefill_len) == (2, 5, q.prefill_len)
 
 
-def test_quant_and_backend_pass_through_only_when_given():
-    args = bp.parse_args(["--quant", "int8", "--backend", "numba", "--engines", "tinyserve"])
-    assert bp.load_kwargs(args) == {"quant": "int8", "backend": "numba"}
-    assert bp.engine_kwargs(args) == {"backend": "numba"}
-    assert bp.load_kwargs(bp.parse_args(["--quant", "none"])) == {"quant": "none"}
+def test_quant_and_backend_pass_through():
+    args = bp.parse_args(["--quant", "w8a8", "--engines", "tinyserve"])
+    assert bp.load_kwargs(args) == {"quant": "w8a8", "backend": "numba"}
+    ref = bp.parse_args(["--quant", "none", "--backend", "numpy"])
+    assert bp.load_kwargs(ref) == {"quant": "none", "backend": "numpy"} and bp.engine_kwargs(ref) == {"backend": "numpy"}
     assert args.engines == ["tinyserve"]
 
 

