@@ -29,10 +29,12 @@ Which steps. Decode-only steps of up to MAX_ROWS rows, one row per sequence, who
 live (a `KVLayout`: kv_cache.forward_with_cache and the Engine attach one when they use the default attention).
 Anything else (prefill chunks, speculative verification, custom attention) takes the three-call path.
 
-Same numbers? The matmuls and norms are the three-call path's own code; SiLU uses fast_exp.exp32 (the three-call
-W8A8 path uses NumPy's exp to stay bit-identical to the NumPy reference), and attention is the decode kernel's.
-So W8A32 agrees with the three-call path to ~1e-6; W8A8 to about one int8 step of an activation now and then
-(tests/test_decode_step.py states the bounds; the greedy tokens on SmolLM2 are the reference's).
+Same numbers? The matmuls, norms and attention are the three-call path's own code (kernels/matmul.py, layer.py,
+attention.py: decode_attention_item); SiLU uses fast_exp.exp32, where the three-call W8A8 path calls NumPy's exp to
+stay bit-identical to the NumPy reference. So W8A32 agrees with the three-call path to ~1e-6, and W8A8 bit for bit
+given the same exp (tests/test_decode_step.py). With NumPy's exp on the other side, W8A8 drifts the way any float
+difference makes it drift (an activation tipped into the next int8 step), and is as accurate as the reference
+(tests/test_quant_accuracy.py).
 """
 from __future__ import annotations
 
