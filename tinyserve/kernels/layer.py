@@ -22,7 +22,7 @@ import numpy as np
 from numba import njit, prange
 
 from .fast_exp import exp32
-from .matmul import PARALLEL_ROWS, _quantize_row, matmul_w8a8_body, matmul_w8a32_body, split_rope_row
+from .matmul import PARALLEL_ROWS, _matmul_w8a8, _matmul_w8a32_auto, _quantize_row, split_rope_row
 
 
 @njit(cache=True)
@@ -127,7 +127,7 @@ def pre_attention(x, norm_w, eps, wp, wsum, sw, cos, sin, n_heads, n_kv_heads, q
     xu, sx = np.empty((T, D), np.uint8), np.empty(T, np.float32)
     _rms_norm_quant_rows(x, norm_w, eps, xu, sx)
     qkv = np.empty((T, wp.shape[0] * 16), np.float32)                      # [T, (N + 2K) H]
-    matmul_w8a8_body(xu, sx, wp, wsum, sw, qkv, False)
+    _matmul_w8a8(xu, sx, wp, wsum, sw, qkv, False)
     if T >= PARALLEL_ROWS:
         for t in prange(T):
             split_rope_row(qkv, cos, sin, n_heads, n_kv_heads, q, k, v, t)     # layers.apply_rope
@@ -147,10 +147,10 @@ def post_attention(x, a, wo, wo_sum, wo_scale, norm_w, eps, wgu, wgu_sum, wgu_sc
     else:
         for t in range(T):
             sa[t] = _quantize_row(a[t], au[t])
-    matmul_w8a8_body(au, sa, wo, wo_sum, wo_scale, x, True)
+    _matmul_w8a8(au, sa, wo, wo_sum, wo_scale, x, True)
     xu, sx = np.empty(x.shape, np.uint8), np.empty(T, np.float32)
     _rms_norm_quant_rows(x, norm_w, eps, xu, sx)
-    matmul_w8a8_body(xu, sx, wgu, wgu_sum, wgu_scale, gu, False)
+    _matmul_w8a8(xu, sx, wgu, wgu_sum, wgu_scale, gu, False)
 
 
 @njit(cache=True, parallel=True)
@@ -164,7 +164,7 @@ def mlp_down(x, gu, e, wd, wd_sum, wd_scale):
     else:
         for t in range(T):
             _swiglu_quant_row(gu, e, t, au, sa)
-    matmul_w8a8_body(au, sa, wd, wd_sum, wd_scale, x, True)
+    _matmul_w8a8(au, sa, wd, wd_sum, wd_scale, x, True)
 
 
 @njit(cache=True, parallel=True)
@@ -173,7 +173,7 @@ def lm_head(x, norm_w, eps, w, w_sum, w_scale):
     xu, sx = np.empty(x.shape, np.uint8), np.empty(x.shape[0], np.float32)
     _rms_norm_quant_rows(x, norm_w, eps, xu, sx)
     out = np.empty((x.shape[0], w.shape[0] * 16), np.float32)
-    matmul_w8a8_body(xu, sx, w, w_sum, w_scale, out, False)
+    _matmul_w8a8(xu, sx, w, w_sum, w_scale, out, False)
     return out
 
 
@@ -221,7 +221,7 @@ def pre_attention_w8a32(x, norm_w, eps, wp, sw, cos, sin, n_heads, n_kv_heads, q
     T = x.shape[0]
     h = _rms_norm_rows(x, norm_w, eps)
     qkv = np.empty((T, wp.shape[0] * 16), np.float32)                      # [T, (N + 2K) H]
-    matmul_w8a32_body(h, wp, sw, qkv, False)
+    _matmul_w8a32_auto(h, wp, sw, qkv, False)
     if T >= PARALLEL_ROWS:
         for t in prange(T):
             split_rope_row(qkv, cos, sin, n_heads, n_kv_heads, q, k, v, t)
@@ -233,8 +233,8 @@ def pre_attention_w8a32(x, norm_w, eps, wp, sw, cos, sin, n_heads, n_kv_heads, q
 @njit(cache=True, parallel=True)
 def post_attention_w8a32(x, a, wo, wo_scale, norm_w, eps, wgu, wgu_scale, gu):
     """x += a @ Wo, then gu [T, 2F] = RMSNorm(x) @ [Wgate | Wup]."""
-    matmul_w8a32_body(a, wo, wo_scale, x, True)
-    matmul_w8a32_body(_rms_norm_rows(x, norm_w, eps), wgu, wgu_scale, gu, False)
+    _matmul_w8a32_auto(a, wo, wo_scale, x, True)
+    _matmul_w8a32_auto(_rms_norm_rows(x, norm_w, eps), wgu, wgu_scale, gu, False)
 
 
 @njit(cache=True, parallel=True)
@@ -248,12 +248,12 @@ def mlp_down_w8a32(x, gu, wd, wd_scale):
     else:
         for t in range(T):
             _swiglu_row(gu, t, act)
-    matmul_w8a32_body(act, wd, wd_scale, x, True)
+    _matmul_w8a32_auto(act, wd, wd_scale, x, True)
 
 
 @njit(cache=True, parallel=True)
 def lm_head_w8a32(x, norm_w, eps, w, w_scale):
     """logits [R, V] = RMSNorm(x) @ W_head for the R rows that sample."""
     out = np.empty((x.shape[0], w.shape[0] * 16), np.float32)
-    matmul_w8a32_body(_rms_norm_rows(x, norm_w, eps), w, w_scale, out, False)
+    _matmul_w8a32_auto(_rms_norm_rows(x, norm_w, eps), w, w_scale, out, False)
     return out

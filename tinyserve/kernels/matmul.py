@@ -326,6 +326,12 @@ def _matmul_w8a32(x, wp, sw, out, accumulate):
 
 
 @njit(cache=True, parallel=True)
+def _matmul_w8a32_auto(x, wp, sw, out, accumulate):
+    """The wide or the tiled loop by row count: what the fused layer kernels (layer.py) call."""
+    matmul_w8a32_body(x, wp, sw, out, accumulate)
+
+
+@njit(cache=True, parallel=True)
 def _matmul_w8a32_wide(x, wp, sw, out, accumulate):
     matmul_w8a32_wide(x, wp, sw, out, accumulate)
 
