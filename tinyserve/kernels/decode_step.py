@@ -48,7 +48,7 @@ from numba import njit, prange
 from ..attention_backends import KVLayout
 from .attention import decode_attention_item
 from .layer import _rms_norm_quant_row, _rms_norm_row, _swiglu_row
-from .matmul import BLOCK, COLS, ROWS, _quantize_row, w8a8_blocks, w8a32_blocks
+from .matmul import BLOCK, COLS, ROWS, _quantize_row, rope_head, w8a8_blocks, w8a32_blocks
 from .spin import FAILED, SYNC_SIZE, TIMEOUT_CYCLES, barrier
 
 MAX_ROWS = ROWS       # rows (sequences) per fused step: one weight tile serves them all (see matmul.ROWS)
@@ -73,16 +73,6 @@ def _share(w8a8, h, xu, sx, wp, wsum, sw, out, accumulate, tid, n_threads, acc_i
         w8a8_blocks(xu, sx, wp, wsum, sw, out, accumulate, lo, hi, acc_i)
     else:
         w8a32_blocks(h, wp, sw, out, accumulate, lo, hi, acc_f)
-
-
-@njit(cache=True)
-def _rope(src, base, cos, sin, dst):
-    """dst[:H] = RoPE(src[base:base + H]): layers.apply_rope for one head of one row (cos, sin: [H/2])."""
-    half = cos.shape[0]
-    for i in range(half):
-        x1, x2 = src[base + i], src[base + half + i]
-        dst[i] = x1 * cos[i] - x2 * sin[i]
-        dst[half + i] = x2 * cos[i] + x1 * sin[i]
 
 
 @njit(cache=True)
@@ -118,8 +108,8 @@ def _thread_step(tid, n_threads, sync, timeout, w8a8, x, cos, sin, eps, weights,
             pos = context_lens[t] - 1                               # this row's position: the last of its context
             slot = block_tables[t, pos // bs] * bs + pos % bs
             for r in range(g):
-                _rope(qkv[t], (kh * g + r) * H, cos[t], sin[t], q[t, kh * g + r])
-            _rope(qkv[t], (N + kh) * H, cos[t], sin[t], k_rows[slot, kh])
+                rope_head(qkv[t], (kh * g + r) * H, cos[t], sin[t], q[t, kh * g + r])
+            rope_head(qkv[t], (N + kh) * H, cos[t], sin[t], k_rows[slot, kh])
             for d in range(H):
                 v_rows[slot, kh, d] = qkv[t, (N + K + kh) * H + d]
             decode_attention_item(q, k_rows, v_rows, block_tables, bs, context_lens, t, kh, a)

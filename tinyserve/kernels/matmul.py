@@ -117,22 +117,25 @@ def quantize_rows(x, xu, sx):
 
 
 @njit(cache=True, inline="always")
+def rope_head(src, base, cos, sin, dst):
+    """dst[:H] = RoPE(src[base:base + H]) for one head of one row (cos, sin: [H/2]): the same float32 operations as
+    layers.apply_rope."""
+    half = cos.shape[0]
+    for i in range(half):
+        x1, x2 = src[base + i], src[base + half + i]
+        dst[i] = x1 * cos[i] - x2 * sin[i]
+        dst[half + i] = x2 * cos[i] + x1 * sin[i]
+
+
+@njit(cache=True, inline="always")
 def split_rope_row(qkv, cos, sin, n_heads, n_kv_heads, q, k, v, t):
-    """Row t of qkv [T, (N + 2K) H] (the fused projection) -> q[t] [N, H], k[t] [K, H] with RoPE applied, v[t].
-    The same float32 operations as layers.apply_rope, in one pass instead of ~12 NumPy calls."""
+    """Row t of qkv [T, (N + 2K) H] (the fused projection) -> q[t] [N, H], k[t] [K, H] with RoPE applied, v[t]:
+    one pass instead of ~12 NumPy calls."""
     H = q.shape[2]
-    half = H // 2
-    for h in range(n_heads + n_kv_heads):
-        base = h * H
-        for i in range(half):
-            x1, x2 = qkv[t, base + i], qkv[t, base + half + i]
-            c, s = cos[t, i], sin[t, i]
-            if h < n_heads:
-                q[t, h, i] = x1 * c - x2 * s
-                q[t, h, half + i] = x2 * c + x1 * s
-            else:
-                k[t, h - n_heads, i] = x1 * c - x2 * s
-                k[t, h - n_heads, half + i] = x2 * c + x1 * s
+    for h in range(n_heads):
+        rope_head(qkv[t], h * H, cos[t], sin[t], q[t, h])
+    for h in range(n_kv_heads):
+        rope_head(qkv[t], (n_heads + h) * H, cos[t], sin[t], k[t, h])
     for h in range(n_kv_heads):
         for i in range(H):
             v[t, h, i] = qkv[t, (n_heads + n_kv_heads + h) * H + i]
@@ -170,7 +173,7 @@ def w8a8_tile(xf, sx, wf, wsum, sw, out, accumulate, D, r0, nr, b0, nc, acc):
 
 @njit(cache=True, inline="always")
 def matmul_w8a8_body(xu, sx, wp, wsum, sw, out, accumulate):
-    """The W8A8 matmul's parallel loop; inlined into _matmul_w8a8 and into the fused layer kernels (layer.py)."""
+    """The W8A8 matmul's parallel loop (_matmul_w8a8, which the fused layer kernels of layer.py call)."""
     T, D = xu.shape
     n_blocks = wp.shape[0]
     row_tiles = (T + ROWS - 1) // ROWS
@@ -247,7 +250,7 @@ def w8a32_tile(xf, wf, sw, out, accumulate, D, r0, nr, b0, nc, acc):
 
 @njit(cache=True, inline="always")
 def matmul_w8a32_tiled(x, wp, sw, out, accumulate):
-    """The W8A32 matmul's parallel loop for few rows (decode); inlined into _matmul_w8a32 and the fused layer."""
+    """The W8A32 matmul's parallel loop for few rows (decode)."""
     T, D = x.shape
     n_blocks = wp.shape[0]
     row_tiles = (T + ROWS - 1) // ROWS
@@ -327,7 +330,7 @@ def _matmul_w8a32(x, wp, sw, out, accumulate):
 
 @njit(cache=True, parallel=True)
 def _matmul_w8a32_auto(x, wp, sw, out, accumulate):
-    """The wide or the tiled loop by row count: what the fused layer kernels (layer.py) call."""
+    """The wide or the tiled loop by row count: what matmul_w8a32 and the fused layer kernels (layer.py) call."""
     matmul_w8a32_body(x, wp, sw, out, accumulate)
 
 
@@ -341,5 +344,5 @@ def matmul_w8a32(x: np.ndarray, wp: np.ndarray, sw: np.ndarray, out: np.ndarray 
     """x [T, D] float32, wp = pack_w8a32(wq), sw [O] -> [T, O] float32 (added to `out` if accumulate)."""
     if out is None:
         out = np.empty((x.shape[0], wp.shape[0] * BLOCK), np.float32)
-    (_matmul_w8a32_wide if x.shape[0] >= WIDE_MIN_ROWS else _matmul_w8a32)(x, wp, sw, out, accumulate)
+    _matmul_w8a32_auto(x, wp, sw, out, accumulate)
     return out
