@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,13 @@ from tinyserve.weights import DEFAULT_WEIGHTS_DIR, weights_problem
 # Shared CI machines are slow and noisy: property tests are judged on what they find, never on how fast.
 settings.register_profile("tinyserve", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("tinyserve")
+
+# A shell starts a background job (`make test &`, nohup) with SIGINT ignored, and Python then installs no Ctrl-C
+# handler: the tests of what Ctrl-C does would fail for a reason that is not the engine's. Give the suite Python's
+# own handler back; a process the tests start inherits it as the default (exec resets a caught signal, not an
+# ignored one), so the CLI's Ctrl-C test sees what a terminal user sees.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")

@@ -228,7 +228,10 @@ def params_for(kind: str, n: int) -> SamplingParams:
         return SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
     if kind == "seeded":
         return SamplingParams(temperature=0.8, top_p=0.9, seed=n, max_new_tokens=n)
-    return slipped_past_validation(max_new_tokens=n, repetition_penalty=5e-324)     # "fails": inf logits
+    # "fails": a NaN penalty makes every seen token's logit NaN, whatever its sign. (5e-324, the repro above, only
+    # fails when a seen token's logit is positive: it overflows to inf; a negative one shrinks to -0 and the request
+    # is served: hypothesis found such a prompt, [5, 4], whose two logits are negative on the tiny model.)
+    return slipped_past_validation(max_new_tokens=n, repetition_penalty=float("nan"))
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered")

@@ -135,7 +135,10 @@ def test_chunked_prefill_matches_one_shot(tiny, chunk, attend):
     np.testing.assert_allclose(chunked, one_shot, rtol=1e-5, atol=1e-3)
     ref = kc.KVCache.allocate(tiny.config, 150)
     kc.prefill(tiny, ref, ids, attend=attend)
-    np.testing.assert_allclose(cache.k, ref.k, rtol=1e-5, atol=1e-5)
+    # K of layer 2 depends on layer 1's attention, rounded differently for 150 one-row steps than for one 150-row
+    # GEMM: measured up to 1.5e-5 with chunk 1 (OpenBLAS SkylakeX, Haswell, Sandybridge, Nehalem alike) on keys up
+    # to 9.5, so the bound is float32 rounding relative to the largest key (1e-5 of it), not to each element
+    np.testing.assert_allclose(cache.k, ref.k, rtol=1e-5, atol=1e-5 * np.abs(ref.k).max())
     assert kc.prefill(tiny, kc.KVCache.allocate(tiny.config, 150), ids, chunk, attend).shape == (tiny.config.vocab_size,)
 
 

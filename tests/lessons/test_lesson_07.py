@@ -135,6 +135,32 @@ def test_matmul_reference_w8a8_sums_exactly_beyond_float32():
     assert np.array_equal(impl.matmul_reference(x, q), want)
 
 
+@pytest.mark.exercise("matmul_reference")
+def test_matmul_reference_w8a8_is_exact_in_every_summation_order():
+    """A float32 accumulator that rounds only its final sum gives the right answer (the result is float32 anyway),
+    so the check above catches one only by the luck of its summation order (it did on one BLAS kernel, not on
+    another). Here every exact sum is small (below 2^21, so float32 holds it), but the partial sums are not: the
+    products come in long runs of one sign, so any float32 order — one running sum, 4..512 strided lanes, blocks of
+    K, pairwise, any OpenBLAS kernel — passes partial sums beyond 2^24 and rounds them."""
+    D, O = 2**18, 16              # D * 127 * 127 / 2 < 2^31: the int32 partial sums of one run still fit
+    rng = np.random.default_rng(7)
+    k = np.arange(D)
+    signs = np.stack([np.where(k < D // 2, 1, -1),           # one run each way: caught by sequential sums, blocks
+                      np.where(k % 128 < 64, 1, -1),          # one sign along every stride of 128 (128 lanes)
+                      np.where(k % 256 < 128, 1, -1)])        # ... and of 256
+    x = (rng.integers(100, 128, signs.shape) * signs).astype(np.float32)
+    x[:, 0] = 127.0                                           # |max| = 127 in every row: sx = 1, xq = x
+    w = rng.integers(100, 128, (D, O)).astype(np.float32)
+    w[0] = 127.0                                              # and in every column: scale = 1, wq = w
+    q = quant.quantize_weight(w, "w8a8")
+    exact = x.astype(np.int64) @ w.astype(np.int64)           # [3, O]
+    assert np.abs(exact).max() < 2**21, "the case needs exact sums that float32 holds"
+    got = impl.matmul_reference(x, q)
+    assert np.array_equal(got, exact.astype(np.float32)), (
+        f"off by up to {np.abs(got.astype(np.float64) - exact).max():.0f}: the integer sums must be exact, but "
+        "partial sums beyond 2^24 were rounded (a float32 accumulator?)")
+
+
 # --- pack_vnni -------------------------------------------------------------------------------------------------------
 
 @pytest.mark.exercise("pack_vnni")
