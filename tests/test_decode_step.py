@@ -221,6 +221,31 @@ def test_threads_that_do_not_meet_fall_back_to_the_three_call_path(tiny_fast, mo
                                   None)                             # and later steps do not try again
 
 
+def test_a_fused_step_that_does_not_compile_falls_back_with_one_warning(tiny_fast, monkeypatch):
+    """A CPU whose fused step fails to compile (an intrinsic its LLVM backend lacks) still decodes: the three-call
+    path takes the step, one warning says why, and later steps do not try again."""
+    model = tiny_fast["int8"]
+    cache = kv_cache.KVCache.allocate(model.config, 16)
+    kv_cache.prefill(model, cache, [5, 17, 99, 3, 42])
+    snapshot = (cache.k.copy(), cache.v.copy(), cache.length)
+    with decode_step.three_call_path():
+        want = kv_cache.forward_with_cache(model, cache, [9])
+    cache.k[:], cache.v[:], cache.length = snapshot
+
+    class Uncompilable:                                             # a kernel whose first compile fails
+        signatures: list = []
+
+        def __call__(self, *args):
+            raise numba.core.errors.LoweringError("Cannot select: intrinsic %llvm.x86.sse2.pause")
+    monkeypatch.setattr(decode_step, "_decode_step_kernel", Uncompilable())
+    monkeypatch.setattr(decode_step, "_disabled_reason", None)
+    with pytest.warns(RuntimeWarning, match="did not compile") as record:
+        got = kv_cache.forward_with_cache(model, cache, [9])
+        kv_cache.forward_with_cache(model, cache, [10])             # the next step: no second warning
+    assert len([w for w in record if "did not compile" in str(w.message)]) == 1
+    np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("rows", [None, np.array([0]), np.array([1, 0])])
 def test_usable_only_for_steps_it_can_run(tiny_fast, rows):
     model = tiny_fast["int8"]

@@ -49,7 +49,7 @@ from ..attention_backends import KVLayout
 from .attention import decode_attention_item
 from .layer import _rms_norm_quant_row, _rms_norm_row, _swiglu_row
 from .matmul import BLOCK, COLS, ROWS, _quantize_row, rope_head, w8a8_blocks, w8a32_blocks
-from .spin import FAILED, SYNC_SIZE, TIMEOUT_CYCLES, barrier
+from .spin import FAILED, HAS_CLOCK, SYNC_SIZE, TIMEOUT_CYCLES, barrier
 
 MAX_ROWS = ROWS       # rows (sequences) per fused step: one weight tile serves them all (see matmul.ROWS)
 
@@ -175,7 +175,7 @@ def usable(T: int, layout: KVLayout | None, logit_rows) -> bool:
     """Can this step run fused? A decode-only step (one row per sequence) of at most MAX_ROWS rows that needs the
     logits of every row, with a KVLayout, on the `omp` threading layer (the only one that runs the threads of
     a parallel loop at the same time, which a barrier needs)."""
-    if layout is None or _switched_off or _disabled_reason is not None or not 1 <= T <= MAX_ROWS \
+    if layout is None or _switched_off or _disabled_reason is not None or not HAS_CLOCK or not 1 <= T <= MAX_ROWS \
             or len(layout.context_lens) != T:
         return False
     if logit_rows is not None and (len(logit_rows) != T or np.any(np.asarray(logit_rows) != np.arange(T))):
@@ -198,9 +198,18 @@ def decode_step(model, tokens: np.ndarray, layout: KVLayout) -> np.ndarray | Non
     logits = np.empty((T, fw.lm_head.w.shape[0] * BLOCK), np.float32)             # [T, V]
     sync = np.zeros(SYNC_SIZE, np.int64)
     n_threads = threads()
-    _decode_step_kernel(n_threads, sync, TIMEOUT_CYCLES, fw.mode == "w8a8", x, model.rope_cos[positions],
-                        model.rope_sin[positions], np.float32(cfg.norm_eps), fw.stacked, fw.head, layout.k,
-                        layout.v, layout.block_tables, layout.block_size, layout.context_lens, cfg.n_heads, logits)
+    args = (n_threads, sync, TIMEOUT_CYCLES, fw.mode == "w8a8", x, model.rope_cos[positions], model.rope_sin[positions],
+            np.float32(cfg.norm_eps), fw.stacked, fw.head, layout.k, layout.v, layout.block_tables, layout.block_size,
+            layout.context_lens, cfg.n_heads, logits)
+    try:
+        _decode_step_kernel(*args)
+    except Exception as e:                 # it failed to compile for this CPU (the step itself raises nothing)
+        if _decode_step_kernel.signatures:
+            raise
+        _disabled_reason = f"the fused decode step did not compile here ({type(e).__name__}: {str(e)[:200]})"
+        warnings.warn(f"tinyserve: {_disabled_reason}; decode steps take the three-call path", RuntimeWarning,
+                      stacklevel=2)
+        return None
     if sync[FAILED]:
         _disabled_reason = (f"the {n_threads} threads of a fused decode step did not meet within "
                             f"{TIMEOUT_CYCLES:.0e} cycles")
