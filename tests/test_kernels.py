@@ -180,7 +180,7 @@ def test_dense_attention_kernel_all_negative_and_huge_scores():
 
 def test_float_bits_round_trip():
     from numba import njit
-    from tinyserve.kernels.vnni import bits_float, float_bits
+    from tinyserve.kernels.simd import bits_float, float_bits
     both = njit(lambda x: (float_bits(x), bits_float(float_bits(x))))
     for x in (0.0, -0.0, 1.0, -2.5, 3.4e38, 1e-45):
         b, back = both(np.float32(x))

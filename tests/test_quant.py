@@ -133,37 +133,6 @@ def test_w8a32_prefill_path_is_bit_identical_to_the_tiled_one(T, D, O, seed):
     assert np.array_equal(matmul_w8a32(x, wp, q.scale), tiled)   # and the public function takes it
 
 
-def test_portable_tiles_are_exact_too(tmp_path):
-    """On a CPU without avx512vnni, plain Numba tiles replace the VNNI intrinsic (kernels/matmul.py). This CPU may
-    have VNNI, so a subprocess forces the plain tiles (with a Numba cache of its own) and checks them bit for bit
-    against the NumPy reference, the fused W8A8 layer included."""
-    code = textwrap.dedent("""
-        import numpy as np
-        import tinyserve as ts
-        from tinyserve import naive, quant
-        from tinyserve.kernels import vnni
-        from tinyserve.kernels.matmul import matmul_w8a8, pack_vnni, quantize_rows
-        assert not vnni.HAVE_VNNI
-        rng = np.random.default_rng(3)
-        for T, D, O in ((1, 64, 48), (6, 128, 80), (9, 36, 16)):
-            x = rng.standard_normal((T, D)).astype(np.float32)
-            q = quant.quantize_weight(rng.standard_normal((D, O)).astype(np.float32), "w8a8")
-            xu, sx = np.empty(x.shape, np.uint8), np.empty(T, np.float32)
-            quantize_rows(x, xu, sx)
-            got = matmul_w8a8(xu, sx, pack_vnni(q.wq), q.wq.sum(axis=0, dtype=np.int32), q.scale)
-            assert np.array_equal(got, quant.matmul_reference(x, q)), (T, D, O)
-        ref = quant.quantize_model(ts.tiny_model(seed=0), "w8a8")
-        fast = quant.set_backend(ref, "w8a8", "numba")
-        prompt = [5, 17, 99, 3, 42, 250, 7, 7, 128]
-        assert np.array_equal(naive.forward(ref, prompt), naive.forward(fast, prompt)) and fast.fast is not None
-        print("portable tiles exact")
-    """)
-    env = {**os.environ, "TINYSERVE_PORTABLE_KERNELS": "1", "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900,
-                       cwd=Path(__file__).resolve().parent.parent)
-    assert r.returncode == 0 and "portable tiles exact" in r.stdout, r.stderr[-3000:]
-
-
 # --- the layouts and the activation quantiser ------------------------------------------------------------------
 
 @settings(max_examples=30, deadline=None)

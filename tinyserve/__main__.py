@@ -128,7 +128,10 @@ def cmd_generate(args) -> int:
 def describe_backend(model) -> str:
     """Which path runs (lesson 7): the fast one is the default, `--quant none --backend numpy` the reference."""
     what = {"none": "float32", "int8": "int8 weights (W8A32)", "w8a8": "int8 weights and activations (W8A8)"}
-    return f"{what[model.quant]}, {model.backend} backend"
+    if model.backend != "numba":
+        return f"{what[model.quant]}, {model.backend} backend"
+    from .kernels import isa                   # which instruction set the kernels were built for (lesson 7)
+    return f"{what[model.quant]}, {model.backend} backend, {isa.describe()}"
 
 
 def add_backend_args(p: argparse.ArgumentParser) -> None:

@@ -133,7 +133,9 @@ def main(args) -> int:
     import platform
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor()) if platform.system() == "Linux" else platform.processor()
-    print(f"CPU: {cpu}; {args.rounds} interleaved rounds; decode: prompt 32, {args.new_tokens} new tokens")
+    from .kernels import isa
+    print(f"CPU: {cpu}; {isa.describe()}; {args.rounds} interleaved rounds; decode: prompt 32, {args.new_tokens} "
+          "new tokens")
     bandwidth = measure_bandwidth()
     results = run(models, batches, prefills, args.rounds, args.new_tokens)
     print(format_report(models, results, bandwidth, batches, prefills, new_tokens=args.new_tokens))

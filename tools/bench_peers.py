@@ -422,6 +422,9 @@ def main(argv: list[str] | None = None) -> int:
     with open("/proc/cpuinfo") as f:
         cpu = {**cpu_info(f.read()), "cores": os.cpu_count()}
     print(f"CPU: {cpu['model']}, {cpu['cores']} cores; flags of note: {' '.join(cpu['flags']) or 'none'}")
+    from tinyserve.kernels import isa
+    cpu["kernels"] = isa.NAME
+    print(isa.describe())
     load_before = os.getloadavg()
     if load_before[0] > cpu["cores"]:
         print(f"warning: load average {load_before[0]:.1f} on {cpu['cores']} cores: other processes compete for the "

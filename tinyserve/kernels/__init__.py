@@ -1,9 +1,11 @@
 """Numba kernels: the fast backend. Each kernel has a NumPy reference elsewhere in tinyserve and passes the same
 tests; its docstring says what it does differently and the tolerance that follows from a different float order.
 
-Importing this package pins down two things that otherwise cost minutes or a 10x slowdown (perf-notes):
-- where compiled kernels are cached: NUMBA_CACHE_DIR defaults to <repo>/.numba_cache (kept out of git), so
-  only the first process pays the tens of seconds of JIT compilation (~1 s to load from the cache);
+Importing this package pins down three things that otherwise cost minutes, a 10x slowdown or wrong code:
+- which instruction set the kernels are built for (kernels/isa.py: the CPU's best, or TINYSERVE_KERNELS);
+- where compiled kernels are cached: NUMBA_CACHE_DIR defaults to <repo>/.numba_cache (kept out of git), one
+  folder per instruction set inside it, so only the first process pays the tens of seconds of JIT compilation
+  (~1 s to load from the cache) and a forced variant never loads another's kernels;
 - which thread pool runs a step: see `single_thread_blas()` and `check_threading_layer()`.
 """
 from __future__ import annotations
@@ -13,16 +15,25 @@ import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
-# Numba reads NUMBA_CACHE_DIR once, when it is first imported; set our default before that import. If some
-# other module imported numba first, set its config directly: it is read when a cache=True kernel is defined.
-_DEFAULT_CACHE_DIR = str(Path(__file__).resolve().parents[2] / ".numba_cache")
-os.environ.setdefault("NUMBA_CACHE_DIR", _DEFAULT_CACHE_DIR)
+# Numba reads its NUMBA_* variables when it is imported (and again whenever one of them changes), so they are set
+# here, before that import, and kept in os.environ. A process we start inherits them: a cache folder that already
+# names a variant is taken back to its root, and CPU features we pinned for a forced variant are dropped before
+# the child pins its own.
+from . import isa  # noqa: E402  (llvmlite only: numba is not imported yet)
+
+_root = Path(os.environ.get("NUMBA_CACHE_DIR") or Path(__file__).resolve().parents[2] / ".numba_cache")
+if _root.name in isa.VARIANTS:
+    _root = _root.parent
+os.environ["NUMBA_CACHE_DIR"] = CACHE_DIR = str(_root / isa.NAME)
+if os.environ.get("NUMBA_CPU_FEATURES") and os.environ.get("NUMBA_CPU_FEATURES") == os.environ.get("TINYSERVE_PINNED_FEATURES"):
+    del os.environ["NUMBA_CPU_FEATURES"]
+if isa.FORCED_FEATURES is not None:          # a variant below this CPU's: compile for exactly its features
+    os.environ["NUMBA_CPU_FEATURES"] = os.environ["TINYSERVE_PINNED_FEATURES"] = isa.FORCED_FEATURES
 
 import numba  # noqa: E402
 from threadpoolctl import ThreadpoolController  # noqa: E402
 
-if not numba.config.CACHE_DIR:
-    numba.config.CACHE_DIR = _DEFAULT_CACHE_DIR
+numba.config.reload_config()                 # (if numba was imported before us, it takes the variables now)
 
 _threading_checked = False
 _blas_controller: ThreadpoolController | None = None

@@ -8,7 +8,7 @@ full S x S square, half of which the causal mask throws away.
 What it does differently from the NumPy reference:
 - work items are (query head, block of ROWS query rows), run in parallel; a block computes scores only for the
   keys its last row can see (the causal mask skips the rest instead of computing and discarding it);
-- Q K^T and P V run on the register-tiled FMA microkernel (kernels/vnni.py), K transposed once per call so a
+- Q K^T and P V run on the register-tiled FMA microkernel (kernels/simd.py), K transposed once per call so a
   tile's 64 keys are contiguous;
 - float sums in another order than BLAS and a vectorisable exp (kernels/fast_exp.py, within 2e-7 relative of
   the true exp): results match the reference within rtol 1e-4 (as the paged kernel; tests/test_kernels.py).
@@ -23,7 +23,7 @@ import numpy as np
 from numba import njit, prange
 
 from .fast_exp import exp_row, row_max
-from .vnni import make_fma_microkernel
+from .simd import make_fma_microkernel
 
 ROWS = 16                        # query rows per work item
 

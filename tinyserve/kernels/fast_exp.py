@@ -4,7 +4,7 @@ softmax row's exp + sum, and the max of a row (the softmax's shift).
 exp(x) = 2^(x log2 e) = 2^k * 2^f with k = round(x log2 e) and |f| <= 1/2; 2^f = e^(f ln 2) by its Taylor series
 to degree 6 (relative error < 2e-7, about float32's epsilon). Why not math.exp: LLVM can only call it one number at
 a time (~20 ns each), and a prefill layer needs ~1 M of them in attention alone. This form is plain arithmetic that
-LLVM turns into 16-wide SIMD; 2^k is built from its bits (exponent field k + 127, kernels/vnni.py's bits_float).
+LLVM turns into 16-wide SIMD; 2^k is built from its bits (exponent field k + 127, kernels/simd.py's bits_float).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import math
 import numpy as np
 from numba import njit
 
-from .vnni import bits_float, float_bits
+from .simd import bits_float, float_bits
 
 _C = tuple(np.float32(math.log(2.0) ** i / math.factorial(i)) for i in range(7))
 _LOG2E = np.float32(1.0 / math.log(2.0))

@@ -2,8 +2,9 @@
 
 Two kernels, one per quantisation mode of tinyserve.quant:
 - `matmul_w8a8`: the activations are quantised too (int8 per row, by `quantize_rows` or fused into
-  the fused layer of kernels/layer.py), so the dot products are integer: VNNI microkernels (kernels/vnni.py) over
-  weights packed by `pack_vnni`. Bit-identical to the NumPy reference in tinyserve.quant (integer sums; the
+  the fused layer of kernels/layer.py), so the dot products are integer: the int8 tile of this CPU's instruction
+  set (kernels/int8_dot.py: vpdpbusd, vpmaddubsw + vpmaddwd, sdot or plain loops) over weights packed by
+  `pack_vnni`. Bit-identical to the NumPy reference in tinyserve.quant (integer sums; the
   same float32 scaling in the same order).
 - `matmul_w8a32`: weight-only; each int8 weight is widened to float32 and multiplied with the float32 activation.
   Float sums in a different order than BLAS: matches the NumPy reference to ~1e-6 relative (tests/test_quant.py).
@@ -19,7 +20,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .vnni import HAVE_VNNI, bits_float, float_bits, make_fma_microkernel, make_microkernel
+from .int8_dot import TILE_OFFSET, make_int8_tile
+from .simd import bits_float, float_bits, make_fma_microkernel
 
 BLOCK = 16            # output channels per packed block: one vector of 16 int32 accumulators
 ROWS = 4              # R: rows (tokens) per tile: each weight load serves 4 rows
@@ -29,26 +31,8 @@ WIDE_CHUNK = 288      # W8A32 prefill: rows per work item (a multiple of WIDE_RO
 WIDE_MIN_ROWS = 32    # from this many rows on, W8A32 widens each weight group once instead of in every tile
 
 
-def _portable_tile(R: int, C: int):
-    """The same contract as vnni.make_microkernel(R, C) in plain Numba, for CPUs without avx512vnni: LLVM turns it
-    into vpmaddwd-style code (slower, same exact int32 results). Each product is cast back to int32, or Numba
-    widens the sum to int64 (2-3x slower, perf-notes)."""
-    @njit(inline="always")
-    def tile(x, x_off, x_stride, w, w_off, w_stride, n4, out, o_off, o_stride):
-        for r in range(R):
-            for c in range(C):
-                for lane in range(BLOCK):
-                    s = np.int32(0)
-                    for i in range(n4):
-                        for k in range(4):
-                            s = np.int32(s + np.int32(x[x_off + r * x_stride + 4 * i + k])
-                                         * np.int32(w[w_off + c * w_stride + 64 * i + 4 * lane + k]))
-                    out[o_off + r * o_stride + BLOCK * c + lane] = s
-    return tile
-
-
-_make_tile = make_microkernel if HAVE_VNNI else _portable_tile
-_tile_RC, _tile_1C, _tile_11 = _make_tile(ROWS, COLS), _make_tile(1, COLS), _make_tile(1, 1)
+# the int8 tiles of this CPU's instruction set (isa.NAME): a full work item, one row of it, one block
+_tile_RC, _tile_1C, _tile_11 = make_int8_tile(ROWS, COLS), make_int8_tile(1, COLS), make_int8_tile(1, 1)
 _ftile_RC = make_fma_microkernel(ROWS, COLS, b_int8=True)
 _ftile_1C = make_fma_microkernel(1, COLS, b_int8=True)
 _ftile_11 = make_fma_microkernel(1, 1, b_int8=True)
@@ -159,12 +143,13 @@ def w8a8_tile(xf, sx, wf, wsum, sw, out, accumulate, D, r0, nr, b0, nc, acc):
             for c in range(nc):
                 _tile_11(xf, (r0 + r) * D, D, wf, (b0 + c) * step, step, n4, acc, r * COLS * BLOCK + c * BLOCK,
                          COLS * BLOCK)
-    # epilogue: undo the +128 offset of the activations (exact, in int32), then the two float scales
+    # epilogue: undo the tile's activation offset (int8_dot.TILE_OFFSET: 128 for vpdpbusd's unsigned bytes, 0 for
+    # the tiles that multiply signed ones; exact in int32), then the two float scales
     for r in range(nr):
         t = r0 + r
         for j in range(nc * BLOCK):
             o = b0 * BLOCK + j
-            y = np.float32(acc[r * COLS * BLOCK + j] - 128 * wsum[o]) * sx[t] * sw[o]
+            y = np.float32(acc[r * COLS * BLOCK + j] - TILE_OFFSET * wsum[o]) * sx[t] * sw[o]
             if accumulate:
                 out[t, o] += y
             else:

@@ -1,0 +1,155 @@
+"""Every instruction-set variant of the kernels this CPU can run (kernels/isa.py), each proven the same way.
+
+A variant is chosen once per process (TINYSERVE_KERNELS), so each runs in a process of its own, compiled for
+exactly its features (an AVX-512 machine runs the avx2 tiles with AVX-512 switched off) and cached in its own
+folder. What must hold on every variant:
+- W8A8 matmuls are bit-identical to the NumPy reference (integer sums; the tile's activation offset is undone
+  exactly), at shapes that exercise full tiles, one-row tiles and ragged edges;
+- W8A32 matmuls are within the stated tolerance of the reference, and bit-identical to this process's variant:
+  a tile split into sub-tiles (AVX2's 16 registers) sums each output in the same order;
+- the whole model (prefill kernels, the fused decode step, the LM head) gives the same logits and the same greedy
+  tokens in both modes as this process's variant.
+Variants this CPU cannot run are skipped with the reason (an arm64 build never sees the x86 ones).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tinyserve.kernels import isa
+
+SCRIPT = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import tinyserve as ts
+    from tinyserve import kv_cache, naive, quant
+    from tinyserve.kernels import isa
+    from tinyserve.kernels.matmul import matmul_w8a8, matmul_w8a32, pack_vnni, pack_w8a32, quantize_rows
+    from tinyserve.sampling import SamplingParams
+
+    out = {"variant": np.array(isa.NAME)}
+    rng = np.random.default_rng(3)
+    for T, D, O in ((1, 64, 48), (4, 128, 64), (6, 128, 80), (9, 36, 16), (37, 96, 144)):
+        x = rng.standard_normal((T, D)).astype(np.float32)
+        x[:, 0] *= 30                                                     # an outlier channel
+        q = quant.quantize_weight(rng.standard_normal((D, O)).astype(np.float32), "w8a8")
+        xu, sx = np.empty(x.shape, np.uint8), np.empty(T, np.float32)
+        quantize_rows(x, xu, sx)
+        out[f"w8a8_{T}_{D}_{O}"] = matmul_w8a8(xu, sx, pack_vnni(q.wq), q.wq.sum(axis=0, dtype=np.int32), q.scale)
+        out[f"w8a8_ref_{T}_{D}_{O}"] = quant.matmul_reference(x, q)
+        out[f"w8a32_{T}_{D}_{O}"] = matmul_w8a32(x, pack_w8a32(q.wq), q.scale)
+        out[f"w8a32_ref_{T}_{D}_{O}"] = quant.matmul_reference(x, quant.QuantizedLinear(q.wq, q.scale, "int8"))
+    tiny = ts.tiny_model(seed=0)
+    prompt = [5, 17, 99, 3, 42, 250, 7, 7, 128]
+    for mode in ("int8", "w8a8"):
+        fast = quant.set_backend(quant.quantize_model(tiny, mode), mode, "numba")
+        out[f"logits_{mode}"] = naive.forward(fast, prompt)
+        greedy = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+        out[f"greedy_{mode}"] = np.array(kv_cache.generate(fast, prompt, params=greedy))   # the fused decode step
+    from numba import njit
+    from tinyserve.kernels import matmul
+    blocks = njit(matmul.w8a8_blocks.py_func)          # compiled afresh (a cached kernel keeps no assembly)
+    T, D, O = 4, 128, 64
+    args = (np.zeros((T, D), np.uint8), np.ones(T, np.float32), np.zeros((O // 16, D * 16), np.int8),
+            np.zeros(O, np.int32), np.ones(O, np.float32), np.zeros((T, O), np.float32), False, 0, O // 16,
+            np.zeros(matmul.ROWS * matmul.COLS * 16, np.int32))
+    blocks(*args)
+    asm = chr(10).join(blocks.inspect_asm().values())   # what the W8A8 tiles were compiled to
+    out["asm"] = np.array([m for m in ("vpdpbusd", "vpmaddubsw", "zmm", "sdot") if m in asm])
+    np.savez(sys.argv[1], **out)
+    print("done", isa.describe())
+""")
+
+
+def run_variant(variant: str, path: Path) -> dict:
+    env = {**os.environ, "TINYSERVE_KERNELS": variant}
+    env.pop("TINYSERVE_PORTABLE_KERNELS", None)
+    r = subprocess.run([sys.executable, "-c", SCRIPT, str(path)], env=env, capture_output=True, text=True,
+                       timeout=1200, cwd=Path(__file__).resolve().parent.parent)
+    assert r.returncode == 0 and "done" in r.stdout, r.stderr[-3000:]
+    return dict(np.load(path))
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory) -> dict:
+    """The results of this CPU's own variant (the fastest it runs), computed the same way."""
+    return run_variant(isa.supported()[0], tmp_path_factory.mktemp("native") / "out.npz")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", isa.ORDER)
+def test_variant_is_exact_and_agrees_with_this_cpus_own(variant, native, tmp_path):
+    if variant not in isa.supported():
+        pytest.skip(f"this CPU cannot run {variant} (it runs {', '.join(isa.supported())})")
+    got = run_variant(variant, tmp_path / "out.npz")
+    assert str(got["variant"]) == variant
+    expected = {"avx512vnni": {"vpdpbusd", "zmm"}, "avxvnni": {"vpdpbusd"}, "avx2": {"vpmaddubsw"}, "neon": {"sdot"}}
+    if variant in expected:       # the instructions the variant is about, and no 512-bit register below AVX-512
+        assert set(got["asm"].tolist()) == expected[variant], f"{variant} compiled to {got['asm']}"
+    for key in (k for k in got if k.startswith("w8a8_") and "_ref_" not in k):
+        ref = got[key.replace("w8a8_", "w8a8_ref_", 1)]
+        assert np.array_equal(got[key], ref), f"{variant}: W8A8 {key} not bit-exact: max {np.abs(got[key] - ref).max()}"
+    for key in (k for k in got if k.startswith("w8a32_") and "_ref_" not in k):
+        ref = got[key.replace("w8a32_", "w8a32_ref_", 1)]
+        np.testing.assert_allclose(got[key], ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max(), err_msg=key)
+    for key in got:
+        if key not in ("variant", "asm"):
+            assert np.array_equal(got[key], native[key]), (
+                f"{variant} vs {native['variant']}: {key} differs (max {np.abs(got[key] - native[key]).max()})")
+
+
+# --- the choice itself (no compiling) -------------------------------------------------------------------------------
+
+ZEN3 = {"avx2": True, "fma": True, "avx512f": False, "avxvnni": False}                  # AVX2 only
+SAPPHIRE = {"avx2": True, "fma": True, "avx512f": True, "avx512bw": True, "avx512vnni": True, "avxvnni": True}
+GRAVITON = {"neon": True, "dotprod": True}
+
+
+@pytest.mark.parametrize("features, arch, want", [
+    (SAPPHIRE, "x86", ["avx512vnni", "avxvnni", "avx2", "generic"]),
+    (ZEN3, "x86", ["avx2", "generic"]),
+    ({**ZEN3, "avxvnni": True}, "x86", ["avxvnni", "avx2", "generic"]),          # Alder Lake: VNNI on ymm only
+    ({"sse4.2": True}, "x86", ["generic"]),                                     # no AVX2: plain loops
+    (GRAVITON, "arm64", ["neon", "generic"]),
+    ({"neon": True}, "arm64", ["generic"]),                                     # NEON without dotprod
+    (SAPPHIRE, "arm64", ["generic"]),                                           # an x86 name on arm64 means nothing
+])
+def test_supported_variants_follow_the_features(features, arch, want):
+    assert isa.supported(features, arch) == want
+
+
+def test_the_choice_is_the_fastest_unless_forced():
+    assert isa.choose({}, ZEN3, "x86") == "avx2"
+    assert isa.choose({"TINYSERVE_KERNELS": "generic"}, ZEN3, "x86") == "generic"
+    assert isa.choose({"TINYSERVE_PORTABLE_KERNELS": "1"}, SAPPHIRE, "x86") == "generic"    # the older name
+    with pytest.raises(ValueError, match="cannot run it"):
+        isa.choose({"TINYSERVE_KERNELS": "avx512vnni"}, ZEN3, "x86")
+    with pytest.raises(ValueError, match="choose one of"):
+        isa.choose({"TINYSERVE_KERNELS": "sse9"}, ZEN3, "x86")
+
+
+def test_a_forced_variant_switches_off_the_wider_features():
+    f = {e[1:]: e[0] for e in isa.forced_features("avx2", {**SAPPHIRE, "avx10.1": True}).split(",")}
+    assert f["avx2"] == "+" and f["fma"] == "+"
+    assert all(f[k] == "-" for k in ("avx512f", "avx512bw", "avx512vnni", "avxvnni", "avx10.1"))
+    assert isa.forced_features("avx512vnni", SAPPHIRE) is None                 # the CPU's own: its own features
+
+
+@pytest.mark.parametrize("registers, v, R, C, extra, want", [
+    (32, 1, 4, 4, 1, (4, 4)),      # AVX-512: 16 accumulators + 4 weights + a broadcast fit in 32 zmm
+    (32, 1, 6, 4, 1, (6, 4)),      # the W8A32 prefill tile: 24 + 4 + 1
+    (16, 2, 4, 4, 4, (2, 2)),      # AVX2 int8: 8 ymm accumulators + 4 weights + x, |x|, ones, a temporary
+    (16, 2, 1, 4, 4, (1, 4)),      # one row: the weights stream through one register
+    (16, 2, 6, 4, 2, (6, 1)),      # AVX2 float: 12 accumulators + 2 weights + 2
+    (32, 4, 4, 4, 1, (2, 2)),      # NEON: a 16-lane block is 4 q registers
+])
+def test_subtiles_fit_the_register_file(registers, v, R, C, extra, want):
+    r, c = isa.plan_subtiles(R, C, extra, registers, v)
+    assert (r, c) == want
+    assert v * r * c + (v * c if r > 1 else 1) + extra <= registers

@@ -1,0 +1,192 @@
+"""Three ways to multiply bytes (and a fourth for CPUs with none): the int8 tile of each instruction set.
+
+Every tile has one contract, `tile(x, x_off, x_stride, w, w_off, w_stride, n4, out, o_off, o_stride)`:
+
+    out[r, 16c + l] = sum_{i < 4 n4} (x[r, i] - 128 + TILE_OFFSET) * W[c, l, i]        int32, overwritten
+
+x: the activations as uint8 offset by 128 (xu = xq + 128; row r at x_off + r*x_stride), w: int8 weights packed
+by kernels.matmul.pack_vnni (block c at w_off + c*w_stride: per step i, 64 bytes = 16 outputs x 4 inputs, output-
+major), out: int32 (row r of the tile at o_off + r*o_stride). The matmul's epilogue subtracts TILE_OFFSET * sum(w)
+(exact in int32), so every variant gives the same integers, and W8A8 stays bit-identical to the NumPy reference.
+
+    avx512vnni, avxvnni   vpdpbusd(acc, x, w): 4 products u8 x s8 per 32-bit lane, summed into it. Unsigned x is
+                          why the activations carry +128 (TILE_OFFSET = 128). zmm: 64 MACs per op; ymm: 32.
+    avx2                  no byte dot product with 32-bit sums. vpmaddubsw multiplies u8 x s8 and adds pairs into
+                          16 bits, which saturate (2 x 255 x 127 > 32767). The sign trick (llama.cpp's
+                          mul_sum_i8_pairs) keeps them in range: |x| (u8, <= 128) times w with x's sign moved onto
+                          it (vpsignb), a pair at most 2 x 128 x 127 = 32512; then vpmaddwd by ones adds the pairs
+                          into 32 bits. 4 ops for 32 MACs, on signed x (TILE_OFFSET = 0).
+    neon                  sdot(acc, w, x): 4 products s8 x s8 per 32-bit lane (arm64 dotprod), 16 MACs per op.
+    generic               plain loops; LLVM vectorises the 16 output lanes with whatever the CPU has.
+
+A tile of R x C blocks keeps R*C accumulators in registers for the whole loop over the input; where that does not
+fit the register file (AVX2's 16 ymm hold 8 blocks), the tile runs as sub-tiles, each its own pass over the input
+(isa.plan_subtiles): the sum of each output is the same, only the loads repeat (from L1).
+"""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from . import isa
+from .simd import _data_pointer
+
+BLOCK = 16                                                   # outputs per packed block
+_I1, _I8, _I16, _I32 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32)
+
+TILE_OFFSET = 128 if isa.NAME in ("avx512vnni", "avxvnni") else 0
+
+
+def _isa_step(name: str, vb: int):
+    """(extra registers, setup(builder) -> state, step(builder, state, x_vec, w_vec, acc_value) -> acc_value,
+    per_row(builder, state, x_vec) -> row operand) for one 64-byte step of one part (vb bytes) of a block."""
+    nb, nl = vb, vb // 4                                     # bytes and int32 lanes per register
+    bytes_t, lanes_t = ir.VectorType(_I8, nb), ir.VectorType(_I32, nl)
+
+    def fn(builder, name_, ret, args):
+        return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name_)
+
+    if name in ("avx512vnni", "avxvnni"):
+        intr = "llvm.x86.avx512.vpdpbusd.512" if vb == 64 else "llvm.x86.avx512.vpdpbusd.256"
+
+        def setup(builder):
+            return fn(builder, intr, lanes_t, [lanes_t, lanes_t, lanes_t])
+
+        def per_row(builder, st, xb):
+            return builder.bitcast(xb, lanes_t)               # the 4 unsigned bytes as they are
+
+        def step(builder, st, xr, wv, acc):
+            return builder.call(st, [acc, xr, builder.bitcast(wv, lanes_t)])
+        return 1, setup, per_row, step
+
+    flip = ir.Constant(bytes_t, [ir.Constant(_I8, -128)] * nb)   # xu ^ 0x80 = xu - 128 as a signed byte
+    if name == "avx2":
+        s16_t = ir.VectorType(_I16, nb // 2)
+
+        def setup(builder):
+            return (fn(builder, "llvm.x86.avx2.pmadd.ub.sw", s16_t, [bytes_t, bytes_t]),
+                    fn(builder, "llvm.x86.avx2.pmadd.wd", lanes_t, [s16_t, s16_t]),
+                    fn(builder, "llvm.x86.avx2.psign.b", bytes_t, [bytes_t, bytes_t]),
+                    fn(builder, "llvm.abs.v32i8", bytes_t, [bytes_t, _I1]),
+                    ir.Constant(s16_t, [ir.Constant(_I16, 1)] * (nb // 2)))
+
+        def per_row(builder, st, xb):
+            xs = builder.xor(xb, flip)
+            return xs, builder.call(st[3], [xs, ir.Constant(_I1, 0)])    # x and |x| (|-128| reads as u8 128)
+
+        def step(builder, st, xr, wv, acc):
+            maddubs, maddwd, psign, _, ones = st
+            xs, ax = xr
+            pairs = builder.call(maddubs, [ax, builder.call(psign, [wv, xs])])     # |x| * (w * sign x), in pairs
+            return builder.add(acc, builder.call(maddwd, [pairs, ones]))
+        return 4, setup, per_row, step
+
+    if name == "neon":
+        def setup(builder):
+            return fn(builder, "llvm.aarch64.neon.sdot.v4i32.v16i8", lanes_t, [lanes_t, bytes_t, bytes_t])
+
+        def per_row(builder, st, xb):
+            return builder.xor(xb, flip)
+
+        def step(builder, st, xr, wv, acc):
+            return builder.call(st, [acc, wv, xr])
+        return 1, setup, per_row, step
+    raise ValueError(f"no intrinsic tile for {name!r}")
+
+
+def _intrinsic_tile(R: int, C: int, name: str):
+    """An R x C int8 tile for an instruction set with a byte dot product (see the module docstring)."""
+    vb = isa.VARIANTS[name].vector_bytes
+    parts = 64 // vb                                         # registers per 64-byte step of one block
+    lanes_t = ir.VectorType(_I32, vb // 4)
+    extra, setup, per_row, step = _isa_step(name, vb)
+    rs, cs = isa.plan_subtiles(R, C, extra)
+
+    @intrinsic
+    def tile(typingctx, x, x_off, x_stride, w, w_off, w_stride, n4, out, o_off, o_stride):
+        sig = types.void(x, x_off, x_stride, w, w_off, w_stride, n4, out, o_off, o_stride)
+
+        def codegen(context, builder, signature, args):
+            x_arr, x_off, x_stride, w_arr, w_off, w_stride, n4, out_arr, o_off, o_stride = args
+            ty = signature.args
+            st = setup(builder)
+            x_rows = [_data_pointer(context, builder, ty[0], x_arr,
+                                    builder.add(x_off, builder.mul(x_stride, ir.Constant(x_off.type, r))))
+                      for r in range(R)]
+            w_cols = [_data_pointer(context, builder, ty[3], w_arr,
+                                    builder.add(w_off, builder.mul(w_stride, ir.Constant(w_off.type, c))))
+                      for c in range(C)]
+            out_base = cgutils.create_struct_proxy(ty[7])(context, builder, out_arr).data     # int32*
+            for c0 in range(0, C, cs):                       # one pass over the input per sub-tile
+                for r0 in range(0, R, rs):
+                    sub_r, sub_c = range(r0, min(R, r0 + rs)), range(c0, min(C, c0 + cs))
+                    acc = {(r, c, p): cgutils.alloca_once_value(builder, ir.Constant(lanes_t, None))
+                           for r in sub_r for c in sub_c for p in range(parts)}
+                    with cgutils.for_range(builder, n4) as loop:
+                        i = loop.index
+                        w_vec = {(c, p): builder.load(builder.bitcast(
+                                     builder.gep(w_cols[c], [builder.add(builder.mul(i, ir.Constant(i.type, 64)),
+                                                                         ir.Constant(i.type, vb * p))]),
+                                     ir.VectorType(_I8, vb).as_pointer()), align=1)
+                                 for c in sub_c for p in range(parts)}
+                        for r in sub_r:
+                            x4 = builder.load(builder.bitcast(
+                                builder.gep(x_rows[r], [builder.mul(i, ir.Constant(i.type, 4))]),
+                                _I32.as_pointer()), align=1)            # 4 activation bytes as one i32
+                            one = builder.insert_element(ir.Constant(lanes_t, None), x4, ir.Constant(_I32, 0))
+                            xb = builder.bitcast(builder.shuffle_vector(one, ir.Constant(lanes_t, None),
+                                                                        ir.Constant(lanes_t, None)),
+                                                 ir.VectorType(_I8, vb))            # ... in every 32-bit lane
+                            xr = per_row(builder, st, xb)
+                            for c in sub_c:
+                                for p in range(parts):
+                                    a = acc[r, c, p]
+                                    builder.store(step(builder, st, xr, w_vec[c, p], builder.load(a)), a)
+                    for r in sub_r:
+                        row = builder.add(o_off, builder.mul(o_stride, ir.Constant(o_off.type, r)))
+                        for c in sub_c:
+                            for p in range(parts):
+                                q = builder.gep(out_base, [builder.add(row, ir.Constant(row.type,
+                                                                                       BLOCK * c + vb // 4 * p))])
+                                builder.store(builder.load(acc[r, c, p]), builder.bitcast(q, lanes_t.as_pointer()),
+                                              align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return tile
+
+
+def _generic_tile(R: int, C: int):
+    """The contract in plain Numba: the 16 lanes of a block are the innermost loop, so LLVM can keep them in a
+    vector (the 4 bytes of a lane are 4 apart: an interleaved load). Each product is cast to int32, or Numba
+    widens the sum to int64 (2-3x slower)."""
+    @njit(inline="always")
+    def tile(x, x_off, x_stride, w, w_off, w_stride, n4, out, o_off, o_stride):
+        for r in range(R):
+            xr = x_off + r * x_stride
+            for c in range(C):
+                o, wc = o_off + r * o_stride + BLOCK * c, w_off + c * w_stride
+                for lane in range(BLOCK):
+                    out[o + lane] = 0
+                for i in range(n4):
+                    x0 = np.int32(x[xr + 4 * i]) - 128
+                    x1 = np.int32(x[xr + 4 * i + 1]) - 128
+                    x2 = np.int32(x[xr + 4 * i + 2]) - 128
+                    x3 = np.int32(x[xr + 4 * i + 3]) - 128
+                    p = wc + 64 * i
+                    for lane in range(BLOCK):
+                        q = p + 4 * lane
+                        out[o + lane] += np.int32(x0 * np.int32(w[q]) + x1 * np.int32(w[q + 1])
+                                                  + x2 * np.int32(w[q + 2]) + x3 * np.int32(w[q + 3]))
+    return tile
+
+
+def make_int8_tile(R: int, C: int):
+    """The R x C int8 tile of the chosen instruction set (isa.NAME)."""
+    if isa.NAME == "generic":
+        return _generic_tile(R, C)
+    return _intrinsic_tile(R, C, isa.NAME)
