@@ -30,6 +30,8 @@ help:
 	@echo "make serve      OpenAI-compatible server on http://127.0.0.1:8000/v1 (SERVE_ARGS=... for options)"
 	@echo "make fixtures   regenerate the PyTorch reference fixture (own venv with torch + transformers)"
 	@echo "make bench-peers  tinyserve vs llama.cpp and PyTorch on this machine, interleaved (builds llama.cpp: ~12 min once)"
+	@echo "make bench-variants  tokens/s of every kernel instruction set this CPU runs (TINYSERVE_KERNELS), interleaved"
+	@echo "make test-blas  the fast tests under other OpenBLAS kernels (BLAS_KERNELS=\"Haswell Sandybridge\")"
 
 $(STAMP): pyproject.toml
 	test -x $(PYTHON) || $(PY) -m venv $(VENV)
@@ -92,7 +94,7 @@ fixtures: $(STAMP) weights
 # The peers (issue 9): llama.cpp (.venv-llama, built from source) and PyTorch + transformers (.venv-ref, shared with
 # `make fixtures`) in venvs of their own, measured beside tinyserve in one run. Not part of `make test`.
 # Options go through BENCH_PEERS_ARGS, e.g. make bench-peers BENCH_PEERS_ARGS="--quick" or "--quant int8".
-.PHONY: bench-peers peer-venvs
+.PHONY: bench-peers peer-venvs bench-variants test-blas
 BENCH_PEERS_ARGS ?=
 
 peer-venvs:
@@ -105,6 +107,17 @@ peer-venvs:
 
 bench-peers: $(STAMP) weights peer-venvs
 	$(PYTHON) tools/bench_peers.py $(BENCH_PEERS_ARGS)
+
+# Every kernel variant this CPU runs (kernels/isa.py), each forced in its own process, interleaved (lesson 7)
+bench-variants: $(STAMP) weights
+	$(PYTHON) tools/bench_variants.py $(BENCH_VARIANTS_ARGS)
+
+# The float tests under other OpenBLAS kernels (issue 23): Haswell is what AMD Zen and every AVX2 CPU gets,
+# Sandybridge/Nehalem older ones. CI never sets OPENBLAS_CORETYPE; this is for checking a change on other CPUs.
+BLAS_KERNELS ?= Haswell Sandybridge
+test-blas: $(STAMP) weights
+	for k in $(BLAS_KERNELS); do echo "== OPENBLAS_CORETYPE=$$k"; \
+	  OPENBLAS_CORETYPE=$$k $(PYTHON) -m pytest -q -m "not slow" -p no:cacheprovider || exit 1; done
 
 clean:
 	rm -rf build .pytest_cache .numba_cache

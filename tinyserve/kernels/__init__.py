@@ -10,6 +10,7 @@ Importing this package pins down three things that otherwise cost minutes, a 10x
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import warnings
 from contextlib import contextmanager
@@ -22,9 +23,13 @@ from pathlib import Path
 from . import isa  # noqa: E402  (llvmlite only: numba is not imported yet)
 
 _root = Path(os.environ.get("NUMBA_CACHE_DIR") or Path(__file__).resolve().parents[2] / ".numba_cache")
-if _root.name in isa.VARIANTS:
+if _root.name.split("-")[0] in isa.VARIANTS:
     _root = _root.parent
-os.environ["NUMBA_CACHE_DIR"] = CACHE_DIR = str(_root / isa.NAME)
+# Numba re-compiles a cached kernel when its own file changes, not when a function it calls from another file does
+# (a tile in int8_dot.py inlined into matmul.py's loops): the folder's name carries a hash of every kernel source,
+# so an edited kernel is never served stale
+_sources = hashlib.sha1(b"".join(p.read_bytes() for p in sorted(Path(__file__).parent.glob("*.py")))).hexdigest()
+os.environ["NUMBA_CACHE_DIR"] = CACHE_DIR = str(_root / f"{isa.NAME}-{_sources[:10]}")
 if os.environ.get("NUMBA_CPU_FEATURES") and os.environ.get("NUMBA_CPU_FEATURES") == os.environ.get("TINYSERVE_PINNED_FEATURES"):
     del os.environ["NUMBA_CPU_FEATURES"]
 if isa.FORCED_FEATURES is not None:          # a variant below this CPU's: compile for exactly its features

@@ -17,7 +17,10 @@ major), out: int32 (row r of the tile at o_off + r*o_stride). The matmul's epilo
                           it (vpsignb), a pair at most 2 x 128 x 127 = 32512; then vpmaddwd by ones adds the pairs
                           into 32 bits. 4 ops for 32 MACs, on signed x (TILE_OFFSET = 0).
     neon                  sdot(acc, w, x): 4 products s8 x s8 per 32-bit lane (arm64 dotprod), 16 MACs per op.
-    generic               plain loops; LLVM vectorises the 16 output lanes with whatever the CPU has.
+    generic               no byte dot product named: LLVM's own vector IR, which it lowers for any CPU. Each of
+                          the 64 bytes of a step gets its own int32 accumulator (x and w widened, multiplied,
+                          added); the 4 of each output lane are added once, after the loop. (Plain Numba loops
+                          that reduce each lane in the loop ran at 1-2 GOP/s: LLVM did not vectorise them.)
 
 A tile of R x C blocks keeps R*C accumulators in registers for the whole loop over the input; where that does not
 fit the register file (AVX2's 16 ymm hold 8 blocks), the tile runs as sub-tiles, each its own pass over the input
@@ -25,9 +28,8 @@ fit the register file (AVX2's 16 ymm hold 8 blocks), the tile runs as sub-tiles,
 """
 from __future__ import annotations
 
-import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -84,6 +86,19 @@ def _isa_step(name: str, vb: int):
             return builder.add(acc, builder.call(maddwd, [pairs, ones]))
         return 4, setup, per_row, step
 
+    if name == "generic":
+        wide_t = ir.VectorType(_I32, nb)                     # one int32 per byte: LLVM splits it for the CPU
+
+        def setup(builder):
+            return None
+
+        def per_row(builder, st, xb):
+            return builder.sext(builder.xor(xb, flip), wide_t)
+
+        def step(builder, st, xr, wv, acc):                  # acc[4l + k] += x[k] * w[l, k]: no shuffle in the loop
+            return builder.add(acc, builder.mul(xr, builder.sext(wv, wide_t)))
+        return 1, setup, per_row, step
+
     if name == "neon":
         def setup(builder):
             return fn(builder, "llvm.aarch64.neon.sdot.v4i32.v16i8", lanes_t, [lanes_t, bytes_t, bytes_t])
@@ -103,7 +118,17 @@ def _intrinsic_tile(R: int, C: int, name: str):
     parts = 64 // vb                                         # registers per 64-byte step of one block
     lanes_t = ir.VectorType(_I32, vb // 4)
     extra, setup, per_row, step = _isa_step(name, vb)
-    rs, cs = isa.plan_subtiles(R, C, extra)
+    generic = name == "generic"                              # accumulates per byte: 4x the accumulators
+    acc_t = ir.VectorType(_I32, vb) if generic else lanes_t
+    rs, cs = (1, 1) if generic else isa.plan_subtiles(R, C, extra)
+
+    def finish(builder, a):                                  # generic: the 4 products of each lane, added
+        if not generic:
+            return a
+        parts_k = [builder.shuffle_vector(a, ir.Constant(acc_t, None),
+                                          ir.Constant(lanes_t, [4 * lane + k for lane in range(vb // 4)]))
+                   for k in range(4)]
+        return builder.add(builder.add(parts_k[0], parts_k[1]), builder.add(parts_k[2], parts_k[3]))
 
     @intrinsic
     def tile(typingctx, x, x_off, x_stride, w, w_off, w_stride, n4, out, o_off, o_stride):
@@ -123,7 +148,7 @@ def _intrinsic_tile(R: int, C: int, name: str):
             for c0 in range(0, C, cs):                       # one pass over the input per sub-tile
                 for r0 in range(0, R, rs):
                     sub_r, sub_c = range(r0, min(R, r0 + rs)), range(c0, min(C, c0 + cs))
-                    acc = {(r, c, p): cgutils.alloca_once_value(builder, ir.Constant(lanes_t, None))
+                    acc = {(r, c, p): cgutils.alloca_once_value(builder, ir.Constant(acc_t, None))
                            for r in sub_r for c in sub_c for p in range(parts)}
                     with cgutils.for_range(builder, n4) as loop:
                         i = loop.index
@@ -151,8 +176,8 @@ def _intrinsic_tile(R: int, C: int, name: str):
                             for p in range(parts):
                                 q = builder.gep(out_base, [builder.add(row, ir.Constant(row.type,
                                                                                        BLOCK * c + vb // 4 * p))])
-                                builder.store(builder.load(acc[r, c, p]), builder.bitcast(q, lanes_t.as_pointer()),
-                                              align=4)
+                                builder.store(finish(builder, builder.load(acc[r, c, p])),
+                                              builder.bitcast(q, lanes_t.as_pointer()), align=4)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -160,33 +185,6 @@ def _intrinsic_tile(R: int, C: int, name: str):
     return tile
 
 
-def _generic_tile(R: int, C: int):
-    """The contract in plain Numba: the 16 lanes of a block are the innermost loop, so LLVM can keep them in a
-    vector (the 4 bytes of a lane are 4 apart: an interleaved load). Each product is cast to int32, or Numba
-    widens the sum to int64 (2-3x slower)."""
-    @njit(inline="always")
-    def tile(x, x_off, x_stride, w, w_off, w_stride, n4, out, o_off, o_stride):
-        for r in range(R):
-            xr = x_off + r * x_stride
-            for c in range(C):
-                o, wc = o_off + r * o_stride + BLOCK * c, w_off + c * w_stride
-                for lane in range(BLOCK):
-                    out[o + lane] = 0
-                for i in range(n4):
-                    x0 = np.int32(x[xr + 4 * i]) - 128
-                    x1 = np.int32(x[xr + 4 * i + 1]) - 128
-                    x2 = np.int32(x[xr + 4 * i + 2]) - 128
-                    x3 = np.int32(x[xr + 4 * i + 3]) - 128
-                    p = wc + 64 * i
-                    for lane in range(BLOCK):
-                        q = p + 4 * lane
-                        out[o + lane] += np.int32(x0 * np.int32(w[q]) + x1 * np.int32(w[q + 1])
-                                                  + x2 * np.int32(w[q + 2]) + x3 * np.int32(w[q + 3]))
-    return tile
-
-
 def make_int8_tile(R: int, C: int):
     """The R x C int8 tile of the chosen instruction set (isa.NAME)."""
-    if isa.NAME == "generic":
-        return _generic_tile(R, C)
     return _intrinsic_tile(R, C, isa.NAME)

@@ -14,8 +14,8 @@ own way (kernels/int8_dot.py); the register file decides how large a tile of acc
 TINYSERVE_KERNELS=<variant> forces one the CPU can run (the tests run every such variant; `make bench` can measure
 one). A forced variant below the CPU's own is compiled for exactly its features (the AVX-512 ones switched off),
 so it runs the instructions it would run on such a CPU, at this CPU's clock. Each variant keeps its compiled
-kernels in a cache folder of its own (<NUMBA_CACHE_DIR>/<variant>): Numba's cache does not know which tile a
-kernel was built with, and the first run compiles only the chosen variant.
+kernels in a cache folder of its own (<NUMBA_CACHE_DIR>/<variant>-<hash of the kernel sources>): Numba's cache
+does not know which tile a kernel was built with, and the first run compiles only the chosen variant.
 
 This module must be imported before numba (kernels/__init__.py does): a forced variant sets NUMBA_CPU_FEATURES.
 """
