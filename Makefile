@@ -56,8 +56,14 @@ install: $(RUNTIME) $(COURSE) $(TESTS)
 weights: $(RUNTIME)
 	$(PYTHON) -m tinyserve weights
 
-run: $(RUNTIME) weights
+# The first run compiles the int8 kernels in the background from the moment numba is installed (the tiny model
+# needs no weights), so the compile overlaps the weights' download; generate answers on the NumPy path meanwhile
+run: $(RUNTIME) compile-start weights
 	$(PYTHON) -m tinyserve generate --chat "$(PROMPT)"
+
+.PHONY: compile-start
+compile-start: $(RUNTIME)
+	@$(PYTHON) -m tinyserve compile --start
 
 test-fast: $(TESTS) weights
 	$(PYTHON) -m pytest -q -m "not real and not slow"

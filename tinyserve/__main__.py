@@ -274,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--quant", default="int8", choices=["int8", "w8a8"])
     k.add_argument("--workload", default="kv", choices=["kv", "engine"],
                    help="kv: generate's kernels; engine: also the paged attention of chat, serve and bench")
+    k.add_argument("--start", action="store_true", help="start it in the background and return (nothing if warm)")
     k.set_defaults(func=cmd_compile)
     g = sub.add_parser("generate", help="generate text from a prompt, streamed")
     g.add_argument("prompt", help="the prompt text, or - to read it from stdin")

@@ -264,7 +264,15 @@ def replay(model, prompt: list[int], out: list[int]) -> tuple[float, float | Non
 
 
 def main(args) -> int:
-    """`python -m tinyserve compile`: fill the on-disk cache with one path's kernels (what BackgroundCompile runs)."""
+    """`python -m tinyserve compile`: fill the on-disk cache with one path's kernels (what BackgroundCompile runs).
+    --start: only start that in the background and return (`make run` does, so the compile overlaps the weights'
+    download; the generate that follows finds it by its lock file and waits for it instead of compiling again)."""
+    if args.start:
+        if not is_warm(args.quant, args.workload):
+            bg = BackgroundCompile(args.quant, args.workload)
+            print(f"compiling the {args.quant} kernels for this CPU in the background (first run only, "
+                  f"~{ESTIMATE_S[args.workload]} s; log: {bg.log_path})", flush=True)
+        return 0
     lock = cache_dir() / f"tinyserve-compiling-{args.quant}-{args.workload}.pid"
     print(f"compiling the {args.quant} kernels ({args.workload}) for this CPU into {cache_dir()} ...", flush=True)
     try:
