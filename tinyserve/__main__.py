@@ -143,13 +143,14 @@ def cmd_generate(args) -> int:
     ttft, total = stamps[0], stamps[-1]
     n_slow = len(out)            # tokens computed on the NumPy stand-in (all of them, unless it switched)
     fast = None                  # the fast path's (TTFT, tokens/s), replayed after a background compile
+    answer_ended = False         # its last characters and newline printed (before waiting for the compile)
     if kernels is not None and kernels.bg is not None:
         if kernels.switched_at is None:   # the answer outran the compile: finish it, so the next run starts fast
             if not args.json:
-                print(stream.flush(), end="", flush=True)
-                stream = tok.stream_decoder()
+                print(stream.flush(), flush=True)
+                answer_ended = True
             if not kernels.bg.done():
-                print("\n[the answer is done; the kernels are still compiling (first run only), so that the next "
+                print("[the answer is done; the kernels are still compiling (first run only), so that the next "
                       "run starts on the fast path:]", file=sys.stderr, flush=True)
             kernels.bg.wait(log=lambda line: print(f"  {line}", file=sys.stderr, flush=True))
             kernels.switch(model, len(out))
@@ -171,7 +172,8 @@ def cmd_generate(args) -> int:
                             if spec is not None else {}),
                          allow_nan=False))
     else:
-        print(stream.flush())
+        if not answer_ended:
+            print(stream.flush())
         extra = (f"; {args.speculative} drafts: α {spec.alpha:.2f}, {spec.tokens_per_step:.2f} tokens per forward"
                  if spec is not None else "")
         print(f"\n[{strategy}, {describe_backend(model)}: {len(ids)} prompt tokens, {len(out)} new; "

@@ -127,9 +127,14 @@ class BackgroundCompile:
         d.mkdir(parents=True, exist_ok=True)
         self.log_path = d / f"tinyserve-compile-{quant}-{workload}.log"
         self.lock = d / f"tinyserve-compiling-{quant}-{workload}.pid"
-        self.t0 = time.perf_counter()
+        self.started = time.time()       # wall clock: an attached compile started in another process
         self.proc: subprocess.Popen | None = None
         self.pid = _live_pid(self.lock)
+        if self.pid is not None:
+            try:
+                self.started = self.lock.stat().st_mtime
+            except OSError:
+                pass
         if self.pid is None:          # nobody is compiling these kernels: we do
             argv = argv or compile_argv(quant, workload)
             with open(self.log_path, "w") as log:
@@ -137,7 +142,7 @@ class BackgroundCompile:
                                              preexec_fn=lambda: os.nice(10))   # the answer in front goes first
             self.pid = self.proc.pid
             self.lock.write_text(str(self.pid))
-        self.seconds: float | None = None   # wall time from start to done, once done
+        self.seconds: float | None = None   # the compile's wall time from its start, once done
 
     def done(self) -> bool:
         """Has the child finished (successfully or not)? Cheap: call it between two tokens."""
@@ -145,7 +150,7 @@ class BackgroundCompile:
             return True
         finished = self.proc.poll() is not None if self.proc is not None else _live_pid(self.lock) is None
         if finished:
-            self.seconds = time.perf_counter() - self.t0
+            self.seconds = time.time() - self.started    # the compile's wall time, from its start
             if self.proc is not None:
                 self.lock.unlink(missing_ok=True)
         return finished
