@@ -137,6 +137,8 @@ def test_cold_start_answers_on_numpy_then_measures_the_fast_path(cache, monkeypa
     k = out["kernels"]
     assert k["how"] == "background" and k["seconds"] >= 2.0 and k["numpy_tokens"] == 8
     assert k["fast_ttft_s"] > 0 and k["fast_tokens_per_s"] > 0
+    t = out["timeline_s"]          # seconds since the process started: the answer came before the compiler
+    assert t["compile_started"] <= t["ready"] <= t["first_token"] <= t["answer_done"] < t["compiled"] <= t["replayed"]
     greedy = kv_cache.generate(set_backend(tiny_model(seed=0), "int8", "numba"), out["prompt_ids"], 8,
                                SamplingParams(temperature=0, max_new_tokens=8))
     assert out["output_ids"] == greedy                            # the stand-in gave the fast path's tokens

@@ -10,6 +10,8 @@ import time
 
 from .weights import DEFAULT_WEIGHTS_DIR, WeightsError, fetch_weights
 
+T_START = time.time()   # when this process started (as good as): the origin of generate's JSON timeline
+
 
 def strategies() -> dict:
     """Name -> generate_stream(model, ids, max_new_tokens, params, tokenizer) yielding token ids."""
@@ -125,6 +127,7 @@ def cmd_generate(args) -> int:
     if kernels is not None:
         from .kernels import single_thread_blas
         blas = single_thread_blas()
+    timeline = {"ready": time.time() - T_START}   # seconds since start: model loaded, kernels loaded or started
     t0 = time.perf_counter()
     try:
         with blas:
@@ -141,6 +144,7 @@ def cmd_generate(args) -> int:
             kernels.bg.stop()
         raise
     ttft, total = stamps[0], stamps[-1]
+    timeline |= {"first_token": timeline["ready"] + ttft, "answer_done": time.time() - T_START}
     n_slow = len(out)            # tokens computed on the NumPy stand-in (all of them, unless it switched)
     fast = None                  # the fast path's (TTFT, tokens/s), replayed after a background compile
     answer_ended = False         # its last characters and newline printed (before waiting for the compile)
@@ -156,15 +160,19 @@ def cmd_generate(args) -> int:
             kernels.switch(model, len(out))
             if kernels.switched_at is not None:
                 fast = jit.replay(model, list(ids), out)
+                timeline["replayed"] = time.time() - T_START
         else:
             n_slow = kernels.switched_at
+        if kernels.seconds is not None:
+            timeline |= {"compile_started": kernels.bg.started - T_START,
+                         "compiled": kernels.bg.started + kernels.seconds - T_START}
     # no rate after a single token: null in JSON (NaN is not JSON), "n/a" in the summary
     decode_rate = (len(out) - 1) / (total - ttft) if len(out) > 1 and total > ttft else None
     if args.json:
         print(json.dumps({"strategy": strategy, "quant": model.quant, "backend": model.backend, "prompt_ids": ids,
                           "output_ids": out,
                           "text": tok.decode(out, skip_special_tokens=True), "ttft_s": ttft,
-                          "tokens_per_s": decode_rate, "total_s": total}
+                          "tokens_per_s": decode_rate, "total_s": total, "timeline_s": timeline}
                          | ({"kernels": kernels_json(kernels, n_slow, fast)} if kernels is not None else {})
                          | ({"speculative": args.speculative,   # None, not NaN, when nothing was drafted
                              "draft_alpha": spec.alpha if spec.accepted + spec.rejected else None,
