@@ -180,3 +180,12 @@ def test_the_summary_line_says_where_the_time_went(cache, monkeypatch, capsys):
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "on the NumPy path while the kernels compiled (compiled in the background in" in err
     assert "the fast path, measured once compiled on the same tokens: TTFT" in err
+
+
+def test_bench_compiles_before_it_times_and_says_so(cache, monkeypatch, capsys):
+    monkeypatch.setattr(jit, "warm_up", lambda quant, workload="kv", log=None: 0.7)
+    assert main(["bench", "--model", "tiny", "--requests", "2", "--prompt-len", "4", "--output-len", "2",
+                 "--sweep", "", "--num-blocks", "16", "--block-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "compiling the int8 kernels for this CPU" in out and "kernels: compiled in 0.7 s (not timed)" in out
+    assert out.index("kernels: compiled") < out.index("out tok/s")
