@@ -189,3 +189,19 @@ def test_bench_compiles_before_it_times_and_says_so(cache, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "compiling the int8 kernels for this CPU" in out and "kernels: compiled in 0.7 s (not timed)" in out
     assert out.index("kernels: compiled") < out.index("out tok/s")
+
+
+def test_use_model_moves_an_engine_to_the_fast_path_between_steps():
+    from tinyserve.engine import Engine
+    fast = set_backend(tiny_model(seed=0), "int8", "numba")
+    alone = Engine(fast, num_blocks=16, block_size=4).generate([PROMPT], GREEDY)[0]
+    e = Engine(jit.stand_in(set_backend(tiny_model(seed=0), "int8", "numba")), num_blocks=16, block_size=4)
+    rid = e.add_request(PROMPT, GREEDY)
+    e.step(), e.step()                    # the prompt's prefill and a decode step on the NumPy path
+    assert e.backend == "numpy"
+    jit.use_model(e, fast)
+    while e.has_unfinished():
+        e.step()
+    assert e.backend == "numba" and e.finished[rid].output_ids == alone
+    with pytest.raises(ValueError, match="another config"):
+        jit.use_model(e, tiny_model(seed=0, n_layers=3))

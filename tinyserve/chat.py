@@ -184,7 +184,7 @@ def main(args) -> int:
         if kernels is not None and kernels.bg is not None and kernels.switched_at is None and kernels.bg.ok:
             kernels.seconds = kernels.bg.seconds
             kernels.load_seconds = jit.warm_up(kernels.fast.quant, "engine")
-            engine.use_model(kernels.fast)
+            jit.use_model(engine, kernels.fast)
             kernels.switched_at = 0
             log(f"[the kernels compiled in the background in {kernels.seconds:.1f} s: from this turn on, "
                 f"{describe_backend(engine.model)}]")

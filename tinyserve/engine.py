@@ -101,16 +101,6 @@ class Engine:
         spec_step.setup(self, model, speculative, draft_k, adaptive_k, draft_model, verify_costs)   # lesson 6
 
     # --- requests --------------------------------------------------------------------------------------------
-    def use_model(self, model: Model) -> None:
-        """Run the next steps on `model` (same architecture) and the attention kernel of its backend. Call it between
-        two steps, from the thread that steps: lesson 7's first run serves on the NumPy stand-in while the kernels
-        compile (jit.py), then moves here. The K/V pool is float32 on both paths and stays as it is."""
-        if model.config != self.config:
-            raise ValueError("use_model: the new model has another config; its K/V would not fit the pool")
-        self.model = model
-        self.backend = model.backend
-        self._attend = get_paged_attention(self.backend, checked=False)
-
     def add_request(self, prompt_ids: Seq[int], params: SamplingParams | None = None) -> int:
         """Queue one request; returns its id. Raises ValueError at once if it could never be served."""
         seq = self._new_sequence(prompt_ids, params)

@@ -268,6 +268,17 @@ def replay(model, prompt: list[int], out: list[int]) -> tuple[float, float | Non
     return t1 - t0, ((len(out) - 1) / (t2 - t1) if len(out) > 1 and t2 > t1 else None)
 
 
+def use_model(engine, model) -> None:
+    """Run the Engine's next steps on `model` and on the attention kernel of its backend (both chosen at
+    Engine(...) from the model). Call it between two steps, from the thread that steps: the server and chat move
+    from the stand-in to the fast model this way. The K/V pool is float32 on both paths and stays as it is."""
+    from .attention_backends import get_paged_attention
+    if model.config != engine.config:
+        raise ValueError("use_model: the new model has another config; its K/V would not fit the engine's pool")
+    engine.model, engine.backend = model, model.backend
+    engine._attend = get_paged_attention(model.backend, checked=False)   # what Engine.__init__ picks for it
+
+
 def main(args) -> int:
     """`python -m tinyserve compile`: fill the on-disk cache with one path's kernels (what BackgroundCompile runs).
     --start: only start that in the background and return (`make run` does, so the compile overlaps the weights'

@@ -126,9 +126,10 @@ class FastPathSwitch(Observer):
         self.inner.on_finish(handle, reason, hit_tokens, prompt_tokens)
 
     def on_step(self, engine: Engine, loop: EngineLoop) -> None:
+        from .jit import use_model
         self.inner.on_step(engine, loop)
         if self.ready.is_set() and self.kernels.switched_at is None:
-            engine.use_model(self.kernels.fast)
+            use_model(engine, self.kernels.fast)
             self.kernels.switched_at = loop.stats.steps
             self.status = f"compiled in the background in {self.kernels.seconds:.1f} s (first run only)"
             print(f"tinyserve: the fast path's kernels are ready ({self.status}); now serving on "
