@@ -205,3 +205,15 @@ def test_use_model_moves_an_engine_to_the_fast_path_between_steps():
     assert e.backend == "numba" and e.finished[rid].output_ids == alone
     with pytest.raises(ValueError, match="another config"):
         jit.use_model(e, tiny_model(seed=0, n_layers=3))
+
+
+def test_the_stand_in_runs_blas_on_one_thread_until_the_switch(cache, monkeypatch):
+    from threadpoolctl import threadpool_info
+    blas = lambda: [p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"]   # noqa: E731
+    before = blas()
+    fake_compile(monkeypatch, cache, 0.2)
+    monkeypatch.setattr(jit, "warm_up", lambda quant, workload="kv", log=None: 0.0)
+    model, k = jit.prepare(set_backend(tiny_model(seed=0), "int8", "numba"), "kv", True, log=lambda line: None)
+    assert k.how == "background" and set(blas()) == {1}
+    assert k.bg.wait() and k.switch(model, 3) == 0.0 and k.switched_at == 3 and model.backend == "numba"
+    assert blas() == before

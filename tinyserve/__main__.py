@@ -121,8 +121,7 @@ def cmd_generate(args) -> int:
     out: list[int] = []
     stamps: list[float] = []     # the model's clock at each token: time spent loading kernels is taken out
     paused = 0.0
-    # on the numba path BLAS stays at one thread (kernels/__init__.py); the NumPy stand-in too: the other core is
-    # compiling, and two BLAS threads on a busy core made its decode ~10x slower (1.5 vs 22 tokens/s, measured)
+    # on the numba path BLAS stays at one thread (kernels/__init__.py), and on the NumPy stand-in (jit.prepare)
     blas = contextlib.nullcontext()
     if kernels is not None:
         from .kernels import single_thread_blas

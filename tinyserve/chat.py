@@ -185,7 +185,7 @@ def main(args) -> int:
             kernels.seconds = kernels.bg.seconds
             kernels.load_seconds = jit.warm_up(kernels.fast.quant, "engine")
             jit.use_model(engine, kernels.fast)
-            kernels.switched_at = 0
+            kernels.switched(0)
             log(f"[the kernels compiled in the background in {kernels.seconds:.1f} s: from this turn on, "
                 f"{describe_backend(engine.model)}]")
     interactive = sys.stdin.isatty()

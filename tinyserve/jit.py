@@ -224,6 +224,14 @@ class Kernels:
     fast: object | None = None             # the fast Model (for "background", until the switch)
     switched_at: int | None = None         # tokens generated on the stand-in before the switch
     load_seconds: float = 0.0              # loading the compiled kernels into this process at the switch
+    blas_limit: object | None = None       # threadpoolctl's limit while on the stand-in (restored at the switch)
+
+    def switched(self, at: int) -> None:
+        """Record the switch (tokens, steps or turns done before it); BLAS gets its threads back."""
+        self.switched_at = at
+        if self.blas_limit is not None:
+            self.blas_limit.restore_original_limits()
+            self.blas_limit = None
 
     def switch(self, model, n_tokens: int) -> float:
         """At a safe point (between two tokens): if the background compile is done and warm, load the kernels and
@@ -233,7 +241,7 @@ class Kernels:
         self.seconds = self.bg.seconds
         self.load_seconds = warm_up(self.fast.quant, self.bg.workload)
         become(model, self.fast)
-        self.switched_at = n_tokens
+        self.switched(n_tokens)
         return self.load_seconds
 
 
@@ -248,7 +256,10 @@ def prepare(fast, workload: str, background: bool, log) -> tuple[object, Kernels
         bg = BackgroundCompile(quant, workload)
         log(f"[compiling {what} in the background; the answer starts on the NumPy path and moves to the fast path "
             f"when they are ready (log: {bg.log_path})]")
-        return stand_in(fast), Kernels("background", bg=bg, fast=fast)
+        # the stand-in's BLAS gets one thread: the other core compiles, and two BLAS threads on a busy core made a
+        # decode step ~10x slower (1.5 vs 22 tokens/s measured); process-wide, so the server's engine thread too
+        from threadpoolctl import threadpool_limits
+        return stand_in(fast), Kernels("background", bg=bg, fast=fast, blas_limit=threadpool_limits(1, "blas"))
     log(f"[compiling {what}; not counted in TTFT or tokens/s]")
     return fast, Kernels("compiled", warm_up(quant, workload, log=lambda line: log(f"  {line}")), fast=fast)
 

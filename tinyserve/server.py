@@ -130,7 +130,7 @@ class FastPathSwitch(Observer):
         self.inner.on_step(engine, loop)
         if self.ready.is_set() and self.kernels.switched_at is None:
             use_model(engine, self.kernels.fast)
-            self.kernels.switched_at = loop.stats.steps
+            self.kernels.switched(loop.stats.steps)
             self.status = f"compiled in the background in {self.kernels.seconds:.1f} s (first run only)"
             print(f"tinyserve: the fast path's kernels are ready ({self.status}); now serving on "
                   f"{_describe(engine.model)}", file=sys.stderr, flush=True)
