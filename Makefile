@@ -3,7 +3,10 @@ PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 PYTHON  := $(BIN)/python
-STAMP   := $(VENV)/.installed
+# one stamp per extra (pyproject's optional-dependencies): each target installs only what it runs
+RUNTIME := $(VENV)/.installed-runtime
+COURSE  := $(VENV)/.installed-course
+TESTS   := $(VENV)/.installed-test
 export NUMBA_CACHE_DIR := $(CURDIR)/.numba_cache
 export PYTHONPATH := $(CURDIR)
 
@@ -33,60 +36,77 @@ help:
 	@echo "make bench-variants  tokens/s of every kernel instruction set this CPU runs (TINYSERVE_KERNELS), interleaved"
 	@echo "make test-blas  the fast tests under other OpenBLAS kernels (BLAS_KERNELS=\"Haswell Sandybridge\")"
 
-$(STAMP): pyproject.toml
+# `make run` needs only the runtime dependencies; Jupyter and the test tools come with the targets that use them
+$(RUNTIME): pyproject.toml
+	@echo "installing tinyserve's runtime dependencies into $(VENV) (first run only) ..."
 	test -x $(PYTHON) || $(PY) -m venv $(VENV)
-	$(PYTHON) -m pip install --quiet --upgrade pip
-	$(PYTHON) -m pip install --quiet -e '.[dev]'
+	$(PYTHON) -m pip install --quiet -e .
 	touch $@
 
-install: $(STAMP)
+$(COURSE): $(RUNTIME)
+	@echo "installing the course extra (Jupyter, nbclient, matplotlib, openai) into $(VENV) (first use only) ..."
+	$(PYTHON) -m pip install --quiet -e '.[course]'
+	touch $@
 
-weights: $(STAMP)
+$(TESTS): $(RUNTIME)
+	@echo "installing the test extra (pytest, hypothesis, openai) into $(VENV) (first use only) ..."
+	$(PYTHON) -m pip install --quiet -e '.[test]'
+	touch $@
+
+install: $(RUNTIME) $(COURSE) $(TESTS)
+
+weights: $(RUNTIME)
 	$(PYTHON) -m tinyserve weights
 
-run: $(STAMP) weights
+# The first run compiles the int8 kernels in the background from the moment numba is installed (the tiny model
+# needs no weights), so the compile overlaps the weights' download; generate answers on the NumPy path meanwhile
+run: $(RUNTIME) compile-start weights
 	$(PYTHON) -m tinyserve generate --chat "$(PROMPT)"
 
-test-fast: $(STAMP) weights
+.PHONY: compile-start
+compile-start: $(RUNTIME)
+	@$(PYTHON) -m tinyserve compile --start
+
+test-fast: $(TESTS) weights
 	$(PYTHON) -m pytest -q -m "not real and not slow"
 
-check-stubs: $(STAMP) weights
+check-stubs: $(TESTS) weights
 	$(PYTHON) tools/check.py --stubs-must-fail all
 
-lessons: $(STAMP) weights
+lessons: $(COURSE) weights
 	$(PYTHON) tools/run_lesson.py all
 
-test: $(STAMP) weights
+test: $(TESTS) $(COURSE) weights
 	$(PYTHON) -m pytest -q
 	$(PYTHON) tools/check.py --stubs-must-fail all
 	$(PYTHON) tools/check.py --wrong-answers-must-fail all
 	$(PYTHON) tools/run_lesson.py all
 
 # LEARNER=1: the notebook runs on your implemented exercise functions (TINYSERVE_SOLUTION=learner)
-lesson-%: $(STAMP) weights
+lesson-%: $(COURSE) weights
 	$(if $(LEARNER),TINYSERVE_SOLUTION=learner) $(PYTHON) tools/run_lesson.py $*
 
 # EX=name: one exercise only; VERBOSE=1: the full traceback of every failing check
-check-%: $(STAMP) weights
+check-%: $(TESTS) weights
 	@$(PYTHON) tools/check.py $* $(if $(EX),--ex $(EX)) $(if $(VERBOSE),--verbose)
 
-check-wrong-answers: $(STAMP) weights
+check-wrong-answers: $(TESTS) weights
 	$(PYTHON) tools/check.py --wrong-answers-must-fail all
 
 # Jupyter Lab on the lessons, with the project's venv as the kernel (plots inline); root (containers) needs --allow-root
-notebook: $(STAMP) weights
+notebook: $(COURSE) weights
 	$(BIN)/jupyter lab --notebook-dir=lessons $(if $(filter 0,$(shell id -u)),--allow-root) $(JUPYTER_ARGS)
 
-bench: $(STAMP) weights
+bench: $(RUNTIME) weights
 	$(PYTHON) -m tinyserve bench
 	$(PYTHON) -m tinyserve speed
 
 SERVE_ARGS ?=
-serve: $(STAMP) weights
+serve: $(RUNTIME) weights
 	$(PYTHON) -m tinyserve serve $(SERVE_ARGS)
 
 # The reference fixture needs PyTorch + transformers in a venv of their own (tinyserve never imports torch).
-fixtures: $(STAMP) weights
+fixtures: $(RUNTIME) weights
 	test -x .venv-ref/bin/python || $(PY) -m venv .venv-ref
 	.venv-ref/bin/pip install --quiet torch==2.13.0 'transformers>=5,<6' 'accelerate>=1,<2' 'gguf>=0.10,<0.20' numpy
 	.venv-ref/bin/python tools/make_reference.py
@@ -105,7 +125,7 @@ peer-venvs:
 	  .venv-ref/bin/pip install --quiet torch==2.13.0 'transformers>=5,<6' 'accelerate>=1,<2' 'gguf>=0.10,<0.20' numpy && \
 	  touch .venv-ref/.installed-peers; }
 
-bench-peers: $(STAMP) weights peer-venvs
+bench-peers: $(RUNTIME) weights peer-venvs
 	$(PYTHON) tools/bench_peers.py $(BENCH_PEERS_ARGS)
 
 # Every kernel variant this CPU runs (kernels/isa.py), each forced in its own process, interleaved (lesson 7)

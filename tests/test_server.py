@@ -369,7 +369,9 @@ def _free_port() -> int:
 def _start(*args: str):
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OPENBLAS_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "tinyserve", "serve", "--model", "tiny", "--port", str(port), *args],
+    # the NumPy reference: these tests are about draining, and need no kernels compiled
+    proc = subprocess.Popen([sys.executable, "-m", "tinyserve", "serve", "--model", "tiny", "--quant", "none",
+                             "--backend", "numpy", "--port", str(port), *args],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     t0 = time.perf_counter()
@@ -490,3 +492,67 @@ def test_real_model_load_run(smol, smol_srv):
             assert res.text == tok.decode(ref, skip_special_tokens=True)
     assert_no_leak(smol_srv)
     print(json.dumps(report.summary()))
+
+
+# --- which path serves (issue 18): the same default as generate, the reference one flag away --------------------
+
+def _serve_args(*extra: str):
+    from tinyserve.__main__ import build_parser
+    return build_parser().parse_args(["serve", "--model", "tiny", "--num-blocks", "64", *extra])
+
+
+def test_serve_defaults_to_generates_fast_path_and_says_so(monkeypatch, tmp_path):
+    from tinyserve import jit
+    from tinyserve.quant import set_backend
+    from tinyserve.server import build
+    monkeypatch.setattr(jit, "cache_dir", lambda: tmp_path)       # cold: no stamp
+    monkeypatch.setattr(jit, "warm_up", lambda quant, workload="kv", log=None: 0.0)   # the kernels load when used
+    lines = []
+    app, name = build(_serve_args("--compile", "wait"), log=lines.append)
+    assert any("compiling the int8 kernels" in line for line in lines)
+    assert (app.state.engine.model.quant, app.state.engine.model.backend, app.state.engine.backend) == \
+        ("int8", "numba", "numba")
+    with ServerThread(app) as s:
+        h = health(s)
+        assert h["path"] == "int8 weights (W8A32), numba backend" and h["kernels"] == "compiled at start"
+        assert httpx.get(s.url + "/v1/models").json()["data"][0]["path"] == h["path"]
+        r = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 6,
+                                                        "temperature": 0, "ignore_eos": True}, timeout=120).json()
+    ref = Engine(set_backend(ts.tiny_model(seed=0), "int8", "numba"), num_blocks=64).generate(
+        [[5, 6, 7, 8]], SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True))[0]
+    assert r["choices"][0]["text"] == TOK.decode(ref)
+
+
+def test_serve_runs_the_reference_one_flag_away():
+    from tinyserve.server import build
+    app, _ = build(_serve_args("--quant", "none", "--backend", "numpy"))
+    with ServerThread(app) as s:
+        h = health(s)
+    assert h["path"] == "float32, numpy backend" and h["kernels"] == "none needed (NumPy)"
+
+
+def test_serve_moves_to_the_fast_path_once_the_background_compile_is_done(monkeypatch, tmp_path):
+    """Cold start: the server answers at once on the NumPy stand-in; when the (fake, 1 s) compile is done it swaps
+    the engine's model at a step boundary, and says so on /health."""
+    from tinyserve import jit
+    from tinyserve.server import build
+    stamp = tmp_path / "tinyserve-warm-int8-engine.json"
+    code = (f"import time, pathlib; time.sleep(1.0); "
+            f"pathlib.Path({str(stamp)!r}).write_text({json.dumps(json.dumps(jit.cache_key('int8', 'engine')))})")
+    monkeypatch.setattr(jit, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(jit, "compile_argv", lambda quant, workload: [sys.executable, "-c", code])
+    monkeypatch.setattr(jit, "warm_up", lambda quant, workload="kv", log=None: 0.0)
+    app, _ = build(_serve_args(), log=lambda line: None)
+    body = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    with ServerThread(app) as s:
+        h = health(s)
+        assert h["path"] == "float32, numpy backend" and h["kernels"].startswith("compiling in the background")
+        first = httpx.post(s.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        t0 = time.perf_counter()
+        while not health(s)["path"].startswith("int8"):   # the swap happens after a step: keep the engine busy
+            httpx.post(s.url + "/v1/completions", json=body, timeout=60)
+            assert time.perf_counter() - t0 < 60, health(s)
+        h = health(s)
+        assert h["kernels"].startswith("compiled in the background in") and app.state.engine.backend == "numba"
+        again = httpx.post(s.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+    assert again == first          # the stand-in computes the int8 model: greedy gives the same answer

@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
 
 from .weights import DEFAULT_WEIGHTS_DIR, WeightsError, fetch_weights
+
+T_START = time.time()   # when this process started (as good as): the origin of generate's JSON timeline
 
 
 def strategies() -> dict:
@@ -53,10 +56,22 @@ def speculative_engine_kwargs(args, model) -> dict:
                 draft_model=draft_model_for(kind, args.weights))
 
 
-def cmd_generate(args) -> int:
-    from .sampling import SamplingParams
+def load_for_cli(args):
+    """(tokenizer, model) for --model smollm2 (the converted weights) or tiny (random, a character tokenizer)."""
+    from .quant import set_backend
+    if getattr(args, "model", "smollm2") == "tiny":
+        from .server import CharTokenizer
+        from .weights import tiny_model
+        return CharTokenizer(), set_backend(tiny_model(seed=0), args.quant, args.backend)
     from .tokenizer import load_tokenizer
     from .weights import load_model
+    return load_tokenizer(args.weights), load_model(args.weights, quant=args.quant, backend=args.backend)
+
+
+def cmd_generate(args) -> int:
+    from . import jit
+    from .model import check_token_ids
+    from .sampling import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             repetition_penalty=args.repetition_penalty, max_new_tokens=args.max_new_tokens,
@@ -71,10 +86,20 @@ def cmd_generate(args) -> int:
         if not prompt:
             raise ValueError("generate -: stdin was empty; pipe a prompt in, e.g. `echo hi | python -m tinyserve "
                              "generate -`")
-    tok = load_tokenizer(args.weights)
-    model = load_model(args.weights, quant=args.quant, backend=args.backend)
+    if args.speculative and args.model == "tiny":
+        raise ValueError("--speculative needs the real model (its drafters load SmolLM2's weights)")
+    tok, model = load_for_cli(args)
     text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if args.chat else prompt
     ids = tok.encode(text)   # every strategy validates it (check_token_ids) before its first token
+    kernels = None
+    if model.backend == "numba" and model.quant != "none":
+        check_token_ids(model.config, ids)     # before any compile starts: bad input answers at once, alone
+        # lesson 7: the kernels are loaded or compiled before the clock starts. Cold, the kv strategy answers on the
+        # NumPy path while a child process compiles, and switches between two tokens (jit.py); the other strategies
+        # (and --compile wait) compile here first, announced.
+        background = args.compile == "background" and strategy in ("kv", "naive") and not args.speculative
+        log = lambda line: print(line, file=sys.stderr, flush=True)   # noqa: E731
+        model, kernels = jit.prepare(model, jit.workload_for(strategy), background, log)
     generate_stream = table[strategy]
     spec = None
     if args.speculative:     # lesson 6
@@ -94,35 +119,112 @@ def cmd_generate(args) -> int:
             raise ValueError(f"--speculative works with --strategy kv or paged, not {strategy!r}")
     stream = tok.stream_decoder()
     out: list[int] = []
+    stamps: list[float] = []     # the model's clock at each token: time spent loading kernels is taken out
+    paused = 0.0
+    # on the numba path BLAS stays at one thread (kernels/__init__.py), and on the NumPy stand-in (jit.prepare)
+    blas = contextlib.nullcontext()
+    if kernels is not None:
+        from .kernels import single_thread_blas
+        blas = single_thread_blas()
+    timeline = {"ready": time.time() - T_START}   # seconds since start: model loaded, kernels loaded or started
     t0 = time.perf_counter()
-    ttft = None
-    for token in generate_stream(model, ids, args.max_new_tokens, params, tok):
-        if ttft is None:
-            ttft = time.perf_counter() - t0
-        out.append(token)
-        if not args.json:
-            print(stream.push(token), end="", flush=True)
-    total = time.perf_counter() - t0
+    try:
+        with blas:
+            tokens = generate_stream(model, ids, args.max_new_tokens, params, tok)
+            for token in tokens:
+                stamps.append(time.perf_counter() - t0 - paused)
+                out.append(token)
+                if not args.json:
+                    print(stream.push(token), end="", flush=True)
+                if kernels is not None and kernels.bg is not None:   # a safe point: the next forward has not started
+                    paused += kernels.switch(model, len(out))
+    except BaseException:
+        if kernels is not None and kernels.bg is not None:
+            kernels.bg.stop()
+        raise
+    ttft, total = stamps[0], stamps[-1]
+    timeline |= {"first_token": timeline["ready"] + ttft, "answer_done": time.time() - T_START}
+    n_slow = len(out)            # tokens computed on the NumPy stand-in (all of them, unless it switched)
+    fast = None                  # the fast path's (TTFT, tokens/s), replayed after a background compile
+    answer_ended = False         # its last characters and newline printed (before waiting for the compile)
+    if kernels is not None and kernels.bg is not None:
+        if kernels.switched_at is None:   # the answer outran the compile: finish it, so the next run starts fast
+            if not args.json:
+                print(stream.flush(), flush=True)
+                answer_ended = True
+            if not kernels.bg.done():
+                print("[the answer is done; the kernels are still compiling (first run only), so that the next "
+                      "run starts on the fast path:]", file=sys.stderr, flush=True)
+            kernels.bg.wait(log=lambda line: print(f"  {line}", file=sys.stderr, flush=True))
+            kernels.switch(model, len(out))
+            if kernels.switched_at is not None:
+                fast = jit.replay(model, list(ids), out)
+                timeline["replayed"] = time.time() - T_START
+        else:
+            n_slow = kernels.switched_at
+        if kernels.seconds is not None:
+            timeline |= {"compile_started": kernels.bg.started - T_START,
+                         "compiled": kernels.bg.started + kernels.seconds - T_START}
     # no rate after a single token: null in JSON (NaN is not JSON), "n/a" in the summary
     decode_rate = (len(out) - 1) / (total - ttft) if len(out) > 1 and total > ttft else None
     if args.json:
         print(json.dumps({"strategy": strategy, "quant": model.quant, "backend": model.backend, "prompt_ids": ids,
                           "output_ids": out,
                           "text": tok.decode(out, skip_special_tokens=True), "ttft_s": ttft,
-                          "tokens_per_s": decode_rate, "total_s": total}
+                          "tokens_per_s": decode_rate, "total_s": total, "timeline_s": timeline}
+                         | ({"kernels": kernels_json(kernels, n_slow, fast)} if kernels is not None else {})
                          | ({"speculative": args.speculative,   # None, not NaN, when nothing was drafted
                              "draft_alpha": spec.alpha if spec.accepted + spec.rejected else None,
                              "tokens_per_step": spec.tokens_per_step if spec.steps else None}
                             if spec is not None else {}),
                          allow_nan=False))
     else:
-        print(stream.flush())
-        rate = "n/a" if decode_rate is None else f"{decode_rate:.1f}"
+        if not answer_ended:
+            print(stream.flush())
         extra = (f"; {args.speculative} drafts: α {spec.alpha:.2f}, {spec.tokens_per_step:.2f} tokens per forward"
                  if spec is not None else "")
         print(f"\n[{strategy}, {describe_backend(model)}: {len(ids)} prompt tokens, {len(out)} new; "
-              f"TTFT {ttft * 1e3:.0f} ms, {rate} tokens/s after the first{extra}]", file=sys.stderr)
+              f"{timing_summary(kernels, stamps, n_slow, fast)}{extra}]", file=sys.stderr)
     return 0
+
+
+def _rate(stamps: list[float], lo: int, hi: int) -> float | None:
+    """tokens/s of tokens lo+1..hi-1 (each one's time is the gap after the token before it)."""
+    n = hi - lo - 1
+    return n / (stamps[hi - 1] - stamps[lo]) if n > 0 and stamps[hi - 1] > stamps[lo] else None
+
+
+def _fmt(rate: float | None) -> str:
+    return "n/a" if rate is None else f"{rate:.1f}"
+
+
+def timing_summary(kernels, stamps: list[float], n_slow: int, fast) -> str:
+    """The summary's timing: the model's TTFT and tokens/s, and, apart, what the kernels cost this run."""
+    n = len(stamps)
+    ttft = f"TTFT {stamps[0] * 1e3:.0f} ms"
+    if kernels is None:
+        return f"{ttft}, {_fmt(_rate(stamps, 0, n))} tokens/s after the first"
+    if kernels.how == "cache":
+        return (f"{ttft}, {_fmt(_rate(stamps, 0, n))} tokens/s after the first; kernels loaded from the on-disk "
+                f"cache in {kernels.seconds:.1f} s (not timed)")
+    if kernels.how == "compiled":
+        return (f"{ttft}, {_fmt(_rate(stamps, 0, n))} tokens/s after the first; compiling the kernels took "
+                f"{kernels.seconds:.1f} s (first run only, not timed)")
+    took = (f"compiled in the background in {kernels.seconds:.1f} s, first run only" if kernels.seconds is not None
+            else "the background compile failed: see " + str(kernels.bg.log_path))
+    head = f"{ttft} on the NumPy path while the kernels compiled ({took})"
+    if n_slow < n:     # switched within the answer
+        return (f"{head}: {_fmt(_rate(stamps, 0, n_slow))} tokens/s for the first {n_slow}, then the fast path: "
+                f"{_fmt(_rate(stamps, n_slow - 1, n))} tokens/s for the other {n - n_slow}")
+    if fast is None:
+        return f"{head}: {_fmt(_rate(stamps, 0, n))} tokens/s after the first"
+    return (f"{head}: {_fmt(_rate(stamps, 0, n))} tokens/s; the fast path, measured once compiled on the same "
+            f"tokens: TTFT {fast[0] * 1e3:.0f} ms, {_fmt(fast[1])} tokens/s after the first")
+
+
+def kernels_json(kernels, n_slow: int, fast) -> dict:
+    return {"how": kernels.how, "seconds": kernels.seconds, "numpy_tokens": n_slow if kernels.bg else 0,
+            "fast_ttft_s": fast[0] if fast else None, "fast_tokens_per_s": fast[1] if fast else None}
 
 
 def describe_backend(model) -> str:
@@ -142,6 +244,11 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
                         "less accurate; none = float32, the reference)")
     p.add_argument("--backend", default="numba", choices=["numpy", "numba"],
                    help="numba: the fused kernels (default); numpy: the readable reference")
+
+
+def cmd_compile(args) -> int:
+    from . import jit
+    return jit.main(args)
 
 
 def cmd_speed(args) -> int:
@@ -174,6 +281,13 @@ def cmd_serve(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tinyserve", description="tinyserve: a from-scratch LLM engine")
     sub = p.add_subparsers(dest="command", required=True)
+    k = sub.add_parser("compile", help="compile one path's Numba kernels into the on-disk cache (the first run does "
+                                       "it in the background by itself)")
+    k.add_argument("--quant", default="int8", choices=["int8", "w8a8"])
+    k.add_argument("--workload", default="kv", choices=["kv", "engine"],
+                   help="kv: generate's kernels; engine: also the paged attention of chat, serve and bench")
+    k.add_argument("--start", action="store_true", help="start it in the background and return (nothing if warm)")
+    k.set_defaults(func=cmd_compile)
     g = sub.add_parser("generate", help="generate text from a prompt, streamed")
     g.add_argument("prompt", help="the prompt text, or - to read it from stdin")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -188,7 +302,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument("--weights", default=str(DEFAULT_WEIGHTS_DIR))
+    g.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"],
+                   help="tiny: a random 2-layer model with a character tokenizer (tests; answers are noise)")
     add_backend_args(g)
+    g.add_argument("--compile", default="background", choices=["background", "wait"],
+                   help="first run (empty Numba cache): answer on the NumPy path while the kernels compile in the "
+                        "background (default), or compile first (wait); neither is counted in TTFT or tokens/s")
     add_speculative_options(g)
     g.set_defaults(func=cmd_generate)
 
@@ -253,8 +372,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch-tokens", type=int, default=256, help="per-step token budget (chunked prefill)")
     s.add_argument("--max-running", type=int, default=64, help="most requests in one running batch")
     s.add_argument("--max-waiting", type=int, default=128, help="waiting queue bound; beyond it: HTTP 429")
-    s.add_argument("--backend", default=None, help="numpy | numba, for load_model and the Engine (default: theirs)")
-    s.add_argument("--quant", default=None, help="weight format for load_model, e.g. int8 (default: load_model's)")
+    add_backend_args(s)     # the same default as generate and chat: int8 on numba
+    s.add_argument("--compile", default="background", choices=["background", "wait"],
+                   help="first run (empty Numba cache): serve on the NumPy path while the kernels compile in the "
+                        "background and move to the fast path when ready (default), or compile before serving")
     s.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix trie (lesson 5) off")
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let streams in flight finish before cancelling them")

@@ -126,6 +126,11 @@ def main(args) -> int:
     from .quant import set_backend
     model = tiny_model(seed=0) if args.model == "tiny" else load_model(args.weights)
     model = set_backend(model, args.quant, args.backend, None if args.model == "tiny" else args.weights)
+    if model.backend == "numba" and model.quant != "none":   # lesson 7: compile (announced) before anything is timed
+        from . import jit
+        _, kernels = jit.prepare(model, "engine", background=False, log=print)
+        print(f"kernels: {'loaded from the on-disk cache' if kernels.how == 'cache' else 'compiled'} in "
+              f"{kernels.seconds:.1f} s (not timed)")
     parse = lambda s: tuple(int(x) for x in s.split(":")) * (1 if ":" in s else 2)  # noqa: E731  "a:b" or "a"
     workload = Workload(args.requests, parse(args.prompt_len), parse(args.output_len), args.seed,
                         getattr(args, "shared_prefix", 0))

@@ -117,9 +117,10 @@ def chat_turn(engine, conv: Conversation, user_text: str, params: SamplingParams
 
 def chat_loop(engine, tokenizer, lines: Iterable[str], params: SamplingParams, out: TextIO | None = None,
               err: TextIO | None = None, system: str = DEFAULT_SYSTEM_PROMPT,
-              prompt_marker: str = "") -> list[TurnStats]:
+              prompt_marker: str = "", before_turn=None) -> list[TurnStats]:
     """Read user lines until EOF or /quit; answer each, streamed to `out`; report per turn on `err`
-    (default: stdout and stderr, looked up at call time)."""
+    (default: stdout and stderr, looked up at call time). before_turn(): called before each turn (between two
+    turns no request is in the engine: a safe point to switch its model)."""
     out, err = sys.stdout if out is None else out, sys.stderr if err is None else err
     conv = Conversation(tokenizer, system)
     turns: list[TurnStats] = []
@@ -131,6 +132,8 @@ def chat_loop(engine, tokenizer, lines: Iterable[str], params: SamplingParams, o
         if text in ("/quit", "/exit"):
             break
         if text:
+            if before_turn is not None:
+                before_turn()
             try:
                 drop = turns_to_drop(engine, conv, text, params)
                 if drop is None:
@@ -167,15 +170,37 @@ def main(args) -> int:
                             seed=args.seed)
     tok = load_tokenizer(args.weights)
     from .__main__ import describe_backend, speculative_engine_kwargs
+    from . import jit
     model = load_model(args.weights, quant=args.quant, backend=args.backend)
     print(f"[{describe_backend(model)}]", file=sys.stderr)
+    kernels = None
+    log = lambda line: print(line, file=sys.stderr, flush=True)   # noqa: E731
+    if model.backend == "numba" and model.quant != "none":   # lesson 7: never compile inside a timed turn
+        model, kernels = jit.prepare(model, "engine", background=not args.speculative, log=log)
     engine = Engine(model, num_blocks=args.num_blocks, block_size=args.block_size,
                     tokenizer=tok, prefix_caching=not args.no_prefix_cache, **speculative_engine_kwargs(args, model))
+
+    def before_turn() -> None:   # cold start: once the background compile is done, the next turn runs fast
+        if kernels is not None and kernels.bg is not None and kernels.switched_at is None and kernels.bg.ok:
+            kernels.seconds = kernels.bg.seconds
+            kernels.load_seconds = jit.warm_up(kernels.fast.quant, "engine")
+            jit.use_model(engine, kernels.fast)
+            kernels.switched(0)
+            log(f"[the kernels compiled in the background in {kernels.seconds:.1f} s: from this turn on, "
+                f"{describe_backend(engine.model)}]")
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"tinyserve chat: prefix caching {'off' if args.no_prefix_cache else 'on'}, "
               f"{args.num_blocks} KV blocks of {args.block_size}. Type a message; /quit or Ctrl-D ends.",
               file=sys.stderr)
-    chat_loop(engine, tok, sys.stdin, params, system=args.system or DEFAULT_SYSTEM_PROMPT,
-              prompt_marker="> " if interactive else "")
+    try:
+        chat_loop(engine, tok, sys.stdin, params, system=args.system or DEFAULT_SYSTEM_PROMPT,
+                  prompt_marker="> " if interactive else "", before_turn=before_turn)
+    except BaseException:
+        if kernels is not None and kernels.bg is not None:
+            kernels.bg.stop()
+        raise
+    if kernels is not None and kernels.bg is not None and not kernels.bg.done():
+        log("[the chat is over; the kernels are still compiling (first run only), so that the next start is fast:]")
+        kernels.bg.wait(log=lambda line: log(f"  {line}"))
     return 0

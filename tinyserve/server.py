@@ -97,6 +97,50 @@ class Metrics(Observer):
         self.blocks_total.set(snap["kv_blocks_total"])
 
 
+class FastPathSwitch(Observer):
+    """Lesson 7's first run, served: while the kernels compile in a child process the engine runs the NumPy stand-in
+    (jit.py); a watcher thread waits for the compile and loads the kernels, then the engine thread swaps the model
+    after its next step (a step boundary: no forward in flight). Passes every hook on to `inner` (the metrics)."""
+
+    def __init__(self, inner: Observer, kernels):
+        self.inner, self.kernels = inner, kernels
+        self.ready = threading.Event()
+        self.status = "compiling in the background; serving on the NumPy path meanwhile"
+        threading.Thread(target=self._watch, name="tinyserve-jit", daemon=True).start()
+
+    def _watch(self) -> None:
+        from .jit import warm_up
+        k = self.kernels
+        if not k.bg.wait():
+            self.status = f"the background compile failed (see {k.bg.log_path}); serving on the NumPy path"
+            print(f"tinyserve: {self.status}", file=sys.stderr, flush=True)
+            return
+        k.seconds = k.bg.seconds
+        k.load_seconds = warm_up(k.fast.quant, k.bg.workload)    # in this thread: the engine keeps stepping
+        self.ready.set()
+
+    def on_token(self, handle, now) -> None:
+        self.inner.on_token(handle, now)
+
+    def on_finish(self, handle, reason, hit_tokens, prompt_tokens) -> None:
+        self.inner.on_finish(handle, reason, hit_tokens, prompt_tokens)
+
+    def on_step(self, engine: Engine, loop: EngineLoop) -> None:
+        from .jit import use_model
+        self.inner.on_step(engine, loop)
+        if self.ready.is_set() and self.kernels.switched_at is None:
+            use_model(engine, self.kernels.fast)
+            self.kernels.switched(loop.stats.steps)
+            self.status = f"compiled in the background in {self.kernels.seconds:.1f} s (first run only)"
+            print(f"tinyserve: the fast path's kernels are ready ({self.status}); now serving on "
+                  f"{_describe(engine.model)}", file=sys.stderr, flush=True)
+
+
+def _describe(model) -> str:
+    from .__main__ import describe_backend
+    return describe_backend(model)
+
+
 class CharTokenizer:
     """For `--model tiny` (a random 256-token model): token id i is the character chr(i), ids 0-2 are special
     (2 = EOS). Enough to exercise the server end to end in milliseconds; its outputs are random characters."""
@@ -142,13 +186,15 @@ class _Prepared:
     stop: tuple[str, ...]
 
 
-def create_app(engine: Engine, tokenizer, model_name: str, max_waiting: int = 64) -> FastAPI:
+def create_app(engine: Engine, tokenizer, model_name: str, max_waiting: int = 64, kernels=None) -> FastAPI:
     """The FastAPI app serving `engine` under `model_name`. Its lifespan starts the engine thread and, at
-    shutdown (after uvicorn has drained the connections), cancels whatever is still in."""
+    shutdown (after uvicorn has drained the connections), cancels whatever is still in. kernels (a jit.Kernels):
+    how the fast path's kernels came; while they compile in the background, the engine moves to them when ready."""
     if engine.tokenizer is None:
         engine.tokenizer = tokenizer         # the engine's stop checker decodes with it
     metrics = Metrics()
-    loop = EngineLoop(engine, max_waiting=max_waiting, observer=metrics)
+    switch = FastPathSwitch(metrics, kernels) if kernels is not None and kernels.bg is not None else None
+    loop = EngineLoop(engine, max_waiting=max_waiting, observer=switch or metrics)
     cfg = engine.config
     # the most positions one request may use: the model's window, and the pool (a request may not need more
     # blocks than the whole pool, or it could never run)
@@ -169,6 +215,16 @@ def create_app(engine: Engine, tokenizer, model_name: str, max_waiting: int = 64
 
     app = FastAPI(title="tinyserve", lifespan=lifespan)
     app.state.loop, app.state.metrics, app.state.engine = loop, metrics, engine
+
+    def path() -> dict:
+        """Which path answers now (lesson 7): the default is int8 on numba, as for generate and chat."""
+        if switch is not None:
+            status = switch.status
+        elif kernels is not None:
+            status = {"cache": "loaded from the on-disk cache", "compiled": "compiled at start"}[kernels.how]
+        else:
+            status = "none needed (NumPy)"
+        return {"path": _describe(engine.model), "kernels": status}
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
@@ -352,7 +408,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, max_waiting: int = 64
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "tinyserve", "max_model_len": max_context,
-                                            "vocab_size": cfg.vocab_size}]}
+                                            "vocab_size": cfg.vocab_size, **path()}]}
 
     @app.get("/health")
     async def health():
@@ -361,7 +417,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, max_waiting: int = 64
         status = "ok" if ok else ("draining" if loop.alive else "stopped")
         if loop.failure is not None:
             status = f"failed: {type(loop.failure).__name__}: {loop.failure}"
-        return JSONResponse({"status": status, "model": model_name, **snap}, status_code=200 if ok else 503)
+        return JSONResponse({"status": status, "model": model_name, **path(), **snap},
+                            status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def prometheus():
@@ -410,25 +467,23 @@ class ServerThread:
         self.stop()
 
 
-def build(args) -> tuple[FastAPI, str]:
-    """The app the `serve` subcommand runs, from its options (also used by the tests)."""
-    from .weights import load_model, tiny_model
+def build(args, log=None) -> tuple[FastAPI, str]:
+    """The app the `serve` subcommand runs, from its options (also used by the tests). The default path is
+    generate's: int8 weights on the Numba kernels (`--quant none --backend numpy`: the float32 reference)."""
+    from . import jit
+    from .__main__ import load_for_cli
 
-    if args.model == "tiny":
-        model, tok, name = tiny_model(seed=0), CharTokenizer(), "tiny"
-    else:
-        from .tokenizer import load_tokenizer
-        # --quant and --backend are handed to load_model (and --backend to the Engine) only when given: the
-        # defaults stay theirs, and the fastest path is switched on from the command line
-        load_kw = {k: v for k, v in (("quant", args.quant), ("backend", args.backend)) if v}
-        model = load_model(args.weights, **load_kw)
-        tok, name = load_tokenizer(args.weights), "smollm2-135m-instruct"
-    engine_kw = {"backend": args.backend} if args.backend else {}
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    tok, model = load_for_cli(args)
+    name = "tiny" if args.model == "tiny" else "smollm2-135m-instruct"
+    kernels = None
+    if model.backend == "numba" and model.quant != "none":
+        model, kernels = jit.prepare(model, "engine", args.compile == "background", log)
     engine = Engine(model, num_blocks=args.num_blocks, block_size=args.block_size,
                     max_batch_tokens=args.max_batch_tokens, max_running=args.max_running, tokenizer=tok,
-                    prefix_caching=not args.no_prefix_cache, **engine_kw)
+                    prefix_caching=not args.no_prefix_cache)
     name = args.served_model_name or name
-    return create_app(engine, tok, name, max_waiting=args.max_waiting), name
+    return create_app(engine, tok, name, max_waiting=args.max_waiting, kernels=kernels), name
 
 
 def main(args) -> int:
@@ -436,8 +491,9 @@ def main(args) -> int:
     import uvicorn
 
     app, name = build(args)
-    print(f"tinyserve: serving {name!r} on http://{args.host}:{args.port} (OpenAI API under /v1; /health, /metrics)",
-          file=sys.stderr, flush=True)
+    print(f"tinyserve: serving {name!r} on http://{args.host}:{args.port} with {_describe(app.state.engine.model)} "
+          f"(OpenAI API under /v1; /health and /v1/models say which path answers; /metrics)", file=sys.stderr,
+          flush=True)
     # uvicorn handles SIGTERM/SIGINT: stop listening, let the streams in flight finish for up to drain_timeout,
     # then cancel the rest (their finally blocks abort them in the engine) and run the lifespan shutdown, which
     # prints the summary. Then uvicorn re-raises the signal, so the process ends the way its sender expects.
