@@ -57,8 +57,26 @@ def _arch() -> str:
     return "x86" if m in ("x86_64", "amd64", "i686", "i386") else "arm64" if m in ("arm64", "aarch64") else m
 
 
+# arm64 Linux: LLVM's host features come from a short list of /proc/cpuinfo's (neon, fp-armv8, crc, lse, aes, sha2,
+# sve...) and never include dotprod; the kernel's AT_HWCAP bits say what the CPU has (asm/hwcap.h)
+_HWCAP_BITS = {"fp-armv8": 1 << 0, "neon": 1 << 1, "dotprod": 1 << 20}
+
+
+def _arm64_hwcaps() -> dict[str, bool]:
+    if _arch() != "arm64" or platform.system() != "Linux":
+        return {}
+    import ctypes
+    try:
+        getauxval = ctypes.CDLL(None).getauxval
+    except (OSError, AttributeError):
+        return {}
+    getauxval.restype, getauxval.argtypes = ctypes.c_ulong, [ctypes.c_ulong]
+    hwcap = getauxval(16)                                    # AT_HWCAP
+    return {f: True for f, bit in _HWCAP_BITS.items() if hwcap & bit}
+
+
 def host_features() -> dict[str, bool]:
-    return dict(llvm.get_host_cpu_features())
+    return {**dict(llvm.get_host_cpu_features()), **_arm64_hwcaps()}
 
 
 def supported(features: dict[str, bool] | None = None, arch: str | None = None) -> list[str]:
@@ -88,6 +106,9 @@ def choose(env: dict | None = None, features: dict[str, bool] | None = None, arc
 
 def forced_features(name: str, features: dict[str, bool] | None = None) -> str | None:
     """The NUMBA_CPU_FEATURES string that compiles for `name` on this CPU (None: the CPU's own features)."""
+    if name == "neon":                     # LLVM's own host features lack dotprod (see _arm64_hwcaps): pin ours
+        features = host_features() if features is None else features
+        return ",".join(("+" if on else "-") + f for f, on in sorted(features.items()))
     if name not in _ABOVE:
         return None
     features = host_features() if features is None else features
