@@ -57,13 +57,16 @@ def _arch() -> str:
     return "x86" if m in ("x86_64", "amd64", "i686", "i386") else "arm64" if m in ("arm64", "aarch64") else m
 
 
+ARCH = _arch()     # "x86" | "arm64" | what the machine says (kernels/spin.py picks its instructions by it too)
+
+
 # arm64 Linux: LLVM's host features come from a short list of /proc/cpuinfo's (neon, fp-armv8, crc, lse, aes, sha2,
 # sve...) and never include dotprod; the kernel's AT_HWCAP bits say what the CPU has (asm/hwcap.h)
 _HWCAP_BITS = {"fp-armv8": 1 << 0, "neon": 1 << 1, "dotprod": 1 << 20}
 
 
 def _arm64_hwcaps() -> dict[str, bool]:
-    if _arch() != "arm64" or platform.system() != "Linux":
+    if ARCH != "arm64" or platform.system() != "Linux":
         return {}
     import ctypes
     try:
@@ -82,7 +85,7 @@ def host_features() -> dict[str, bool]:
 def supported(features: dict[str, bool] | None = None, arch: str | None = None) -> list[str]:
     """The variants this CPU can run, fastest first."""
     features = host_features() if features is None else features
-    arch = _arch() if arch is None else arch
+    arch = ARCH if arch is None else arch
     return [v.name for v in VARIANTS.values()
             if v.arch in (arch, "any") and all(features.get(f, False) for f in v.needs)]
 

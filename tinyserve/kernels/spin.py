@@ -21,23 +21,22 @@ other on one thread: a deadlock). So decode_step uses it only under `omp`, and e
 """
 from __future__ import annotations
 
-import platform
-
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+from .isa import ARCH
 
 # layout of the int64 `sync` array: each field on its own 64-byte cache line, so that spinning on one does not
 # slow the atomic increments of another
 COUNT, GENERATION, FAILED, SYNC_SIZE = 0, 8, 16, 24
 # a wait this long means a partner never came: ~3-5 s of x86's time-stamp counter (2-3 GHz), 4-10 s of arm64's
 # generic timer at 24-62 MHz (Apple, Graviton 2/3), 0.25 s where it runs at 1 GHz
-TIMEOUT_CYCLES = 10_000_000_000 if platform.machine().lower() in ("x86_64", "amd64") else 250_000_000
+TIMEOUT_CYCLES = 10_000_000_000 if ARCH == "x86" else 250_000_000
 
 _I64 = ir.IntType(64)
-_ARCH = platform.machine().lower()
-HAS_CLOCK = _ARCH in ("x86_64", "amd64", "i686", "i386", "arm64", "aarch64")   # a counter the deadline can read
+HAS_CLOCK = ARCH in ("x86", "arm64")          # a counter the deadline can read
 
 
 def _element(context, builder, array_type, array, index):
@@ -77,11 +76,11 @@ def cpu_relax(typingctx):
     """The spin-wait hint of this CPU: x86 `pause`, arm64 `yield` (less power, the partner thread gets the core's
     resources), nothing elsewhere. An x86 intrinsic in an arm64 build would not compile at all."""
     def codegen(context, builder, signature, args):
-        if _ARCH in ("x86_64", "amd64", "i686", "i386"):
+        if ARCH == "x86":
             fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
                                                 "llvm.x86.sse2.pause")
             builder.call(fn, [])
-        elif _ARCH in ("arm64", "aarch64"):
+        elif ARCH == "arm64":
             fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(32)]),
                                                 "llvm.aarch64.hint")
             builder.call(fn, [ir.Constant(ir.IntType(32), 1)])          # hint #1 = yield
@@ -94,7 +93,7 @@ def cycle_counter(typingctx):
     """A clock that costs ~20 cycles to read: x86's time-stamp counter (rdtsc); elsewhere LLVM's steady counter
     (arm64: the generic timer, CNTVCT_EL0: its cycle counter PMCCNTR_EL0 traps in user space on Linux)."""
     def codegen(context, builder, signature, args):
-        name = "llvm.readcyclecounter" if _ARCH in ("x86_64", "amd64", "i686", "i386") else "llvm.readsteadycounter"
+        name = "llvm.readcyclecounter" if ARCH == "x86" else "llvm.readsteadycounter"
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I64, []), name)
         return builder.call(fn, [])
     return types.int64(), codegen
