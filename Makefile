@@ -35,6 +35,7 @@ help:
 	@echo "make bench-peers  tinyserve vs llama.cpp and PyTorch on this machine, interleaved (builds llama.cpp: ~12 min once)"
 	@echo "make bench-variants  tokens/s of every kernel instruction set this CPU runs (TINYSERVE_KERNELS), interleaved"
 	@echo "make test-blas  the fast tests under other OpenBLAS kernels (BLAS_KERNELS=\"Haswell Sandybridge\")"
+	@echo "make bench-quant  accuracy and tokens/s of float32, int8, W8A8 per token, SmoothQuant and W8A8-64 (lesson 7)"
 
 # `make run` needs only the runtime dependencies; Jupyter and the test tools come with the targets that use them
 $(RUNTIME): pyproject.toml
@@ -129,13 +130,18 @@ bench-peers: $(RUNTIME) weights peer-venvs
 	$(PYTHON) tools/bench_peers.py $(BENCH_PEERS_ARGS)
 
 # Every kernel variant this CPU runs (kernels/isa.py), each forced in its own process, interleaved (lesson 7)
-bench-variants: $(STAMP) weights
+bench-variants: $(RUNTIME) weights
 	$(PYTHON) tools/bench_variants.py $(BENCH_VARIANTS_ARGS)
+
+# W8A8's accuracy against its speed (lesson 7, "outliers"): float32, int8, W8A8 per token, SmoothQuant, W8A8-64
+.PHONY: bench-quant
+bench-quant: $(RUNTIME) weights
+	$(PYTHON) tools/quant_table.py $(BENCH_QUANT_ARGS)
 
 # The float tests under other OpenBLAS kernels (issue 23): Haswell is what AMD Zen and every AVX2 CPU gets,
 # Sandybridge/Nehalem older ones. CI never sets OPENBLAS_CORETYPE; this is for checking a change on other CPUs.
 BLAS_KERNELS ?= Haswell Sandybridge
-test-blas: $(STAMP) weights
+test-blas: $(TESTS) weights
 	for k in $(BLAS_KERNELS); do echo "== OPENBLAS_CORETYPE=$$k"; \
 	  OPENBLAS_CORETYPE=$$k $(PYTHON) -m pytest -q -m "not slow" -p no:cacheprovider || exit 1; done
 

@@ -37,9 +37,13 @@ GREEDY12 = SamplingParams(temperature=0.0, ignore_eos=True, max_new_tokens=12)
 
 @pytest.fixture(scope="module")
 def tiny_fast():
-    """mode -> the tiny model quantised, on the numba backend."""
-    base = ts.tiny_model(seed=0)
-    return {mode: quant.set_backend(quant.quantize_model(base, mode), mode, "numba") for mode in ("int8", "w8a8")}
+    """mode -> the tiny model quantised, on the numba backend; for w8a8-64 a tiny model whose matrices' inputs
+    split into blocks of 64 (D = 128: 2 blocks, F = 192: 3; the default tiny model's F = 160 does not)."""
+    out = {}
+    for mode in ("int8", "w8a8", "w8a8-64"):
+        base = ts.tiny_model(seed=0, **({"dim": 128, "intermediate_size": 192} if mode == "w8a8-64" else {}))
+        out[mode] = quant.set_backend(quant.quantize_model(base, mode), mode, "numba")
+    return out
 
 
 @njit(cache=True)
@@ -140,13 +144,13 @@ def test_fused_step_equals_three_calls_on_paged_blocks(tiny_fast, B, bs, seed, c
         k, v, tables, lens, tokens = _paged_case(model, B, ctx[:B], bs, seed)
         k3, v3 = k.copy(), v.copy()
         want = _paged_step(model, k3, v3, tables, lens, tokens, fused=False)
-        if mode == "w8a8":
+        if quant.is_w8a8(mode):
             with pytest.MonkeyPatch.context() as mp:      # the one difference: SiLU's exp
                 mp.setattr(fast, "silu_exp", _exp32_array)
                 k32, v32 = k.copy(), v.copy()
                 want_exp32 = _paged_step(model, k32, v32, tables, lens, tokens, fused=False)
         got = _paged_step(model, k, v, tables, lens, tokens, fused=True)
-        if mode == "w8a8":
+        if quant.is_w8a8(mode):
             assert np.array_equal(got, want_exp32), f"max diff {np.abs(got - want_exp32).max():.3g}"
             assert np.array_equal(k, k32) and np.array_equal(v, v32)
             # NumPy's exp vs exp32 (<= 2e-7 relative) can move an activation across an int8 rounding boundary
@@ -157,14 +161,14 @@ def test_fused_step_equals_three_calls_on_paged_blocks(tiny_fast, B, bs, seed, c
             np.testing.assert_allclose(v, v3, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("mode", ["int8", "w8a8"])
+@pytest.mark.parametrize("mode", ["int8", "w8a8", "w8a8-64"])
 def test_kv_cache_decode_takes_the_fused_step(tiny_fast, mode, monkeypatch):
     model = tiny_fast[mode]
     prompt = [5, 17, 99, 3, 42, 250, 7, 7, 128]
     calls = []
     real = decode_step.decode_step
     monkeypatch.setattr(decode_step, "decode_step", lambda *a: calls.append(1) or real(*a))
-    if mode == "w8a8":
+    if quant.is_w8a8(mode):
         monkeypatch.setattr(fast, "silu_exp", _exp32_array)
     runs = {}
     for fused in (True, False):
@@ -181,7 +185,7 @@ def test_kv_cache_decode_takes_the_fused_step(tiny_fast, mode, monkeypatch):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("mode", ["int8", "w8a8"])
+@pytest.mark.parametrize("mode", ["int8", "w8a8", "w8a8-64"])
 def test_engine_decode_steps_run_fused_with_the_same_tokens(tiny_fast, mode, monkeypatch):
     model = tiny_fast[mode]
     prompts = [[5, 17, 99, 3], [3, 1, 4, 1, 5, 9, 2, 6], [250], [8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8]]

@@ -3,12 +3,12 @@
 A variant is chosen once per process (TINYSERVE_KERNELS), so each runs in a process of its own, compiled for
 exactly its features (an AVX-512 machine runs the avx2 tiles with AVX-512 switched off) and cached in its own
 folder. What must hold on every variant:
-- W8A8 matmuls are bit-identical to the NumPy reference (integer sums; the tile's activation offset is undone
-  exactly), at shapes that exercise full tiles, one-row tiles and ragged edges;
+- W8A8 matmuls (a scale per row, and per 64 activations) are bit-identical to the NumPy reference (integer sums; the
+  tile's activation offset is undone exactly), at shapes that exercise full tiles, one-row tiles and ragged edges;
 - W8A32 matmuls are within the stated tolerance of the reference, and bit-identical to this process's variant:
   a tile split into sub-tiles (AVX2's 16 registers) sums each output in the same order;
 - the whole model (prefill kernels, the fused decode step, the LM head) gives the same logits and the same greedy
-  tokens in both modes as this process's variant.
+  tokens in every mode as this process's variant.
 Variants this CPU cannot run are skipped with the reason (an arm64 build never sees the x86 ones).
 """
 from __future__ import annotations
@@ -30,12 +30,12 @@ SCRIPT = textwrap.dedent("""
     import tinyserve as ts
     from tinyserve import kv_cache, naive, quant
     from tinyserve.kernels import isa
-    from tinyserve.kernels.matmul import matmul_w8a8, matmul_w8a32, pack_vnni, pack_w8a32, quantize_rows
+    from tinyserve.kernels.matmul import block_sums, matmul_w8a8, matmul_w8a32, pack_vnni, pack_w8a32, quantize_rows
     from tinyserve.sampling import SamplingParams
 
     out = {"variant": np.array(isa.NAME)}
     rng = np.random.default_rng(3)
-    for T, D, O in ((1, 64, 48), (4, 128, 64), (6, 128, 80), (9, 36, 16), (37, 96, 144)):
+    for T, D, O in ((1, 64, 48), (4, 128, 64), (6, 128, 80), (9, 36, 16), (37, 96, 144), (5, 192, 32)):
         x = rng.standard_normal((T, D)).astype(np.float32)
         x[:, 0] *= 30                                                     # an outlier channel
         q = quant.quantize_weight(rng.standard_normal((D, O)).astype(np.float32), "w8a8")
@@ -43,11 +43,18 @@ SCRIPT = textwrap.dedent("""
         quantize_rows(x, xu, sx)
         out[f"w8a8_{T}_{D}_{O}"] = matmul_w8a8(xu, sx, pack_vnni(q.wq), q.wq.sum(axis=0, dtype=np.int32), q.scale)
         out[f"w8a8_ref_{T}_{D}_{O}"] = quant.matmul_reference(x, q)
+        if D % 64 == 0:                                                  # w8a8-64: a scale per 64 activations
+            nb = D // 64
+            xu, sx = np.empty(x.shape, np.uint8), np.empty((T, nb), np.float32)
+            quantize_rows(x, xu, sx)
+            out[f"w8a8_b64_{T}_{D}_{O}"] = matmul_w8a8(xu, sx, pack_vnni(q.wq), block_sums(q.wq, nb), q.scale)
+            out[f"w8a8_ref_b64_{T}_{D}_{O}"] = quant.matmul_reference(x, quant.QuantizedLinear(q.wq, q.scale,
+                                                                                              "w8a8-64"))
         out[f"w8a32_{T}_{D}_{O}"] = matmul_w8a32(x, pack_w8a32(q.wq), q.scale)
         out[f"w8a32_ref_{T}_{D}_{O}"] = quant.matmul_reference(x, quant.QuantizedLinear(q.wq, q.scale, "int8"))
-    tiny = ts.tiny_model(seed=0)
     prompt = [5, 17, 99, 3, 42, 250, 7, 7, 128]
-    for mode in ("int8", "w8a8"):
+    for mode in ("int8", "w8a8", "w8a8-64"):
+        tiny = ts.tiny_model(seed=0, **({"dim": 128, "intermediate_size": 192} if mode == "w8a8-64" else {}))
         fast = quant.set_backend(quant.quantize_model(tiny, mode), mode, "numba")
         out[f"logits_{mode}"] = naive.forward(fast, prompt)
         greedy = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
@@ -56,9 +63,9 @@ SCRIPT = textwrap.dedent("""
     from tinyserve.kernels import matmul
     blocks = njit(matmul.w8a8_blocks.py_func)          # compiled afresh (a cached kernel keeps no assembly)
     T, D, O = 4, 128, 64
-    args = (np.zeros((T, D), np.uint8), np.ones(T, np.float32), np.zeros((O // 16, D * 16), np.int8),
-            np.zeros(O, np.int32), np.ones(O, np.float32), np.zeros((T, O), np.float32), False, 0, O // 16,
-            np.zeros(matmul.ROWS * matmul.COLS * 16, np.int32))
+    args = (np.zeros((T, D), np.uint8), np.ones((T, 1), np.float32), np.zeros((O // 16, D * 16), np.int8),
+            np.zeros((1, O), np.int32), np.ones(O, np.float32), np.zeros((T, O), np.float32), False, 0, O // 16,
+            np.zeros(matmul.ROWS * matmul.COLS * 16, np.float32))
     blocks(*args)
     asm = chr(10).join(blocks.inspect_asm().values())   # what the W8A8 tiles were compiled to
     out["asm"] = np.array([m for m in ("vpdpbusd", "vpmaddubsw", "zmm", "sdot") if m in asm])

@@ -31,7 +31,7 @@ import tinyserve as ts
 from tinyserve import kv_cache, naive, quant
 from tinyserve.engine import Engine
 from tinyserve.gqa import grouped_attention
-from tinyserve.kernels.matmul import (BLOCK, matmul_w8a8, matmul_w8a32, pack_vnni, pack_w8a32,
+from tinyserve.kernels.matmul import (BLOCK, block_sums, matmul_w8a8, matmul_w8a32, pack_vnni, pack_w8a32,
                                       quantize_rows as quantize_rows_numba)
 from tinyserve.sampling import SamplingParams
 from tinyserve.weights import save_hf_folder
@@ -51,10 +51,13 @@ def random_case(seed: int, T: int, D: int, O: int, outliers: bool = True):
     return x, w
 
 
-def w8a8_kernel(x: np.ndarray, q: quant.QuantizedLinear, out=None, accumulate=False) -> np.ndarray:
-    xu, sx = np.empty(x.shape, np.uint8), np.empty(x.shape[0], np.float32)
+def w8a8_kernel(x: np.ndarray, q: quant.QuantizedLinear, out=None, accumulate=False, n_blocks: int = 1) -> np.ndarray:
+    """The Numba W8A8 path: activations quantised with n_blocks scales per row (1: the per-token sx [T])."""
+    xu = np.empty(x.shape, np.uint8)
+    sx = np.empty(x.shape[0] if n_blocks == 1 else (x.shape[0], n_blocks), np.float32)
     quantize_rows_numba(x, xu, sx)
-    return matmul_w8a8(xu, sx, pack_vnni(q.wq), q.wq.sum(axis=0, dtype=np.int32), q.scale, out, accumulate)
+    wsum = q.wq.sum(axis=0, dtype=np.int32) if n_blocks == 1 else block_sums(q.wq, n_blocks)
+    return matmul_w8a8(xu, sx, pack_vnni(q.wq), wsum, q.scale, out, accumulate)
 
 
 def w8a32_bound(x: np.ndarray, q: quant.QuantizedLinear) -> np.ndarray:   # [T, O]: the tolerance of each output
@@ -83,6 +86,70 @@ def test_w8a8_kernel_is_bit_exact(case):
     out = base.copy()
     w8a8_kernel(x, q, out=out, accumulate=True)
     assert np.array_equal(out, base + ref)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 40), st.sampled_from([(64, 1), (128, 2), (192, 3), (576, 9), (1536, 24), (96, 3), (20, 5)]),
+       st.integers(1, 8).map(lambda n: 16 * n), st.integers(0, 2**32 - 1))
+def test_w8a8_per_block_kernel_is_bit_exact(T, d_nb, O, seed):
+    """One activation scale per block of D / nb inputs (mode w8a8-64 and any other split): every block's integer dot
+    product is exact, and the kernel adds the scaled blocks in the reference's order, so the bits agree."""
+    D, nb = d_nb
+    x, w = random_case(seed, T, D, O)
+    q = quant.quantize_weight(w, "w8a8")
+    xq, sx = quant.quantize_blocks(x, nb)
+    assert sx.shape == (T, nb)
+    want = np.zeros((T, O), np.float32)
+    for b in range(nb):             # the definition written out: exact block sums, scaled, added in block order
+        s = slice(b * D // nb, (b + 1) * D // nb)
+        dots = xq[:, s].astype(np.int64) @ q.wq[s].astype(np.int64)
+        want = want + dots.astype(np.float32) * sx[:, b:b + 1]
+    want = want * q.scale
+    if D % 64 == 0:
+        assert np.array_equal(quant.matmul_reference(x, quant.QuantizedLinear(q.wq, q.scale, "w8a8-64")),
+                              _blocked_reference(x, q, D // 64))
+    got = w8a8_kernel(x, q, n_blocks=nb)
+    assert np.array_equal(got, want), f"max diff {np.abs(got - want).max():.3g}"
+    base = np.random.default_rng(seed).standard_normal((T, O)).astype(np.float32)
+    out = base.copy()
+    w8a8_kernel(x, q, out=out, accumulate=True, n_blocks=nb)
+    assert np.array_equal(out, base + want)
+
+
+def _blocked_reference(x, q, nb):
+    xq, sx = quant.quantize_blocks(x, nb)
+    y = np.zeros((x.shape[0], q.wq.shape[1]), np.float32)
+    for b in range(nb):
+        s = slice(b * x.shape[1] // nb, (b + 1) * x.shape[1] // nb)
+        y = y + (xq[:, s].astype(np.int64) @ q.wq[s].astype(np.int64)).astype(np.float32) * sx[:, b:b + 1]
+    return y * q.scale
+
+
+def test_blocks_give_an_outlier_its_own_scale():
+    """The point of w8a8-64: one activation 100x the others costs only its own block's resolution. Per token, the
+    other 127 values of this row round to 0 or +-1; per block, those outside the outlier's block keep ~7 bits."""
+    rng = np.random.default_rng(0)
+    x = rng.uniform(-1, 1, (1, 128)).astype(np.float32)
+    x[0, 3] = 100.0
+    xq, sx = quant.quantize_rows(x)
+    xb, sb = quant.quantize_blocks(x, 2)
+    assert np.abs(xq[0, 64:]).max() <= 1, "per token, the outlier's scale leaves the rest ~1 int8 step"
+    assert sb[0, 0] == sx[0] and sb[0, 1] < sx[0] / 50 and np.abs(xb[0, 64:]).max() == 127
+    w = rng.standard_normal((128, 32)).astype(np.float32)
+    w[:64] = 0.0                               # outputs that read only the second block, away from the outlier
+    exact = x.astype(np.float64) @ quant.quantize_weight(w).dequantize()
+    err = lambda mode: np.abs(quant.matmul_reference(x, quant.quantize_weight(w, mode)) - exact).max()  # noqa: E731
+    assert err("w8a8-64") < err("w8a8") / 20, "per block, the outlier should not cost the other block precision"
+
+
+def test_blocks_must_divide_the_input():
+    with pytest.raises(ValueError, match="do not split into blocks of 64"):
+        quant.matmul_reference(np.ones((1, 160), np.float32), quant.quantize_weight(np.ones((160, 16), np.float32),
+                                                                                     "w8a8-64"))
+    with pytest.raises(ValueError, match="w_down.*160 inputs do not split into blocks of 64"):
+        quant.quantize_model(ts.tiny_model(), "w8a8-64")            # F = 160: said when the model is quantised
+    with pytest.raises(ValueError, match="160 inputs do not split into blocks of 64"):
+        quant.with_mode(quant.quantize_model(ts.tiny_model(), "int8"), "w8a8-64")
 
 
 def test_w8a8_kernel_extremes():
@@ -174,6 +241,11 @@ def test_quantize_rows_matches_reference_exactly(T, D, seed, magnitude):
     quantize_rows_numba(x, xu, sx2)
     assert np.array_equal(xu.astype(np.int16) - 128, xq) and np.array_equal(sx2, sx)
     assert np.abs(xq).max() <= 127 and sx[0] == 1.0
+    nb = next(n for n in (5, 3, 2, 1) if D % n == 0)                           # and per block
+    xq, sx = quant.quantize_blocks(x, nb)
+    xu, sx2 = np.empty((T, D), np.uint8), np.empty((T, nb), np.float32)
+    quantize_rows_numba(x, xu, sx2)
+    assert np.array_equal(xu.astype(np.int16) - 128, xq) and np.array_equal(sx2, sx)
 
 
 # --- the whole model ---------------------------------------------------------------------------------------------
@@ -181,9 +253,9 @@ def test_quantize_rows_matches_reference_exactly(T, D, seed, magnitude):
 @pytest.fixture(scope="module")
 def tiny_q():
     """mode -> (numpy reference, numba) of the same quantised tiny model."""
-    base = ts.tiny_model(seed=0)
     out = {}
-    for mode in ("int8", "w8a8"):
+    for mode in ("int8", "w8a8", "w8a8-64"):   # w8a8-64: a tiny model whose inputs split into blocks of 64
+        base = ts.tiny_model(seed=0, **({"dim": 128, "intermediate_size": 192} if mode == "w8a8-64" else {}))
         ref = quant.quantize_model(base, mode)
         out[mode] = (ref, quant.set_backend(ref, mode, "numba"))
     return out
@@ -193,17 +265,18 @@ TINY_PROMPT = [5, 17, 99, 3, 42, 250, 7, 7, 128, 64, 1, 200]
 
 
 def test_fast_forward_equals_reference_on_tiny(tiny_q):
-    ref, fast = tiny_q["w8a8"]
-    a, b = naive.forward(ref, TINY_PROMPT), naive.forward(fast, TINY_PROMPT)   # [T, V] each
-    assert fast.fast is not None, "the numba backend did not run its fast forward"
-    assert np.array_equal(a, b), f"w8a8 must be exact, max diff {np.abs(a - b).max():.3g}"
+    for mode in ("w8a8", "w8a8-64"):
+        ref, fast = tiny_q[mode]
+        a, b = naive.forward(ref, TINY_PROMPT), naive.forward(fast, TINY_PROMPT)   # [T, V] each
+        assert fast.fast is not None, "the numba backend did not run its fast forward"
+        assert np.array_equal(a, b), f"{mode} must be exact, max diff {np.abs(a - b).max():.3g}"
     ref, fast = tiny_q["int8"]
     a, b = naive.forward(ref, TINY_PROMPT), naive.forward(fast, TINY_PROMPT)
     # float32 sums in another order in every matmul and norm, 2 layers deep: ~1e-6 relative on O(10) logits
     np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4 * np.abs(a).max())
 
 
-@pytest.mark.parametrize("mode", ["int8", "w8a8"])
+@pytest.mark.parametrize("mode", ["int8", "w8a8", "w8a8-64"])
 def test_greedy_tokens_identical_across_backends_tiny(tiny_q, mode):
     ref, fast = tiny_q[mode]
     prompts = [TINY_PROMPT, [3, 1, 4, 1, 5, 9, 2, 6]]
@@ -215,7 +288,7 @@ def test_greedy_tokens_identical_across_backends_tiny(tiny_q, mode):
 
 
 @pytest.mark.real
-@pytest.mark.parametrize("mode", ["int8", "w8a8"])
+@pytest.mark.parametrize("mode", ["int8", "w8a8", "w8a8-64"])
 def test_greedy_tokens_identical_across_backends_smol(smol, mode):
     from tests.quant_accuracy import reference_prompts
     ref = quant.quantize_model(smol, mode)

@@ -1,4 +1,5 @@
-"""What int8 costs in accuracy on SmolLM2, pinned: int8 (W8A32) and W8A8, per output channel, against float32.
+"""What int8 costs in accuracy on SmolLM2, pinned: int8 (W8A32), W8A8 (a scale per token) and W8A8-64 (a scale per
+64 activations), weights per output channel, against float32.
 
 Measured (tests/quant_accuracy.py; the table and the choice of per-channel over groups of 64 are in
 lessons/07_kernels/README.md), on the numba backend (the fast path a user runs; it equals the NumPy reference of
@@ -27,14 +28,20 @@ pytestmark = pytest.mark.real
 # measured (2048 tokens, 360 positions):   top-1    max |dlogit|   perplexity / float32 (9.339)   widest flip
 #   int8 (W8A32)                          97.2 %   3.28           0.9995  (9.334)                 0.43
 #   w8a8                                  86.9 %   8.33           1.058   (9.878)                 0.78
+#   w8a8 after SmoothQuant (alpha 0.5)    90.6 %   5.42           1.020   (9.529)                 -
+#   w8a8-64 (a scale per 64 activations)  95.8 %   3.32           1.0050  (9.385)                 0.79
 # (widest flip: the largest float32 top-1/top-2 margin at a position where quantisation changed the top-1)
 # W8A8 costs visibly more: one scale per token is set by that token's largest activation, typically 10-17x the
 # row's RMS in SmolLM2, so a typical entry keeps only ~7-12 int8 levels (measured; lesson 7's README).
 # Bounds: the measurement with room for ~1.5x the logit error and a few more flips, far from what a bug does.
+# w8a8-64 is held to int8's bounds: it is the default where it is the faster of the two (quant.default_quant), so
+# it must be as accurate. (Its top-1 has 3 positions of room: 345 of 360 agree, the bound is 342.)
 BOUNDS = {
     "int8": dict(top1=0.95, max_logit_err=5.0, ppl_ratio=1.02, flip_margin=1.0),
     "w8a8": dict(top1=0.80, max_logit_err=12.0, ppl_ratio=1.10, flip_margin=1.5),
 }
+BOUNDS["w8a8-64"] = BOUNDS["int8"]
+MODES = list(BOUNDS)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +70,7 @@ def test_the_shipped_text_is_long_enough(smol_tok):
     assert len(smol_tok.encode(text)) >= PPL_TOKENS
 
 
-@pytest.mark.parametrize("mode", ["int8", "w8a8"])
+@pytest.mark.parametrize("mode", MODES)
 def test_teacher_forced_agreement_with_float32(smol, fp32_ref, mode):
     a = agreement(fast(smol, mode), fp32_ref)
     b = BOUNDS[mode]
@@ -76,7 +83,7 @@ def test_teacher_forced_agreement_with_float32(smol, fp32_ref, mode):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["int8", "w8a8"])
+@pytest.mark.parametrize("mode", MODES)
 def test_engine_decode_on_the_numba_kernels_stays_within_the_bounds(smol, mode):
     """Decoding through the Engine on every Numba kernel (its decode-only steps fused into one call each,
     kernels/decode_step.py; paged attention) chooses tokens float32 finds as good as the bounds above allow.
@@ -105,12 +112,30 @@ def test_engine_decode_on_the_numba_kernels_stays_within_the_bounds(smol, mode):
     assert gaps.max() <= BOUNDS[mode]["flip_margin"]
 
 
-@pytest.mark.parametrize("mode", ["int8", "w8a8"])
+@pytest.mark.parametrize("mode", MODES)
 def test_perplexity_close_to_float32(smol, ppl_ids, fp32_ppl, mode):
     ppl = perplexity(fast(smol, mode), ppl_ids)
     print(f"{mode}: perplexity {ppl:.4f} vs float32 {fp32_ppl:.4f} on {len(ppl_ids)} tokens")
     assert 5 < fp32_ppl < 20, "float32 itself should model this English text well (measured 9.339)"
     assert ppl / fp32_ppl <= BOUNDS[mode]["ppl_ratio"]
+
+
+def test_smoothquant_keeps_the_function_and_helps_w8a8_per_token(smol, smol_tok, ppl_ids, fp32_ppl):
+    """SmoothQuant (quant.smooth_model, calibrated on the shipped calibration text, not the evaluation text) moves
+    the activations' outliers into the weights: in float32 the model is the same function (only rounding differs),
+    and W8A8 per token loses less perplexity (measured 1.058 -> 1.020). Not enough for int8's bounds on SmolLM2,
+    which is why the default is w8a8-64 (lesson 7, "outliers")."""
+    from .quant_accuracy import reference_prompts
+    maxima = quant.activation_maxima(smol, quant.calibration_ids(smol_tok))
+    smoothed = quant.smooth_model(smol, maxima)
+    ids = reference_prompts()["english"]
+    from tinyserve import naive
+    a, b = naive.forward(smol, ids), naive.forward(smoothed, ids)
+    np.testing.assert_allclose(b, a, rtol=1e-3, atol=1e-3 * np.abs(a).max())
+    before = perplexity(fast(smol, "w8a8"), ppl_ids) / fp32_ppl
+    after = perplexity(fast(smoothed, "w8a8"), ppl_ids) / fp32_ppl
+    print(f"w8a8 perplexity ratio: {before:.4f} per token, {after:.4f} after SmoothQuant")
+    assert after < 1.035 and after < before - 0.02
 
 
 def test_the_bounds_catch_a_quantisation_bug(smol, ppl_ids):

@@ -5,15 +5,22 @@ divided by the bytes of the weights. int8 instead of float32 reads 4x fewer byte
 
     W[:, o] ~ wq[:, o] * scale[o]        scale[o] = max_i |W[i, o]| / 127,  wq = round(W / scale) in [-127, 127]
 
-Two modes (`quantize_model(model, mode)`):
+Three modes (`quantize_model(model, mode)`):
 - "int8" (W8A32, weight-only): y = (x @ wq) * scale, activations stay float32.
 - "w8a8": the activations are quantised too, one scale per row (token), at run time ("dynamic"):
       x[t, :] ~ xq[t, :] * sx[t],  sx[t] = max_i |x[t, i]| / 127
       y[t, o] = float32(sum_i xq[t, i] * wq[i, o]) * sx[t] * scale[o]
   the sum is an exact integer (int32; at most D * 127 * 127 = 25 M for D = 1536, far below 2^31), so the
   kernels (kernels/matmul.py) reproduce this reference bit for bit.
-Why per output channel and not per group of 32/64 inputs: one scale per dot product keeps the whole sum in
-integers, and on SmolLM2 it costs little accuracy (lesson 7 measures both).
+- "w8a8-64": the same, with one activation scale per block of 64 inputs of a row (ACT_BLOCKS), as llama.cpp
+  quantises activations (blocks of 32 there). A token's largest activation is 10-28x its RMS in SmolLM2, so one
+  scale per row leaves the typical entry only a few int8 steps; per block, only the outlier's own block pays.
+  Each block's dot product is an exact integer; the blocks are added in float32, in block order:
+      y[t, o] = (sum_b float32(sum_{i in b} xq[t, i] * wq[i, o]) * sx[t, b]) * scale[o]
+  (lesson 7, "outliers": accuracy and speed of the three, and of SmoothQuant, which moves the outliers into the
+  weights instead: `smooth_model`.)
+Why the weights keep one scale per output channel, not per group of 32/64 inputs: it costs little accuracy on
+SmolLM2 (lesson 7 measures both), and one weight scale per output keeps each block's sum an integer dot product.
 
 A `QuantizedLinear` stands where a float32 matrix stood: `x @ layer.wq` in model.forward works unchanged (NumPy
 hands `@` over to `QuantizedLinear.__rmatmul__`), which keeps model.forward the one readable reference for
@@ -31,7 +38,21 @@ import numpy as np
 
 from .model import LayerWeights, Model
 
-QUANT_MODES = ("none", "int8", "w8a8")
+QUANT_MODES = ("none", "int8", "w8a8", "w8a8-64")
+ACT_BLOCKS = {"w8a8": None, "w8a8-64": 64}   # the W8A8 modes: activation values per scale (None: the whole row)
+
+
+def is_w8a8(mode: str) -> bool:
+    """Are the activations quantised too (an int8 x int8 product)?"""
+    return mode in ACT_BLOCKS
+
+
+def act_blocks(mode: str, d_in: int) -> int:
+    """How many activation scales a row of d_in inputs has in a W8A8 mode (1: one per row)."""
+    block = ACT_BLOCKS[mode] or d_in
+    if d_in % block or block % 4:
+        raise ValueError(f"{mode}: {d_in} inputs do not split into blocks of {block} (a multiple of 4)")
+    return d_in // block
 MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")   # the LayerWeights fields that are matmuls
 
 
@@ -40,7 +61,7 @@ class QuantizedLinear:
     """A [D_in, O] weight matrix as int8 + one float32 scale per output channel; `x @ self` multiplies."""
     wq: np.ndarray       # [D_in, O] int8
     scale: np.ndarray    # [O] float32
-    mode: str            # "int8" (W8A32) or "w8a8"
+    mode: str            # "int8" (W8A32), "w8a8" or "w8a8-64" (see the module docstring)
 
     __array_ufunc__ = None   # tells NumPy not to treat us as an array: `x @ q` then calls q.__rmatmul__(x)
 
@@ -77,14 +98,26 @@ def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return xq, sx
 
 
+def quantize_blocks(x: np.ndarray, n_blocks: int) -> tuple[np.ndarray, np.ndarray]:
+    """quantize_rows for each of n_blocks equal runs of a row: x [T, D] -> xq [T, D] int8, sx [T, n_blocks]."""
+    T, D = x.shape
+    xq, sx = quantize_rows(np.ascontiguousarray(x).reshape(T * n_blocks, D // n_blocks))
+    return xq.reshape(T, D), sx.reshape(T, n_blocks)
+
+
 def matmul_reference(x: np.ndarray, q: QuantizedLinear) -> np.ndarray:
     """x [T, D_in] float32 @ q -> [T, O] float32, the readable definition the kernels are tested against."""
     if q.mode == "int8":
         return (x @ q.wq.astype(np.float32)) * q.scale
-    xq, sx = quantize_rows(x)
-    # float64 BLAS is exact here: every partial sum is an integer below 2^53, so this IS the int32 result
-    acc = (xq.astype(np.float64) @ q.wq.astype(np.float64)).astype(np.int32)        # [T, O]
-    return acc.astype(np.float32) * sx[:, None] * q.scale
+    nb = act_blocks(q.mode, q.wq.shape[0])
+    xq, sx = quantize_blocks(x, nb)                                                  # sx [T, nb]
+    b = q.wq.shape[0] // nb
+    y = np.zeros((x.shape[0], q.wq.shape[1]), np.float32)
+    for j in range(nb):                      # one exact integer dot product per block, added in float32 in order
+        # float64 BLAS is exact here: every partial sum is an integer below 2^53, so this IS the int32 result
+        acc = (xq[:, j * b:(j + 1) * b].astype(np.float64) @ q.wq[j * b:(j + 1) * b].astype(np.float64))
+        y = y + acc.astype(np.int32).astype(np.float32) * sx[:, j:j + 1]            # [T, O]
+    return y * q.scale
 
 
 def quantize_model(model: Model, mode: str) -> Model:
@@ -94,14 +127,26 @@ def quantize_model(model: Model, mode: str) -> Model:
         raise ValueError(f"quant must be one of {QUANT_MODES}, got {mode!r}")
     if mode == "none":
         return model
+    check_blocks(model, mode)
     layers = [dataclasses.replace(w, **{f: quantize_weight(getattr(w, f), mode) for f in MATRICES})
               for w in model.layers]
     return dataclasses.replace(model, layers=layers, lm_head_q=quantize_weight(model.embed.T, mode), quant=mode,
                                fast=None)
 
 
+def check_blocks(model: Model, mode: str) -> None:
+    """A clear error now, not deep in a forward, if a matrix's inputs do not split into the mode's blocks."""
+    if mode in ACT_BLOCKS:
+        for f in MATRICES:
+            try:
+                act_blocks(mode, getattr(model.layers[0], f).shape[0])
+            except ValueError as e:
+                raise ValueError(f"{f}: {e}") from None
+
+
 def with_mode(model: Model, mode: str) -> Model:
-    """A quantised model switched between "int8" and "w8a8" (same int8 weights, other activation handling)."""
+    """A quantised model switched between "int8", "w8a8" and "w8a8-64" (same int8 weights, other activations)."""
+    check_blocks(model, mode)
     layers = [dataclasses.replace(w, **{f: dataclasses.replace(getattr(w, f), mode=mode) for f in MATRICES})
               for w in model.layers]
     return dataclasses.replace(model, layers=layers, lm_head_q=dataclasses.replace(model.lm_head_q, mode=mode),
@@ -112,6 +157,94 @@ def bytes_per_decode_step(model: Model) -> int:
     """Weight bytes one decode step reads: every matmul weight once (the LM head included), norms aside."""
     total = sum(getattr(w, f).nbytes for w in model.layers for f in MATRICES)
     return total + (model.lm_head_q.nbytes if model.lm_head_q is not None else model.embed.nbytes)
+
+
+# --- SmoothQuant (lesson 7, "outliers"): move the activations' outliers into the weights -------------------------
+#
+# (Xiao et al., 2023) y = x @ W = (x / s) @ (s[:, None] * W) for any positive s per input channel j. Choosing
+#     s_j = max|X_j|^alpha / max|W_j|^(1 - alpha)
+# (max over calibration tokens for X, over the matrix's outputs for W) evens out the two ranges: after it, channel j
+# of the activations spans max|X_j|^(1-alpha) max|W_j|^(1-alpha) and of the weights max|X_j|^alpha max|W_j|^alpha.
+# The division by s costs nothing at run time: it folds into the weight of the RMSNorm in front (for Q|K|V and for
+# gate|up, which share their input, one s for the matrices together), and for W_down's input silu(gate) * up into
+# the columns of W_up; W_o's input, the attention output, into the columns of W_v (one s per KV head's channel,
+# shared by the query heads of its group). Per-output-channel int8 weights do not mind a column scaled.
+
+SMOOTH_ALPHA = 0.5
+CALIBRATION_TEXT = Path(__file__).parent / "data" / "calibration.txt"
+
+
+def smoothing_factors(x_amax: np.ndarray, w_amax: np.ndarray, alpha: float = SMOOTH_ALPHA) -> np.ndarray:
+    """[D] per-channel max |activation| and [D] max |weight| over a row of W -> s [D] float32 (1 where either is 0)."""
+    ok = (x_amax > 0) & (w_amax > 0)
+    s = np.ones(x_amax.shape, np.float64)
+    s[ok] = x_amax[ok].astype(np.float64) ** alpha / w_amax[ok].astype(np.float64) ** (1 - alpha)
+    return s.astype(np.float32)
+
+
+def calibration_ids(tokenizer) -> list[list[int]]:
+    """The shipped calibration passages (public domain; not the evaluation text) as token ids, the last one as a
+    chat turn (the instruct model's usual input, with its special tokens)."""
+    text = CALIBRATION_TEXT.read_text().split("\n", 1)[1]
+    parts = [p.strip() for p in text.split("\n---\n")]
+    return [tokenizer.encode(p) for p in parts[:-1]] + [tokenizer.encode_chat([{"role": "user", "content": parts[-1]}])]
+
+
+@dataclass(slots=True)
+class _Recorder:
+    """Stands where a weight matrix stood in model.forward: records max |x| per input channel, then multiplies."""
+    w: np.ndarray
+    amax: np.ndarray
+    __array_ufunc__ = None
+
+    @property
+    def shape(self):
+        return self.w.shape
+
+    def __rmatmul__(self, x):
+        np.maximum(self.amax, np.abs(x).max(axis=0), out=self.amax)
+        return x @ self.w
+
+
+def activation_maxima(model: Model, sequences: list[list[int]]) -> list[dict[str, np.ndarray]]:
+    """Per layer: max |x_j| over every calibration token of the input of wq (= wk, wv), wo, w_gate (= w_up) and
+    w_down, from float32 forwards of `sequences` (naive.forward)."""
+    from . import naive
+    recs = [{f: _Recorder(getattr(w, f), np.zeros(getattr(w, f).shape[0], np.float32))
+             for f in ("wq", "wo", "w_gate", "w_down")} for w in model.layers]
+    probe = dataclasses.replace(model, layers=[dataclasses.replace(w, **r) for w, r in zip(model.layers, recs)],
+                                quant="none", backend="numpy", fast=None)
+    for ids in sequences:
+        naive.forward(probe, ids)
+    return [{f: r.amax for f, r in layer.items()} for layer in recs]
+
+
+def smooth_model(model: Model, maxima: list[dict[str, np.ndarray]], alpha: float = SMOOTH_ALPHA) -> Model:
+    """The float32 model with SmoothQuant's factors folded in (see above): the same function up to float rounding,
+    with activations that quantise better. Quantise the result as usual (quantize_model)."""
+    if model.quant != "none":
+        raise ValueError("smooth_model takes the float32 model (smooth first, then quantise)")
+    cfg = model.config
+    N, K, H = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    rows_max = lambda *ws: np.abs(np.concatenate(ws, axis=1)).max(axis=1)               # noqa: E731  [D_in]
+    layers = []
+    for w, m in zip(model.layers, maxima):
+        s = smoothing_factors(m["wq"], rows_max(w.wq, w.wk, w.wv), alpha)               # Q|K|V: attn_norm
+        attn_norm, wq, wk, wv = w.attn_norm / s, w.wq * s[:, None], w.wk * s[:, None], w.wv * s[:, None]
+        s = smoothing_factors(m["w_gate"], rows_max(w.w_gate, w.w_up), alpha)          # gate|up: mlp_norm
+        mlp_norm, w_gate, w_up = w.mlp_norm / s, w.w_gate * s[:, None], w.w_up * s[:, None]
+        s = smoothing_factors(m["w_down"], rows_max(w.w_down), alpha)                  # down: W_up's columns
+        w_up, w_down = w_up / s, w.w_down * s[:, None]
+        # W_o's input channel (query head n, dim d) comes from V's (KV head n // g, d): one s per KV channel
+        x_kv = m["wo"].reshape(K, N // K, H).max(axis=1)                                # [K, H]
+        w_kv = np.abs(w.wo).max(axis=1).reshape(K, N // K, H).max(axis=1)
+        s_kv = smoothing_factors(x_kv.ravel(), w_kv.ravel(), alpha)                     # [K H]
+        s_o = np.repeat(s_kv.reshape(K, 1, H), N // K, axis=1).ravel()                  # [N H]
+        wv, wo = wv / s_kv, w.wo * s_o[:, None]
+        f32 = lambda a: np.ascontiguousarray(a, dtype=np.float32)                       # noqa: E731
+        layers.append(LayerWeights(f32(attn_norm), f32(wq), f32(wk), f32(wv), f32(wo), f32(mlp_norm), f32(w_gate),
+                                   f32(w_up), f32(w_down)))
+    return dataclasses.replace(model, layers=layers)
 
 
 # --- the on-disk cache -------------------------------------------------------------------------------------------
@@ -126,6 +259,7 @@ def load_or_quantize(model: Model, weights_dir: str | Path | None, mode: str) ->
     from this very model.safetensors (size + mtime), writing them there otherwise (if the folder is writable)."""
     if mode == "none":
         return model
+    check_blocks(model, mode)
     if weights_dir is None:
         return quantize_model(model, mode)
     from safetensors.numpy import load_file, save_file
@@ -160,11 +294,35 @@ def load_or_quantize(model: Model, weights_dir: str | Path | None, mode: str) ->
 BACKENDS = ("numpy", "numba")
 
 
+def default_quant(model: Model | None = None, backend: str = "numba") -> str:
+    """quant="auto" (the CLI's default): the fastest mode whose accuracy stays within int8's bounds (top-1 >= 95 %,
+    perplexity <= 1.02x float32: tests/test_quant_accuracy.py pins them for int8 and w8a8-64; per-token w8a8 misses
+    them). On the numba backend that is w8a8-64 wherever the kernels multiply bytes with a dot-product instruction
+    (kernels/isa.py: vpdpbusd, vpmaddubsw + vpmaddwd, sdot), where it measured faster than int8 at batch 1, 16 and
+    prefill 512 (lesson 7's tables); int8 on the `generic` kernels (plain loops: W8A8 measured slower than int8
+    there) or for a model whose matrices' inputs do not split into blocks of 64. On the numpy backend, float32: the
+    NumPy int8 paths are readable references, slower than BLAS."""
+    if backend != "numba":
+        return "none"
+    from .kernels import isa
+    if isa.NAME == "generic":
+        return "int8"
+    if model is not None:
+        try:
+            check_blocks(model, "w8a8-64")
+        except ValueError:
+            return "int8"
+    return "w8a8-64"
+
+
 def set_backend(model: Model, quant: str = "none", backend: str = "numpy", weights_dir=None) -> Model:
     """The one place the backend is chosen: quantise (or load the cached int8 tensors) and pick the kernels.
-    Every strategy (kv_cache, Engine, speculative) calls model.forward and so runs what is chosen here."""
+    Every strategy (kv_cache, Engine, speculative) calls model.forward and so runs what is chosen here.
+    quant="auto" picks default_quant(model, backend)."""
+    if quant == "auto" and backend in BACKENDS:
+        quant = default_quant(model, backend)
     if quant not in QUANT_MODES:
-        raise ValueError(f"quant must be one of {QUANT_MODES}, got {quant!r}")
+        raise ValueError(f"quant must be one of {QUANT_MODES} or 'auto', got {quant!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if model.quant != "none" and quant != model.quant:

@@ -1,7 +1,7 @@
 """`python -m tinyserve speed` (part of `make bench`): tokens/s per backend against the memory-bandwidth roofline.
 
 Lesson 7's question: how close does each backend come to what the hardware allows? For every backend
-(fp32-NumPy, int8-Numba = W8A32, W8A8-Numba) it measures, in the same run and interleaved round by round (these
+(fp32-NumPy, int8-Numba = W8A32, W8A8-Numba, W8A8-64-Numba) it measures, in the same run and interleaved round by round (these
 machines are shared and noisy; the table shows the median and the min..max of the rounds):
 - decode tokens/s at batch B: B requests of a 32-token prompt decoding together through the Engine; only the
   steps where all B decode are timed (prefill excluded);
@@ -28,7 +28,18 @@ from .quant import bytes_per_decode_step
 from .roofline import kv_bytes_per_token, measure_bandwidth
 from .sampling import SamplingParams
 
-BACKENDS = {"fp32-NumPy": ("none", "numpy"), "int8-Numba": ("int8", "numba"), "W8A8-Numba": ("w8a8", "numba")}
+BACKENDS = {"fp32-NumPy": ("none", "numpy"), "int8-Numba": ("int8", "numba"), "W8A8-Numba": ("w8a8", "numba"),
+            "W8A8-64-Numba": ("w8a8-64", "numba")}
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), to print beside every speed figure."""
+    import platform
+    if platform.system() == "Linux":
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
 
 
 def decode_tokens_per_s(model: Model, batch: int, prompt_len: int = 32, new_tokens: int = 32, seed: int = 0) -> float:
@@ -130,11 +141,8 @@ def main(args) -> int:
     models = {label: set_backend(base, *BACKENDS[label], weights_dir=args.weights) for label in chosen}
     batches = tuple(int(b) for b in args.batches.split(",") if b)
     prefills = tuple(int(n) for n in args.prefills.split(",") if n)
-    import platform
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor()) if platform.system() == "Linux" else platform.processor()
     from .kernels import isa
-    print(f"CPU: {cpu}; {isa.describe()}; {args.rounds} interleaved rounds; decode: prompt 32, {args.new_tokens} "
+    print(f"CPU: {cpu_name()}; {isa.describe()}; {args.rounds} interleaved rounds; decode: prompt 32, {args.new_tokens} "
           "new tokens")
     bandwidth = measure_bandwidth()
     results = run(models, batches, prefills, args.rounds, args.new_tokens)

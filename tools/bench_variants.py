@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+QUANTS = ["int8", "w8a8", "w8a8-64"]          # the Numba modes measured per variant (quant.QUANT_MODES)
+NAMES = {"int8": "int8", "w8a8": "W8A8", "w8a8-64": "W8A8-64"}
 
 WORKER = """
 import json, sys
@@ -73,7 +75,7 @@ def main() -> int:
     runs: dict[str, list[dict]] = {v: [] for v in ["fp32"] + variants}
     for r in range(rounds):
         for v in runs:
-            modes = [["none", "numpy"]] if v == "fp32" else [["int8", "numba"], ["w8a8", "numba"]]
+            modes = [["none", "numpy"]] if v == "fp32" else [[q, "numba"] for q in QUANTS]
             res = measure(None if v == "fp32" else v, modes, args)
             runs[v].append(res)
             print(f"  round {r + 1}/{rounds}: {v:<11} done ({res['kernels']})", flush=True)
@@ -82,13 +84,13 @@ def main() -> int:
     print(f"| {'variant / mode':<22} | " + " | ".join(f"{c:<26}" for c in cells) + " |")
     print("|" + "---|" * (len(cells) + 1))
     for v, results in runs.items():
-        for quant in (["none"] if v == "fp32" else ["int8", "w8a8"]):
+        for quant in (["none"] if v == "fp32" else QUANTS):
             row = []
             for c in cells:
                 xs = [res[f"{quant}/{c}"] for res in results]
                 ratios = [x / f[f"none/{c}"] for x, f in zip(xs, runs["fp32"])]
                 row.append(f"{statistics.median(xs):6.1f} ({min(xs):.0f}..{max(xs):.0f}) {statistics.median(ratios):4.2f}x")
-            name = "fp32 NumPy (BLAS)" if v == "fp32" else f"{v} {'int8' if quant == 'int8' else 'W8A8'}"
+            name = "fp32 NumPy (BLAS)" if v == "fp32" else f"{v} {NAMES[quant]}"
             print(f"| {name:<22} | " + " | ".join(f"{x:<26}" for x in row) + " |")
     return 0
 

@@ -46,6 +46,7 @@ import numpy as np
 from numba import njit, prange
 
 from ..attention_backends import KVLayout
+from ..quant import is_w8a8
 from .attention import decode_attention_item
 from .layer import _rms_norm_quant_row, _rms_norm_row, _swiglu_row
 from .matmul import BLOCK, COLS, ROWS, _quantize_row, rope_head, w8a8_blocks, w8a32_blocks
@@ -65,14 +66,14 @@ def _norm_rows(w8a8, x, weight, eps, h, xu, sx):
 
 
 @njit(cache=True)
-def _share(w8a8, h, xu, sx, wp, wsum, sw, out, accumulate, tid, n_threads, acc_i, acc_f):
+def _share(w8a8, h, xu, sx, wp, wsum, sw, out, accumulate, tid, n_threads, acc):
     """Thread tid's share of out (+)= input @ W: the output blocks [tid/n, (tid+1)/n) of the matrix."""
     n_blocks = wp.shape[0]
     lo, hi = n_blocks * tid // n_threads, n_blocks * (tid + 1) // n_threads
     if w8a8:
-        w8a8_blocks(xu, sx, wp, wsum, sw, out, accumulate, lo, hi, acc_i)
+        w8a8_blocks(xu, sx, wp, wsum, sw, out, accumulate, lo, hi, acc)
     else:
-        w8a32_blocks(h, wp, sw, out, accumulate, lo, hi, acc_f)
+        w8a32_blocks(h, wp, sw, out, accumulate, lo, hi, acc)
 
 
 @njit(cache=True)
@@ -92,13 +93,14 @@ def _thread_step(tid, n_threads, sync, timeout, w8a8, x, cos, sin, eps, weights,
     # this thread's own: the normed / quantised input of the next matmul
     h, act = np.empty((T, D), np.float32), np.empty((T, F), np.float32)
     xu, au, ou = np.empty((T, D), np.uint8), np.empty((T, F), np.uint8), np.empty((T, N * H), np.uint8)
-    sx, sa = np.empty(T, np.float32), np.empty(T, np.float32)
-    acc_i, acc_f = np.empty(ROWS * COLS * BLOCK, np.int32), np.empty(ROWS * COLS * BLOCK, np.float32)
+    # activation scales [T, nb]: nb per row of each matrix's input (W8A8: wsum [L, nb, O]; W8A32: unused)
+    sx, so, sd = (np.empty((T, qkv_sum.shape[1]), np.float32), np.empty((T, o_sum.shape[1]), np.float32),
+                  np.empty((T, down_sum.shape[1]), np.float32))
+    acc = np.empty(ROWS * COLS * BLOCK, np.float32)              # a tile's scratch (both modes' tiles: float32)
     for layer in range(L):
         # [Q|K|V] = RMSNorm(x) @ Wqkv
         _norm_rows(w8a8, x, attn_norm[layer], eps, h, xu, sx)
-        _share(w8a8, h, xu, sx, qkv_w[layer], qkv_sum[layer], qkv_scale[layer], qkv, False, tid, n_threads,
-               acc_i, acc_f)
+        _share(w8a8, h, xu, sx, qkv_w[layer], qkv_sum[layer], qkv_scale[layer], qkv, False, tid, n_threads, acc)
         if not barrier(sync, n_threads, timeout):
             return
         # RoPE, K/V into the cache, attention: items (row t, KV head kh)
@@ -119,27 +121,25 @@ def _thread_step(tid, n_threads, sync, timeout, w8a8, x, cos, sin, eps, weights,
         a2 = a.reshape(T, N * H)
         if w8a8:
             for t in range(T):
-                sa[t] = _quantize_row(a2[t], ou[t])
-        _share(w8a8, a2, ou, sa, o_w[layer], o_sum[layer], o_scale[layer], x, True, tid, n_threads, acc_i, acc_f)
+                _quantize_row(a2[t], ou[t], so[t])
+        _share(w8a8, a2, ou, so, o_w[layer], o_sum[layer], o_scale[layer], x, True, tid, n_threads, acc)
         if not barrier(sync, n_threads, timeout):
             return
         # gu = RMSNorm(x) @ [Wgate | Wup]
         _norm_rows(w8a8, x, mlp_norm[layer], eps, h, xu, sx)
-        _share(w8a8, h, xu, sx, gu_w[layer], gu_sum[layer], gu_scale[layer], gu, False, tid, n_threads,
-               acc_i, acc_f)
+        _share(w8a8, h, xu, sx, gu_w[layer], gu_sum[layer], gu_scale[layer], gu, False, tid, n_threads, acc)
         if not barrier(sync, n_threads, timeout):
             return
         # x += (silu(gate) * up) @ Wdown
         for t in range(T):
             _swiglu_row(gu, t, act)
             if w8a8:
-                sa[t] = _quantize_row(act[t], au[t])
-        _share(w8a8, act, au, sa, down_w[layer], down_sum[layer], down_scale[layer], x, True, tid, n_threads,
-               acc_i, acc_f)
+                _quantize_row(act[t], au[t], sd[t])
+        _share(w8a8, act, au, sd, down_w[layer], down_sum[layer], down_scale[layer], x, True, tid, n_threads, acc)
         if not barrier(sync, n_threads, timeout):
             return
     _norm_rows(w8a8, x, final_norm, eps, h, xu, sx)
-    _share(w8a8, h, xu, sx, head_w, head_sum, head_scale, logits, False, tid, n_threads, acc_i, acc_f)
+    _share(w8a8, h, xu, sx, head_w, head_sum, head_scale, logits, False, tid, n_threads, acc)
 
 
 @njit(cache=True, parallel=True)
@@ -198,7 +198,7 @@ def decode_step(model, tokens: np.ndarray, layout: KVLayout) -> np.ndarray | Non
     logits = np.empty((T, fw.lm_head.w.shape[0] * BLOCK), np.float32)             # [T, V]
     sync = np.zeros(SYNC_SIZE, np.int64)
     n_threads = threads()
-    args = (n_threads, sync, TIMEOUT_CYCLES, fw.mode == "w8a8", x, model.rope_cos[positions], model.rope_sin[positions],
+    args = (n_threads, sync, TIMEOUT_CYCLES, is_w8a8(fw.mode), x, model.rope_cos[positions], model.rope_sin[positions],
             np.float32(cfg.norm_eps), fw.stacked, fw.head, layout.k, layout.v, layout.block_tables, layout.block_size,
             layout.context_lens, cfg.n_heads, logits)
     try:

@@ -23,7 +23,8 @@ import numpy as np
 from . import decode_step, single_thread_blas
 from .layer import (lm_head, lm_head_w8a32, mlp_down, mlp_down_w8a32, post_attention, post_attention_w8a32,
                     pre_attention, pre_attention_w8a32)
-from .matmul import pack_vnni, pack_w8a32
+from ..quant import act_blocks, is_w8a8
+from .matmul import block_sums, pack_vnni, pack_w8a32
 
 
 # SiLU's exp on the three-call W8A8 path: NumPy's own, so that the result is the NumPy reference's bit for bit. (The
@@ -36,7 +37,8 @@ silu_exp = np.exp
 class PackedLinear:
     """One quantised matrix [D_in, O] laid out for its kernel."""
     w: np.ndarray          # W8A8: pack_vnni -> [O/16, D_in/4*64]; W8A32: pack_w8a32 -> [O/16, D_in, 16] (int8)
-    wsum: np.ndarray       # [O] int32: column sums of the int8 weights (W8A8 undoes the +128 activation offset)
+    wsum: np.ndarray       # [nb, O] int32: the weights summed over each activation block (matmul.block_sums; W8A8
+                           # undoes the +128 activation offset with it); nb = 1 for "int8" and "w8a8"
     scale: np.ndarray      # [O] float32
 
 
@@ -52,7 +54,7 @@ class PackedLayer:
 
 @dataclass(slots=True)
 class FastWeights:
-    mode: str              # "int8" | "w8a8"
+    mode: str              # "int8" | "w8a8" | "w8a8-64"
     layers: list[PackedLayer]
     lm_head: PackedLinear  # [D, V]
     # the same arrays stacked over the L layers, for the fused decode step (kernels/decode_step.py), whose one call
@@ -66,12 +68,13 @@ def _pack(mode: str, *qs) -> PackedLinear:
     """QuantizedLinears side by side (same input) -> one packed matrix: a fused projection."""
     wq = np.concatenate([q.wq for q in qs], axis=1)                                  # [D_in, sum O]
     scale = np.concatenate([q.scale for q in qs])
-    wsum = wq.sum(axis=0, dtype=np.int32)
-    return PackedLinear(pack_vnni(wq) if mode == "w8a8" else pack_w8a32(wq), wsum, scale)
+    if not is_w8a8(mode):
+        return PackedLinear(pack_w8a32(wq), block_sums(wq, 1), scale)
+    return PackedLinear(pack_vnni(wq), block_sums(wq, act_blocks(mode, wq.shape[0])), scale)
 
 
 def _stack(linears: list[PackedLinear]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One matrix of every layer -> (w [L, O/16, bytes per block], wsum [L, O], scale [L, O]); each layer's
+    """One matrix of every layer -> (w [L, O/16, bytes per block], wsum [L, nb, O], scale [L, O]); each layer's
     PackedLinear then keeps views into the stack (no second copy of the weights)."""
     w = np.stack([p.w.reshape(p.w.shape[0], -1) for p in linears])
     wsum, scale = np.stack([p.wsum for p in linears]), np.stack([p.scale for p in linears])
@@ -107,7 +110,7 @@ def fast_forward(model, tokens: np.ndarray, positions: np.ndarray, attention, lo
             logits = decode_step.decode_step(model, tokens, layout)
         if logits is not None:
             return logits
-    w8a8 = fw.mode == "w8a8"
+    w8a8 = is_w8a8(fw.mode)
     cfg = model.config
     T, N, K, H, F = len(tokens), cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate_size
     eps = np.float32(cfg.norm_eps)

@@ -1,13 +1,17 @@
 """Three ways to multiply bytes (and a fourth for CPUs with none): the int8 tile of each instruction set.
 
-Every tile has one contract, `tile(x, x_off, x_stride, w, w_off, w_stride, n4, out, o_off, o_stride)`:
+Every tile has one contract, `tile(x, x_off, x_stride, w, w_off, w_stride, n4, nb, wsum, ws_off, ws_stride, sx,
+s_off, s_stride, out, o_off, o_stride)`: over nb activation blocks of 4 n4 inputs each,
 
-    out[r, 16c + l] = sum_{i < 4 n4} (x[r, i] - 128 + TILE_OFFSET) * W[c, l, i]        int32, overwritten
+    dot[r, b, o] = sum_{i in block b} (x[r, i] - 128 + TILE_OFFSET) * W[c, l, i] - TILE_OFFSET * wsum[b, o]
+    out[r, o]    = (((0 + float32(dot[r, 0, o]) * sx[r, 0]) + float32(dot[r, 1, o]) * sx[r, 1]) + ...)   float32
 
-x: the activations as uint8 offset by 128 (xu = xq + 128; row r at x_off + r*x_stride), w: int8 weights packed
-by kernels.matmul.pack_vnni (block c at w_off + c*w_stride: per step i, 64 bytes = 16 outputs x 4 inputs, output-
-major), out: int32 (row r of the tile at o_off + r*o_stride). The matmul's epilogue subtracts TILE_OFFSET * sum(w)
-(exact in int32), so every variant gives the same integers, and W8A8 stays bit-identical to the NumPy reference.
+with o = 16c + l. x: the activations as uint8 offset by 128 (xu = xq + 128; row r at x_off + r*x_stride), w: int8
+weights packed by kernels.matmul.pack_vnni (block c at w_off + c*w_stride: per step i, 64 bytes = 16 outputs x 4
+inputs, output-major), wsum: int32, the weights' sums over each activation block (block b of the tile's outputs at
+ws_off + b*ws_stride), sx: float32 activation scales (row r, block b at s_off + r*s_stride + b), out: float32 (row r
+at o_off + r*o_stride). Subtracting TILE_OFFSET * wsum is exact in int32, so every variant gets the same integers
+and, adding the blocks in the same order, the same floats: W8A8 stays bit-identical to the NumPy reference.
 
     avx512vnni, avxvnni   vpdpbusd(acc, x, w): 4 products u8 x s8 per 32-bit lane, summed into it. Unsigned x is
                           why the activations carry +128 (TILE_OFFSET = 128). zmm: 64 MACs per op; ymm: 32.
@@ -116,68 +120,99 @@ def _intrinsic_tile(R: int, C: int, name: str):
     """An R x C int8 tile for an instruction set with a byte dot product (see the module docstring)."""
     vb = isa.VARIANTS[name].vector_bytes
     parts = 64 // vb                                         # registers per 64-byte step of one block
-    lanes_t = ir.VectorType(_I32, vb // 4)
+    nl = vb // 4                                             # int32 lanes per register
+    lanes_t, float_t = ir.VectorType(_I32, nl), ir.VectorType(ir.FloatType(), nl)
     extra, setup, per_row, step = _isa_step(name, vb)
     generic = name == "generic"                              # accumulates per byte: 4x the accumulators
     acc_t = ir.VectorType(_I32, vb) if generic else lanes_t
     rs, cs = (1, 1) if generic else isa.plan_subtiles(R, C, extra)
+    shift = TILE_OFFSET.bit_length() - 1                     # TILE_OFFSET * wsum as a shift (128 = 2^7)
 
     def finish(builder, a):                                  # generic: the 4 products of each lane, added
         if not generic:
             return a
         parts_k = [builder.shuffle_vector(a, ir.Constant(acc_t, None),
-                                          ir.Constant(lanes_t, [4 * lane + k for lane in range(vb // 4)]))
+                                          ir.Constant(lanes_t, [4 * lane + k for lane in range(nl)]))
                    for k in range(4)]
         return builder.add(builder.add(parts_k[0], parts_k[1]), builder.add(parts_k[2], parts_k[3]))
 
     @intrinsic
-    def tile(typingctx, x, x_off, x_stride, w, w_off, w_stride, n4, out, o_off, o_stride):
-        sig = types.void(x, x_off, x_stride, w, w_off, w_stride, n4, out, o_off, o_stride)
+    def tile(typingctx, x, x_off, x_stride, w, w_off, w_stride, n4, nb, wsum, ws_off, ws_stride, sx, s_off,
+             s_stride, out, o_off, o_stride):
+        sig = types.void(x, x_off, x_stride, w, w_off, w_stride, n4, nb, wsum, ws_off, ws_stride, sx, s_off, s_stride,
+                         out, o_off, o_stride)
 
         def codegen(context, builder, signature, args):
-            x_arr, x_off, x_stride, w_arr, w_off, w_stride, n4, out_arr, o_off, o_stride = args
+            (x_arr, x_off, x_stride, w_arr, w_off, w_stride, n4, nb, ws_arr, ws_off, ws_stride, sx_arr, s_off,
+             s_stride, out_arr, o_off, o_stride) = args
             ty = signature.args
+            i64 = x_off.type
+            k = lambda v: ir.Constant(i64, v)                                           # noqa: E731
             st = setup(builder)
-            x_rows = [_data_pointer(context, builder, ty[0], x_arr,
-                                    builder.add(x_off, builder.mul(x_stride, ir.Constant(x_off.type, r))))
+            x_rows = [_data_pointer(context, builder, ty[0], x_arr, builder.add(x_off, builder.mul(x_stride, k(r))))
                       for r in range(R)]
-            w_cols = [_data_pointer(context, builder, ty[3], w_arr,
-                                    builder.add(w_off, builder.mul(w_stride, ir.Constant(w_off.type, c))))
+            w_cols = [_data_pointer(context, builder, ty[3], w_arr, builder.add(w_off, builder.mul(w_stride, k(c))))
                       for c in range(C)]
-            out_base = cgutils.create_struct_proxy(ty[7])(context, builder, out_arr).data     # int32*
+            ws_base = cgutils.create_struct_proxy(ty[8])(context, builder, ws_arr).data       # int32*
+            sx_base = cgutils.create_struct_proxy(ty[11])(context, builder, sx_arr).data      # float*
+            out_base = cgutils.create_struct_proxy(ty[14])(context, builder, out_arr).data    # float*
+            sx_rows = [builder.gep(sx_base, [builder.add(s_off, builder.mul(s_stride, k(r)))]) for r in range(R)]
+            out_rows = [builder.gep(out_base, [builder.add(o_off, builder.mul(o_stride, k(r)))]) for r in range(R)]
             for c0 in range(0, C, cs):                       # one pass over the input per sub-tile
                 for r0 in range(0, R, rs):
                     sub_r, sub_c = range(r0, min(R, r0 + rs)), range(c0, min(C, c0 + cs))
-                    acc = {(r, c, p): cgutils.alloca_once_value(builder, ir.Constant(acc_t, None))
+                    acc = {(r, c, p): cgutils.alloca_once(builder, acc_t)
                            for r in sub_r for c in sub_c for p in range(parts)}
-                    with cgutils.for_range(builder, n4) as loop:
-                        i = loop.index
-                        w_vec = {(c, p): builder.load(builder.bitcast(
-                                     builder.gep(w_cols[c], [builder.add(builder.mul(i, ir.Constant(i.type, 64)),
-                                                                         ir.Constant(i.type, vb * p))]),
-                                     ir.VectorType(_I8, vb).as_pointer()), align=1)
-                                 for c in sub_c for p in range(parts)}
-                        for r in sub_r:
-                            x4 = builder.load(builder.bitcast(
-                                builder.gep(x_rows[r], [builder.mul(i, ir.Constant(i.type, 4))]),
-                                _I32.as_pointer()), align=1)            # 4 activation bytes as one i32
-                            one = builder.insert_element(ir.Constant(lanes_t, None), x4, ir.Constant(_I32, 0))
-                            xb = builder.bitcast(builder.shuffle_vector(one, ir.Constant(lanes_t, None),
-                                                                        ir.Constant(lanes_t, None)),
-                                                 ir.VectorType(_I8, vb))            # ... in every 32-bit lane
-                            xr = per_row(builder, st, xb)
+
+                    def one_block(b, first: bool):              # activation block b (first: out is not read)
+                        for (r, c, p), a in acc.items():        # the int sums start at -TILE_OFFSET * wsum
+                            builder.store(ir.Constant(acc_t, None), a)
+                        if TILE_OFFSET:
+                            ws_row = builder.add(ws_off, builder.mul(ws_stride, b))
                             for c in sub_c:
                                 for p in range(parts):
-                                    a = acc[r, c, p]
-                                    builder.store(step(builder, st, xr, w_vec[c, p], builder.load(a)), a)
-                    for r in sub_r:
-                        row = builder.add(o_off, builder.mul(o_stride, ir.Constant(o_off.type, r)))
-                        for c in sub_c:
-                            for p in range(parts):
-                                q = builder.gep(out_base, [builder.add(row, ir.Constant(row.type,
-                                                                                       BLOCK * c + vb // 4 * p))])
-                                builder.store(finish(builder, builder.load(acc[r, c, p])),
-                                              builder.bitcast(q, lanes_t.as_pointer()), align=4)
+                                    q = builder.gep(ws_base, [builder.add(ws_row, k(BLOCK * c + nl * p))])
+                                    v = builder.load(builder.bitcast(q, lanes_t.as_pointer()), align=4)
+                                    init = builder.neg(builder.shl(v, ir.Constant(lanes_t, [ir.Constant(_I32, shift)]
+                                                                                  * nl)))
+                                    for r in sub_r:
+                                        builder.store(init, acc[r, c, p])
+                        start = builder.mul(b, n4)                          # the block's first 4-byte step
+                        with cgutils.for_range(builder, n4) as loop:
+                            i = builder.add(start, loop.index)
+                            w_vec = {(c, p): builder.load(builder.bitcast(
+                                         builder.gep(w_cols[c], [builder.add(builder.mul(i, k(64)), k(vb * p))]),
+                                         ir.VectorType(_I8, vb).as_pointer()), align=1)
+                                     for c in sub_c for p in range(parts)}
+                            for r in sub_r:
+                                x4 = builder.load(builder.bitcast(builder.gep(x_rows[r], [builder.mul(i, k(4))]),
+                                                                  _I32.as_pointer()), align=1)  # 4 bytes as one i32
+                                one = builder.insert_element(ir.Constant(lanes_t, None), x4, ir.Constant(_I32, 0))
+                                xb = builder.bitcast(builder.shuffle_vector(one, ir.Constant(lanes_t, None),
+                                                                            ir.Constant(lanes_t, None)),
+                                                     ir.VectorType(_I8, vb))            # ... in every 32-bit lane
+                                xr = per_row(builder, st, xb)
+                                for c in sub_c:
+                                    for p in range(parts):
+                                        a = acc[r, c, p]
+                                        builder.store(step(builder, st, xr, w_vec[c, p], builder.load(a)), a)
+                        for r in sub_r:                  # the block's exact sums, scaled by its sx, added in float32
+                            s = builder.load(builder.gep(sx_rows[r], [b]))
+                            sv = builder.shuffle_vector(builder.insert_element(ir.Constant(float_t, None), s,
+                                                                               ir.Constant(_I32, 0)),
+                                                        ir.Constant(float_t, None), ir.Constant(lanes_t, None))
+                            for c in sub_c:
+                                for p in range(parts):
+                                    part = builder.fmul(builder.sitofp(finish(builder, builder.load(acc[r, c, p])),
+                                                                       float_t), sv)
+                                    q = builder.bitcast(builder.gep(out_rows[r], [k(BLOCK * c + nl * p)]),
+                                                        float_t.as_pointer())
+                                    before = ir.Constant(float_t, [0.0] * nl) if first else builder.load(q, align=4)
+                                    builder.store(builder.fadd(before, part), q, align=4)
+
+                    one_block(k(0), True)
+                    with cgutils.for_range(builder, nb, start=k(1)) as blocks:   # the others, in order
+                        one_block(blocks.index, False)
             return context.get_dummy_value()
 
         return sig, codegen

@@ -85,7 +85,7 @@ def _pairwise_sum(a, lo, n):
 
 @njit(cache=True, inline="always")
 def _rms_norm_quant_row(x, t, weight, eps, xu, sx):
-    """layers.rms_norm then quant.quantize_rows for row t: x [T, D] -> xu[t] [D] uint8 (+128), sx[t]."""
+    """layers.rms_norm then quant.quantize_blocks for row t: x [T, D] -> xu[t] [D] uint8 (+128), sx[t] [nb]."""
     D = x.shape[1]
     sq, h = np.empty(D, np.float32), np.empty(D, np.float32)
     for i in range(D):
@@ -94,7 +94,7 @@ def _rms_norm_quant_row(x, t, weight, eps, xu, sx):
     inv = np.float32(1.0) / np.sqrt(ms + eps)
     for i in range(D):
         h[i] = x[t, i] * inv * weight[i]
-    sx[t] = _quantize_row(h, xu[t])
+    _quantize_row(h, xu[t], sx[t])
 
 
 @njit(cache=True, inline="always")
@@ -104,7 +104,7 @@ def _swiglu_quant_row(gu, e, t, au, sa):
     act = np.empty(F, np.float32)
     for i in range(F):
         act[i] = gu[t, i] / (np.float32(1.0) + e[t, i]) * gu[t, F + i]
-    sa[t] = _quantize_row(act, au[t])
+    _quantize_row(act, au[t], sa[t])
 
 
 # Each row-wise step below runs serially at decode (a parallel launch costs more than one row's work) and in
@@ -122,9 +122,10 @@ def _rms_norm_quant_rows(x, weight, eps, xu, sx):
 
 @njit(cache=True, parallel=True)
 def pre_attention(x, norm_w, eps, wp, wsum, sw, cos, sin, n_heads, n_kv_heads, q, k, v):
-    """x [T, D] -> q [T, N, H], k [T, K, H] (RoPE applied), v [T, K, H]."""
+    """x [T, D] -> q [T, N, H], k [T, K, H] (RoPE applied), v [T, K, H]. wsum [nb, O]: the activations get nb
+    scales per row (matmul.w8a8_tile)."""
     T, D = x.shape
-    xu, sx = np.empty((T, D), np.uint8), np.empty(T, np.float32)
+    xu, sx = np.empty((T, D), np.uint8), np.empty((T, wsum.shape[0]), np.float32)
     _rms_norm_quant_rows(x, norm_w, eps, xu, sx)
     qkv = np.empty((T, wp.shape[0] * 16), np.float32)                      # [T, (N + 2K) H]
     _matmul_w8a8(xu, sx, wp, wsum, sw, qkv, False)
@@ -140,15 +141,15 @@ def pre_attention(x, norm_w, eps, wp, wsum, sw, cos, sin, n_heads, n_kv_heads, q
 def post_attention(x, a, wo, wo_sum, wo_scale, norm_w, eps, wgu, wgu_sum, wgu_scale, gu):
     """x += a @ Wo (a [T, N H], the attention output), then gu [T, 2F] = RMSNorm(x) @ [Wgate | Wup]."""
     T = a.shape[0]
-    au, sa = np.empty(a.shape, np.uint8), np.empty(T, np.float32)
+    au, sa = np.empty(a.shape, np.uint8), np.empty((T, wo_sum.shape[0]), np.float32)
     if T >= PARALLEL_ROWS:
         for t in prange(T):
-            sa[t] = _quantize_row(a[t], au[t])
+            _quantize_row(a[t], au[t], sa[t])
     else:
         for t in range(T):
-            sa[t] = _quantize_row(a[t], au[t])
+            _quantize_row(a[t], au[t], sa[t])
     _matmul_w8a8(au, sa, wo, wo_sum, wo_scale, x, True)
-    xu, sx = np.empty(x.shape, np.uint8), np.empty(T, np.float32)
+    xu, sx = np.empty(x.shape, np.uint8), np.empty((T, wgu_sum.shape[0]), np.float32)
     _rms_norm_quant_rows(x, norm_w, eps, xu, sx)
     _matmul_w8a8(xu, sx, wgu, wgu_sum, wgu_scale, gu, False)
 
@@ -157,7 +158,7 @@ def post_attention(x, a, wo, wo_sum, wo_scale, norm_w, eps, wgu, wgu_sum, wgu_sc
 def mlp_down(x, gu, e, wd, wd_sum, wd_scale):
     """x += (silu(gate) * up) @ Wdown with e = exp(-gate) from NumPy: silu(g) = g / (1 + e)."""
     T, F = e.shape
-    au, sa = np.empty((T, F), np.uint8), np.empty(T, np.float32)
+    au, sa = np.empty((T, F), np.uint8), np.empty((T, wd_sum.shape[0]), np.float32)
     if T >= PARALLEL_ROWS:
         for t in prange(T):
             _swiglu_quant_row(gu, e, t, au, sa)
@@ -170,7 +171,7 @@ def mlp_down(x, gu, e, wd, wd_sum, wd_scale):
 @njit(cache=True, parallel=True)
 def lm_head(x, norm_w, eps, w, w_sum, w_scale):
     """logits [R, V] = RMSNorm(x) @ W_head for the R rows that sample."""
-    xu, sx = np.empty(x.shape, np.uint8), np.empty(x.shape[0], np.float32)
+    xu, sx = np.empty(x.shape, np.uint8), np.empty((x.shape[0], w_sum.shape[0]), np.float32)
     _rms_norm_quant_rows(x, norm_w, eps, xu, sx)
     out = np.empty((x.shape[0], w.shape[0] * 16), np.float32)
     _matmul_w8a8(xu, sx, w, w_sum, w_scale, out, False)

@@ -53,6 +53,13 @@ def pack_vnni(wq: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(w.transpose(2, 0, 3, 1)).reshape(O // BLOCK, D // 4 * 4 * BLOCK)
 
 
+def block_sums(wq: np.ndarray, n_blocks: int) -> np.ndarray:
+    """[D, O] int8 -> [n_blocks, O] int32: each output's weights summed over each run of D / n_blocks inputs (the
+    W8A8 epilogue subtracts TILE_OFFSET times it, per activation block)."""
+    D, O = wq.shape
+    return wq.reshape(n_blocks, D // n_blocks, O).sum(axis=1, dtype=np.int32)
+
+
 def pack_w8a32(wq: np.ndarray) -> np.ndarray:
     """[D, O] int8 -> [O/16, D, 16] int8: for each input channel, the 16 outputs of a block side by side, so the
     weight-only kernel widens 16 contiguous bytes and multiplies them with one broadcast activation."""
@@ -79,25 +86,34 @@ def _serial_and_parallel(fn):
 
 
 @njit(cache=True, inline="always")
-def _quantize_row(h, xu_row):
-    """One row [D] float32 -> xu_row [D] uint8 (int8 value + 128); returns its scale. Same arithmetic as
-    quant.quantize_rows: s = max|h| / 127, q = floor(h / s + 0.5), all float32."""
-    top = np.int32(0)                    # max |h[i]| over the bits with the sign cleared: an integer max vectorises,
-    for i in range(h.shape[0]):          # a float one does not (fast_exp.row_max; the same value, no NaN here)
-        top = max(top, float_bits(h[i]) & np.int32(0x7FFFFFFF))
-    amax = bits_float(top)
-    s = amax / np.float32(127.0) if amax > 0 else np.float32(1.0)
-    for i in range(h.shape[0]):
-        q = math.floor(h[i] / s + np.float32(0.5))
-        xu_row[i] = np.uint8(min(max(q, -127), 127) + 128)
-    return s
+def _quantize_row(h, xu_row, sx_row):
+    """One row [D] float32 -> xu_row [D] uint8 (int8 value + 128) and its scales sx_row [nb], one per block of
+    D / nb inputs (nb = 1: one per row). Same arithmetic as quant.quantize_rows: s = max|h| / 127,
+    q = floor(h / s + 0.5), all float32."""
+    nb = sx_row.shape[0]
+    kb = h.shape[0] // nb
+    for b in range(nb):
+        top = np.int32(0)                    # max |h[i]| over the bits with the sign cleared: an integer max
+        for i in range(b * kb, (b + 1) * kb):   # vectorises, a float one does not (fast_exp.row_max; no NaN here)
+            top = max(top, float_bits(h[i]) & np.int32(0x7FFFFFFF))
+        amax = bits_float(top)
+        s = amax / np.float32(127.0) if amax > 0 else np.float32(1.0)
+        for i in range(b * kb, (b + 1) * kb):
+            q = math.floor(h[i] / s + np.float32(0.5))
+            xu_row[i] = np.uint8(min(max(q, -127), 127) + 128)
+        sx_row[b] = s
 
 
 @_serial_and_parallel
-def quantize_rows(x, xu, sx):
-    """x [T, D] float32 -> xu [T, D] uint8 (offset by 128), sx [T] float32 (per-row scale)."""
+def _quantize_rows(x, xu, sx):
     for t in prange(x.shape[0]):
-        sx[t] = _quantize_row(x[t], xu[t])
+        _quantize_row(x[t], xu[t], sx[t])
+
+
+def quantize_rows(x: np.ndarray, xu: np.ndarray, sx: np.ndarray) -> None:
+    """x [T, D] float32 -> xu [T, D] uint8 (offset by 128), sx [T] float32 (one scale per row) or [T, nb] (one per
+    block of D / nb inputs)."""
+    _quantize_rows(x, xu, sx.reshape(x.shape[0], -1))         # (a view: the kernel writes into sx)
 
 
 @njit(cache=True, inline="always")
@@ -130,26 +146,30 @@ def split_rope_row(qkv, cos, sin, n_heads, n_kv_heads, q, k, v, t):
 @njit(cache=True, inline="always")
 def w8a8_tile(xf, sx, wf, wsum, sw, out, accumulate, D, r0, nr, b0, nc, acc):
     """One work item of the W8A8 matmul: rows r0 .. r0+nr (nr <= ROWS) x packed blocks b0 .. b0+nc (nc <= COLS).
-    xf, wf: the raveled activations and packed weights; acc: int32 scratch [ROWS * COLS * 16]."""
-    n4 = D // 4
-    step = n4 * 64                                   # bytes of one packed block
+    xf, wf: the raveled activations and packed weights; sx [T, nb]: activation scales, one per run of D / nb
+    inputs; wsum [nb, O]: the weights' sums over each run; acc: float32 scratch [ROWS * COLS * 16]."""
+    nb = wsum.shape[0]
+    n4 = D // 4 // nb                                # 4-byte steps per activation block
+    step = D // 4 * 64                               # bytes of one packed block (of 16 outputs)
+    O, CB = wsum.shape[1], COLS * BLOCK
+    sf, wsf = sx.ravel(), wsum.ravel()
+    # the tile: every activation block's exact integer dot products, offset undone, scaled by sx, added in float32
     if nr == ROWS and nc == COLS:
-        _tile_RC(xf, r0 * D, D, wf, b0 * step, step, n4, acc, 0, COLS * BLOCK)
+        _tile_RC(xf, r0 * D, D, wf, b0 * step, step, n4, nb, wsf, b0 * BLOCK, O, sf, r0 * nb, nb, acc, 0, CB)
     elif nc == COLS:
         for r in range(nr):
-            _tile_1C(xf, (r0 + r) * D, D, wf, b0 * step, step, n4, acc, r * COLS * BLOCK, COLS * BLOCK)
+            _tile_1C(xf, (r0 + r) * D, D, wf, b0 * step, step, n4, nb, wsf, b0 * BLOCK, O, sf, (r0 + r) * nb, nb,
+                     acc, r * CB, CB)
     else:
         for r in range(nr):
             for c in range(nc):
-                _tile_11(xf, (r0 + r) * D, D, wf, (b0 + c) * step, step, n4, acc, r * COLS * BLOCK + c * BLOCK,
-                         COLS * BLOCK)
-    # epilogue: undo the tile's activation offset (int8_dot.TILE_OFFSET: 128 for vpdpbusd's unsigned bytes, 0 for
-    # the tiles that multiply signed ones; exact in int32), then the two float scales
-    for r in range(nr):
+                _tile_11(xf, (r0 + r) * D, D, wf, (b0 + c) * step, step, n4, nb, wsf, (b0 + c) * BLOCK, O, sf,
+                         (r0 + r) * nb, nb, acc, r * CB + c * BLOCK, CB)
+    for r in range(nr):                              # then the weights' scale
         t = r0 + r
         for j in range(nc * BLOCK):
             o = b0 * BLOCK + j
-            y = np.float32(acc[r * COLS * BLOCK + j] - TILE_OFFSET * wsum[o]) * sx[t] * sw[o]
+            y = acc[r * CB + j] * sw[o]
             if accumulate:
                 out[t, o] += y
             else:
@@ -169,7 +189,7 @@ def matmul_w8a8_body(xu, sx, wp, wsum, sw, out, accumulate):
     for item in prange(row_tiles * col_groups):
         g, rt = item // row_tiles, item % row_tiles
         r0, b0 = rt * ROWS, g * COLS
-        acc = np.empty(ROWS * COLS * BLOCK, np.int32)  # [nr, nc*16] row-major, row stride COLS*16
+        acc = np.empty(ROWS * COLS * BLOCK, np.float32)  # [nr, nc*16] row-major, row stride COLS*16
         w8a8_tile(xf, sx, wf, wsum, sw, out, accumulate, D, r0, min(ROWS, T - r0), b0, min(COLS, n_blocks - b0), acc)
 
 
@@ -192,10 +212,14 @@ def _matmul_w8a8(xu, sx, wp, wsum, sw, out, accumulate):
 
 def matmul_w8a8(xu: np.ndarray, sx: np.ndarray, wp: np.ndarray, wsum: np.ndarray, sw: np.ndarray,
                 out: np.ndarray | None = None, accumulate: bool = False) -> np.ndarray:
-    """xu [T, D] uint8 (+128), sx [T], wp = pack_vnni(wq), wsum [O] int32 = wq.sum(0), sw [O] -> [T, O] float32.
+    """xu [T, D] uint8 (+128), sx [T] (one scale per row) or [T, nb] (per block of D / nb inputs), wp = pack_vnni(wq),
+    wsum [O] or [nb, O] int32 = the sums of wq over each block's inputs (block_sums), sw [O] -> [T, O] float32.
     With accumulate=True the result is added to `out` (the residual connection, without a temporary)."""
     if out is None:
         out = np.empty((xu.shape[0], wp.shape[0] * BLOCK), np.float32)
+    sx, wsum = sx.reshape(xu.shape[0], -1), wsum.reshape(-1, wp.shape[0] * BLOCK)
+    if sx.shape[1] != wsum.shape[0]:
+        raise ValueError(f"sx has {sx.shape[1]} scales per row but wsum sums {wsum.shape[0]} blocks")
     _matmul_w8a8(xu, sx, wp, wsum, sw, out, accumulate)
     return out
 
