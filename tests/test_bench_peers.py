@@ -27,8 +27,8 @@ def test_defaults_are_the_issue_workloads_on_the_fast_path():
     args = bp.parse_args([])
     assert args.settings == bp.Settings(rounds=3, prompt_len=32, new_tokens=128, batch=16, prefill_len=512)
     assert args.engines == ["llama.cpp", "PyTorch", "tinyserve"]
-    # the CLI's default path (int8 on the Numba kernels), not load_model's float32 reference
-    assert bp.load_kwargs(args) == {"quant": "int8", "backend": "numba"}
+    # the CLI's default path (auto: the fastest accurate mode on the Numba kernels), not load_model's float32 reference
+    assert bp.load_kwargs(args) == {"quant": "auto", "backend": "numba"}
     assert bp.engine_kwargs(args) == {"backend": "numba"}
 
 

@@ -229,7 +229,8 @@ def kernels_json(kernels, n_slow: int, fast) -> dict:
 
 def describe_backend(model) -> str:
     """Which path runs (lesson 7): the fast one is the default, `--quant none --backend numpy` the reference."""
-    what = {"none": "float32", "int8": "int8 weights (W8A32)", "w8a8": "int8 weights and activations (W8A8)"}
+    what = {"none": "float32", "int8": "int8 weights (W8A32)", "w8a8": "int8 weights and activations (W8A8)",
+            "w8a8-64": "int8 weights and activations, a scale per 64 (W8A8-64)"}
     if model.backend != "numba":
         return f"{what[model.quant]}, {model.backend} backend"
     from .kernels import isa                   # which instruction set the kernels were built for (lesson 7)
@@ -237,11 +238,13 @@ def describe_backend(model) -> str:
 
 
 def add_backend_args(p: argparse.ArgumentParser) -> None:
-    # int8 (W8A32) by default: as fast as llama.cpp at decode and within 0.1 % of float32's perplexity; w8a8 is
-    # faster still (prefill ~1.7x) but costs 5.8 % perplexity (lesson 7's accuracy table): opt in with --quant w8a8
-    p.add_argument("--quant", default="int8", choices=["none", "int8", "w8a8"],
-                   help="quantisation (lesson 7; default int8: int8 weights, float32 activations; w8a8: faster, "
-                        "less accurate; none = float32, the reference)")
+    # auto by default: the fastest mode within int8's accuracy bounds on this CPU (quant.default_quant): W8A8-64
+    # where the kernels have a byte dot product (1.3-1.5x int8 on an AVX-512 VNNI Xeon, at 0.5 % perplexity),
+    # else int8; lesson 7's "outliers" table measures every mode
+    p.add_argument("--quant", default="auto", choices=["auto", "none", "int8", "w8a8", "w8a8-64"],
+                   help="quantisation (lesson 7; default auto: the fastest accurate mode on this CPU; int8: int8 "
+                        "weights, float32 activations; w8a8-64: int8 activations too, one scale per 64 values; "
+                        "w8a8: one scale per token, faster, less accurate; none = float32, the reference)")
     p.add_argument("--backend", default="numba", choices=["numpy", "numba"],
                    help="numba: the fused kernels (default); numpy: the readable reference")
 
@@ -283,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     k = sub.add_parser("compile", help="compile one path's Numba kernels into the on-disk cache (the first run does "
                                        "it in the background by itself)")
-    k.add_argument("--quant", default="int8", choices=["int8", "w8a8"])
+    k.add_argument("--quant", default="auto", choices=["auto", "int8", "w8a8", "w8a8-64"])
     k.add_argument("--workload", default="kv", choices=["kv", "engine"],
                    help="kv: generate's kernels; engine: also the paged attention of chat, serve and bench")
     k.add_argument("--start", action="store_true", help="start it in the background and return (nothing if warm)")
@@ -338,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_bench)
 
     sp = sub.add_parser("speed", help="tokens/s per backend against the memory roofline (lesson 7; tinyserve/speed.py)")
-    sp.add_argument("--backends", default="fp32-NumPy,int8-Numba,W8A8-Numba")
+    sp.add_argument("--backends", default="fp32-NumPy,int8-Numba,W8A8-Numba,W8A8-64-Numba")
     sp.add_argument("--batches", default="1,4,16", help="decode batch sizes")
     sp.add_argument("--prefills", default="128,512,1024", help="prefill lengths")
     sp.add_argument("--new-tokens", type=int, default=32, help="decode steps per measurement")

@@ -77,10 +77,11 @@ def warm_up(quant: str, workload: str = "kv", log=None) -> float:
     from .sampling import SamplingParams
     from .weights import tiny_model
 
-    if quant not in ("int8", "w8a8") or workload not in WORKLOADS:
-        raise ValueError(f"warm_up: quant must be int8 or w8a8 and workload one of {WORKLOADS}, got {quant!r}, "
-                         f"{workload!r}")
-    model = set_backend(tiny_model(seed=0), quant, "numba")
+    if quant not in ("int8", "w8a8", "w8a8-64") or workload not in WORKLOADS:
+        raise ValueError(f"warm_up: quant must be int8, w8a8 or w8a8-64 and workload one of {WORKLOADS}, got "
+                         f"{quant!r}, {workload!r}")
+    # a tiny model whose matrices' inputs split into blocks of 64 (w8a8-64); the kernels compile for types, not sizes
+    model = set_backend(tiny_model(seed=0, dim=128, intermediate_size=192), quant, "numba")
     t_all = time.perf_counter()
 
     def phase(i: int, n: int, what: str, fn) -> None:
@@ -294,6 +295,9 @@ def main(args) -> int:
     """`python -m tinyserve compile`: fill the on-disk cache with one path's kernels (what BackgroundCompile runs).
     --start: only start that in the background and return (`make run` does, so the compile overlaps the weights'
     download; the generate that follows finds it by its lock file and waits for it instead of compiling again)."""
+    if args.quant == "auto":                     # what `generate` will choose for SmolLM2 on this CPU
+        from .quant import default_quant
+        args.quant = default_quant()
     if args.start:
         if not is_warm(args.quant, args.workload):
             bg = BackgroundCompile(args.quant, args.workload)

@@ -321,8 +321,9 @@ _TENSOR_SUFFIX = {
 def load_model(weights_dir: str | Path = DEFAULT_WEIGHTS_DIR, quant: str = "none", backend: str = "numpy") -> Model:
     """Config + float32 weights from a converted folder. Matrices are stored [in, out] so that y = x @ W.
 
-    quant="int8" | "w8a8" quantises the matmul weights (lesson 7; cached on disk beside the float32 ones) and
-    backend="numba" runs them with the fused Numba kernels; the defaults give the float32 NumPy reference."""
+    quant="int8" | "w8a8" | "w8a8-64" quantises the matmul weights (lesson 7; cached on disk beside the float32 ones)
+    and backend="numba" runs them with the fused Numba kernels ("auto": the fastest accurate mode on this CPU,
+    quant.default_quant); the defaults give the float32 NumPy reference."""
     from .quant import set_backend
     return set_backend(_load_float32(weights_dir), quant, backend, weights_dir)
 

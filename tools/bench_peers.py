@@ -2,7 +2,7 @@
 
     .venv/bin/python tools/bench_peers.py                 # 3 rounds, the workloads below
     .venv/bin/python tools/bench_peers.py --quick         # 1 round, few tokens: checks the whole chain end to end
-    .venv/bin/python tools/bench_peers.py --quant w8a8    # passed to ts.load_model / ts.Engine (default: int8 on
+    .venv/bin/python tools/bench_peers.py --quant int8    # passed to ts.load_model / ts.Engine (default: auto on
                                                           # numba, the CLI's fast path; --quant none --backend numpy:
                                                           # the float32 reference)
 
@@ -142,7 +142,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prefill-len", type=int, default=None, help="prompt tokens in the prefill workload (512)")
     ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {', '.join(ENGINES)}")
     # the defaults are the CLI's (`generate`, `chat`, `bench`): the fast path a user runs, not load_model's reference
-    ap.add_argument("--quant", default="int8", choices=["none", "int8", "w8a8"], help="ts.load_model(quant=...)")
+    ap.add_argument("--quant", default="auto", choices=["auto", "none", "int8", "w8a8", "w8a8-64"],
+                    help="ts.load_model(quant=...)")
     ap.add_argument("--backend", default="numba", choices=["numpy", "numba"],
                     help="ts.load_model and ts.Engine (backend=...)")
     ap.add_argument("--llama-python", default=str(ROOT / ".venv-llama" / "bin" / "python"))
@@ -302,7 +303,8 @@ class Tinyserve:
         import tinyserve as ts
         self.model = ts.load_model(weights, **load_kwargs(args))
         self.engine_kw = engine_kwargs(args)
-        self.info = {"engine": TINY, "load_model": load_kwargs(args), "Engine": self.engine_kw, "numpy": np.__version__,
+        self.info = {"engine": TINY, "load_model": load_kwargs(args), "quant": self.model.quant,    # auto, resolved
+                     "Engine": self.engine_kw, "numpy": np.__version__,
                      "prefill": "kv_cache.prefill (contiguous KVCache)", "decode": "Engine (paged, continuous batching)"}
 
     def request(self, cmd: str, **fields) -> dict:
@@ -446,6 +448,9 @@ def main(argv: list[str] | None = None) -> int:
         e.close()
 
     print()
+    if TINY in infos:
+        print(f"tinyserve: quant={infos[TINY]['quant']} (--quant {args.quant}), backend={args.backend}, "
+              f"{isa.describe()}")
     print(format_table(report, args.engines))
     print(f"median over {st.rounds} round(s), (min-max) when more than one; ratios are tinyserve / peer per round. "
           f"Prefill: LM head on the last position only in every engine (transformers: logits_to_keep=1). "
