@@ -1,10 +1,10 @@
 """Lesson 7 exercises: int8 quantisation (weights per output channel, activations per row), the int8 matmul it
-defines, the VNNI weight layout, and an int8 matmul in Numba with int32 accumulation.
+defines, the VNNI weight layout, an int8 matmul in Numba with int32 accumulation, and SmoothQuant's factors.
 
 Replace each `raise NotImplementedError(...)`, then run `make check-7`: it runs tests/lessons/test_lesson_07.py
 against this file and tells you, exercise by exercise, what passes. The reference answers are in
-tinyserve/quant.py (quantize_weight, quantize_rows, matmul_reference) and tinyserve/kernels/matmul.py (pack_vnni,
-matmul_w8a8): try first, compare after.
+tinyserve/quant.py (quantize_weight, quantize_rows, matmul_reference, smoothing_factors) and
+tinyserve/kernels/matmul.py (pack_vnni, matmul_w8a8): try first, compare after.
 
 Conventions (as in tinyserve): a weight matrix is [D, O] (y = x @ W); int8 values live in [-127, 127] (-128 is
 never used, so the range is symmetric); a scale of 0 would divide by zero, so an all-zero column or row gets scale 1.
@@ -88,3 +88,19 @@ def matmul_w8a8(xu: np.ndarray, sx: np.ndarray, wp: np.ndarray, wsum: np.ndarray
         "matmul_w8a8: an @njit(parallel=True) kernel: for b in prange(O/16): for t, l: acc = np.int32(0); for "
         "i in range(D/4): for k in range(4): acc = np.int32(acc + np.int32(xu[t, 4i+k]) * np.int32(wp[b, "
         "64i+4l+k])); then the epilogue above")
+
+
+def smoothing_factors(x_amax: np.ndarray, w_amax: np.ndarray, alpha: float = 0.5) -> np.ndarray:
+    """SmoothQuant's per-input-channel factors s [D] float32 (the notebook's section "Outliers").
+
+    x_amax [D]: max |x[:, j]| of the activations entering a matrix (over calibration tokens); w_amax [D]: max |W[j, :]|
+    over that matrix's outputs (its row j). Dividing channel j of x by s[j] and multiplying row j of W by s[j]
+    leaves x @ W unchanged; the choice
+        s[j] = x_amax[j] ** alpha / w_amax[j] ** (1 - alpha)
+    leaves channel j spanning x_amax^(1-alpha) * w_amax^(1-alpha) in the activations and x_amax^alpha * w_amax^alpha
+    in the weights: alpha moves the difficulty from one to the other. A channel where either maximum is 0 keeps
+    s = 1 (there is nothing to balance, and the formula would divide by zero).
+    """
+    raise NotImplementedError(
+        "smoothing_factors: which of the two maxima should s grow with, and which shrink it? Check your answer "
+        "against the two spans in the docstring. What must come out for a channel that is all zeros?")

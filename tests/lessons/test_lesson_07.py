@@ -22,6 +22,7 @@ REFERENCE = {
     "matmul_reference": "tinyserve.quant:matmul_reference",
     "pack_vnni": "tinyserve.kernels.matmul:pack_vnni",
     "matmul_w8a8": "tinyserve.kernels.matmul:matmul_w8a8",
+    "smoothing_factors": "tinyserve.quant:smoothing_factors",
 }
 impl = load_impl(7, REFERENCE)
 
@@ -230,3 +231,34 @@ def test_matmul_w8a8_large_sums_and_accumulate():
     got = impl.matmul_w8a8(*args, out=out, accumulate=True)
     assert got is out, "accumulate into the given buffer (no temporary)"
     assert np.array_equal(out, residual + ref)
+
+
+# --- smoothing_factors -------------------------------------------------------------------------------------------
+
+@pytest.mark.exercise("smoothing_factors")
+def test_smoothing_factors_by_hand():
+    x_amax = np.array([4.0, 1.0, 0.0, 9.0, 2.0], np.float32)
+    w_amax = np.array([1.0, 4.0, 2.0, 0.0, 8.0], np.float32)
+    s = np.asarray(impl.smoothing_factors(x_amax, w_amax, 0.5))
+    assert s.shape == (5,) and s.dtype == np.float32
+    assert np.isfinite(s).all(), "a channel whose maximum is 0 (channels 2 and 3) must get s = 1, not 0, inf or NaN"
+    np.testing.assert_allclose(s, [2.0, 0.5, 1.0, 1.0, 0.5], rtol=1e-6, err_msg=(
+        "at alpha = 0.5, s = sqrt(x_amax / w_amax): a large activation range gives a large s (x / s shrinks it), "
+        "a large weight range a small one; channels with a zero maximum keep 1"))
+
+
+@pytest.mark.exercise("smoothing_factors")
+@pytest.mark.parametrize("alpha", [0.25, 0.5, 0.8])
+def test_smoothing_factors_give_each_side_its_share(alpha):
+    """What the factors are for: after x / s and s * W, channel j spans (x_amax w_amax)^(1-alpha) in the activations
+    and (x_amax w_amax)^alpha in the weights. Ranges drawn over 4 decades, so that other formulas that agree at
+    alpha = 0.5 (e.g. (x_amax / w_amax)^alpha) or on equal ranges give other numbers here."""
+    rng = np.random.default_rng(int(alpha * 100))
+    x_amax = (10.0 ** rng.uniform(-2, 2, 64)).astype(np.float32)
+    w_amax = (10.0 ** rng.uniform(-2, 2, 64)).astype(np.float32)
+    s = np.asarray(impl.smoothing_factors(x_amax, w_amax, alpha), np.float64)
+    prod = x_amax.astype(np.float64) * w_amax
+    np.testing.assert_allclose(x_amax / s, prod ** (1 - alpha), rtol=1e-5, err_msg=(
+        f"alpha = {alpha}: the activations' range after smoothing should be (x_amax * w_amax)^(1 - alpha)"))
+    np.testing.assert_allclose(w_amax * s, prod ** alpha, rtol=1e-5, err_msg=(
+        f"alpha = {alpha}: the weights' range after smoothing should be (x_amax * w_amax)^alpha"))
