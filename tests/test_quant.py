@@ -97,14 +97,8 @@ def test_w8a8_per_block_kernel_is_bit_exact(T, d_nb, O, seed):
     D, nb = d_nb
     x, w = random_case(seed, T, D, O)
     q = quant.quantize_weight(w, "w8a8")
-    xq, sx = quant.quantize_blocks(x, nb)
-    assert sx.shape == (T, nb)
-    want = np.zeros((T, O), np.float32)
-    for b in range(nb):             # the definition written out: exact block sums, scaled, added in block order
-        s = slice(b * D // nb, (b + 1) * D // nb)
-        dots = xq[:, s].astype(np.int64) @ q.wq[s].astype(np.int64)
-        want = want + dots.astype(np.float32) * sx[:, b:b + 1]
-    want = want * q.scale
+    assert quant.quantize_blocks(x, nb)[1].shape == (T, nb)
+    want = _blocked_reference(x, q, nb)   # the definition written out: exact block sums, scaled, added in order
     if D % 64 == 0:
         assert np.array_equal(quant.matmul_reference(x, quant.QuantizedLinear(q.wq, q.scale, "w8a8-64")),
                               _blocked_reference(x, q, D // 64))
