@@ -28,7 +28,7 @@ from tinyserve.engine import Engine
 from tinyserve.kernels import decode_step, forward as fast
 from tinyserve.kernels.attention import paged_attention_numba_unchecked
 from tinyserve.kernels.fast_exp import exp32
-from tinyserve.kernels.spin import FAILED, SYNC_SIZE, barrier
+from tinyserve.kernels.spin import FAILED, SPIN_CYCLES, SYNC_SIZE, barrier, cycle_counter
 from tinyserve.paged import write_kv_unchecked
 from tinyserve.sampling import SamplingParams
 
@@ -89,6 +89,30 @@ def test_barrier_keeps_the_threads_in_step():
     sync, seen = np.zeros(SYNC_SIZE, np.int64), np.zeros(n, np.int64)
     _phases(n, sync, 2000, seen)
     assert sync[FAILED] == 0 and seen.sum() == 0, f"{seen.sum()} stale reads, failed={sync[FAILED]}"
+
+
+@njit(cache=True, parallel=True)
+def _late_partner(n_threads, sync, delay, waited):
+    for tid in prange(n_threads):
+        start = cycle_counter()
+        if tid == 0:                       # thread 0 arrives `delay` cycles late
+            while cycle_counter() - start < delay:
+                pass
+        ok = barrier(sync, n_threads, 10_000_000_000)
+        waited[tid] = (cycle_counter() - start) if ok else -1
+
+
+def test_barrier_waits_for_a_late_partner_past_the_spin_budget():
+    """After SPIN_CYCLES a waiting thread yields its core on every turn (kernels/spin.py): it must still wait, and
+    let everyone through together when the late one comes."""
+    n = numba.get_num_threads()
+    if n < 2:
+        pytest.skip("one Numba thread: nobody waits at a barrier")
+    sync, waited = np.zeros(SYNC_SIZE, np.int64), np.zeros(n, np.int64)
+    _late_partner(n, sync, 4 * SPIN_CYCLES, waited)
+    assert sync[FAILED] == 0 and (waited > 0).all(), f"a barrier failed: waited {waited}"
+    assert waited[1:].max() >= 3 * SPIN_CYCLES, (
+        f"the others passed the barrier after {waited[1:]} cycles, before the late thread came ({4 * SPIN_CYCLES})")
 
 
 def test_barrier_gives_up_when_a_partner_never_comes():

@@ -88,8 +88,8 @@ def drafter_lineup(model, args) -> dict:
     ee = early_exit_model(model, L)
     lineup[f"early-exit-{L}"] = (lambda: ModelDrafter(ee, name=f"early-exit-{L}", target=model),
                                  [int(k) for k in args.early_exit_ks.split(",")])
-    if args.target == "int8":
-        print("(the target is the int8 model itself: no int8 drafter)")
+    if args.target != "fp32":
+        print(f"(the target is the {model.quant} model itself: no int8 drafter)")
     elif "quant" in inspect.signature(ts.load_model).parameters:
         int8 = load(args, quant="int8", backend="numba")
         # cost: measured, relative to the float32 target's decode step (the bandwidth ratio would say ~1/4)
@@ -126,8 +126,9 @@ def main() -> None:
     ap.add_argument("--ks", default="1,2,4,8,16,32", help="k values for the n-gram drafter")
     ap.add_argument("--early-exit-ks", default="1,2", help="k values for the early-exit drafter (it costs more)")
     ap.add_argument("--int8-ks", default="2,4", help="k values for the int8 drafter")
-    ap.add_argument("--target", default="fp32", choices=["fp32", "int8"],
-                    help="the target model: float32 NumPy (default) or lesson 7's int8 weights on the Numba backend")
+    ap.add_argument("--target", default="fp32", choices=["fp32", "auto", "int8", "w8a8", "w8a8-64"],
+                    help="the target model: float32 NumPy (default), or lesson 7's quantised weights on the Numba "
+                         "backend (auto: the CLI's default mode on this CPU)")
     ap.add_argument("--adaptive-k-max", type=int, default=32)
     ap.add_argument("--early-exit-layers", type=int, default=24)
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
@@ -135,7 +136,10 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the raw results here")
     args = ap.parse_args()
 
-    model = load(args) if args.target == "fp32" else load(args, quant="int8", backend="numba")
+    model = load(args) if args.target == "fp32" else load(args, quant=args.target, backend="numba")
+    if args.target != "fp32":
+        from tinyserve.kernels import isa
+        print(f"target: quant={model.quant}, {isa.describe()}")
     tok = ts.load_tokenizer(args.weights) if args.weights else ts.load_tokenizer()
     greedy = ts.SamplingParams(temperature=0)
     lineup = drafter_lineup(model, args)
@@ -148,6 +152,7 @@ def main() -> None:
     configs += [(name, args.adaptive_k_max if name == "ngram" else max(ks), True) for name, (_, ks) in lineup.items()]
     rows: dict[tuple, dict] = {}
     base_times: dict[str, list[float]] = {w: [] for w in workloads}
+    differs = 0
     for rep in range(args.reps):
         for w, ids in workloads.items():
             expected, t_base = decode_time(kv_cache.generate_stream(model, ids, args.new_tokens, greedy), None)
@@ -158,7 +163,11 @@ def main() -> None:
                 out, t = decode_time(sp.generate_stream(
                     model, ids, args.new_tokens, greedy, drafter=drafter, k=k, adaptive=adaptive, stats=stats,
                     verify_costs=verify_costs if adaptive else None), stats)
-                assert out == expected, f"{name} k={k}: greedy speculative output differs from plain decoding"
+                # float32: the same tokens, always. W8A8: verify's k + 1 rows and plain decoding's fused one-row step
+                # add in other orders (~1e-7), which can tip a near tie: count such runs instead of stopping
+                if out != expected and model.quant in ("none", "int8"):
+                    raise AssertionError(f"{name} k={k}: greedy speculative output differs from plain decoding")
+                differs += out != expected
                 r = rows.setdefault((w, name, k, adaptive), {"speedup": [], "alpha": [], "tps": [], "tok_step": [],
                                                              "draft_s_per_tok": [], "ks": []})
                 r["speedup"].append(t_base / t)    # both are seconds per decoded token
@@ -170,7 +179,10 @@ def main() -> None:
                 print(f"rep {rep} {w:>10} {name:>14} k={k:<2}{'a' if adaptive else ' '} "
                       f"α={stats.alpha:.2f} tok/step={stats.tokens_per_step:.2f} x{t_base / t:.2f}", flush=True)
 
-    backend = "fp32 NumPy" if args.target == "fp32" else "int8 Numba (lesson 7)"
+    backend = "fp32 NumPy" if args.target == "fp32" else f"{model.quant} Numba (lesson 7)"
+    if differs:
+        print(f"\n{differs} of {len(configs) * len(workloads) * args.reps} speculative runs decoded other tokens than "
+              f"plain decoding somewhere (W8A8: float order at a near tie, see above)")
     print(f"\nSmolLM2-135M-Instruct target: {backend}, greedy, {args.new_tokens} new tokens, {args.reps} interleaved "
           f"repetitions; speed-up = median (min-max) of plain/speculative decode time per token in the same "
           f"repetition, plain decoding on the same backend.")

@@ -6,7 +6,8 @@ Importing this package pins down three things that otherwise cost minutes, a 10x
 - where compiled kernels are cached: NUMBA_CACHE_DIR defaults to <repo>/.numba_cache (kept out of git), one
   folder per instruction set inside it, so only the first process pays the tens of seconds of JIT compilation
   (~1 s to load from the cache) and a forced variant never loads another's kernels;
-- which thread pool runs a step: see `single_thread_blas()` and `check_threading_layer()`.
+- which thread pool runs a step: see `single_thread_blas()` and `check_threading_layer()`;
+- how long an idle OpenMP worker spins before it sleeps (GOMP_SPINCOUNT, below).
 """
 from __future__ import annotations
 
@@ -34,6 +35,16 @@ if os.environ.get("NUMBA_CPU_FEATURES") and os.environ.get("NUMBA_CPU_FEATURES")
     del os.environ["NUMBA_CPU_FEATURES"]
 if isa.FORCED_FEATURES is not None:          # a variant below this CPU's: compile for exactly its features
     os.environ["NUMBA_CPU_FEATURES"] = os.environ["TINYSERVE_PINNED_FEATURES"] = isa.FORCED_FEATURES
+
+# libgomp's workers (Numba's `omp` layer) spin after each parallel loop, by default 300,000 turns of `pause`
+# (~10-40 ms on recent x86) before they sleep. Alone on the machine that is harmless; beside another busy program
+# (a second engine, a test run, a browser) the spinning workers take the cores the other side's threads need, and
+# both collapse: a three-call decode step (~6 ms alone) measured a median of 160-1270 ms, p90 up to 1.8 s, and
+# with 10,000 turns 104 ms, p90 110 (Xeon, 2 cores, load 3-6 from other test runs; fused step and barrier yielding
+# too). 10,000 turns (0.2-1 ms) still outlasts the gap between two kernels of one forward.
+# libgomp reads it when it is loaded (Numba's first parallel loop); a value you set yourself is kept.
+if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
+    os.environ["GOMP_SPINCOUNT"] = "10000"
 
 import numba  # noqa: E402
 from threadpoolctl import ThreadpoolController  # noqa: E402
