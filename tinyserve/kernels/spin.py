@@ -18,6 +18,10 @@ The catch: a barrier is only safe if all n threads really run at the same time. 
 layer) guarantees that for the threads of one parallel loop; TBB does not (it may run two iterations one after the
 other on one thread: a deadlock). So decode_step uses it only under `omp`, and every wait gives up after a deadline
 (`TIMEOUT_CYCLES`), marks the step failed and lets the caller run the step the ordinary way.
+
+The other catch: "at the same time" also needs a core for each thread. Beside another busy program the partner may
+be waiting for a core while we spin on ours, for a whole time slice, at each of a step's 150 barriers. So a wait
+spins for `SPIN_CYCLES` (longer than any wait on a quiet machine) and then yields the core on every turn.
 """
 from __future__ import annotations
 
