@@ -39,8 +39,16 @@ from protocol import PeerError, Worker  # noqa: E402  (standard library only)
 LLAMA, TORCH, TINY = "llama.cpp", "PyTorch", "tinyserve"
 ENGINES = (LLAMA, TORCH, TINY)
 CPU_FLAGS_OF_NOTE = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
-# the issue's goals (issue 9, "Done means"): tinyserve / peer on the same machine, same run
-TARGETS = {"decode_b1": (LLAMA, 1.0), "decode_bN": (LLAMA, 1.5), "prefill": (TORCH, 1.2)}
+# the goals (issue 22, "Done means"; issue 9 asked 1.0x at B=1): tinyserve / peer on the same machine, same run.
+# Prefill: 1.2x PyTorch where the kernels are AVX-512's, 1.0x on AVX2-class ones (8-32 byte MACs per instruction
+# against BLAS's 16-lane float FMAs, kernels/isa.py)
+TARGETS = {"decode_b1": (LLAMA, 1.3), "decode_bN": (LLAMA, 1.5), "prefill": (TORCH, 1.2)}
+PREFILL_TARGET_BELOW_AVX512 = 1.0
+
+
+def targets(variant: str) -> dict[str, tuple[str, float]]:
+    """The goals for the kernels of this run (kernels/isa.py's variant, e.g. "avx2")."""
+    return TARGETS if variant == "avx512vnni" else {**TARGETS, "prefill": (TORCH, PREFILL_TARGET_BELOW_AVX512)}
 
 # The benchmark text: any text will do (speed does not depend on which tokens), but real text keeps the greedy
 # continuations ordinary. Its tokens are repeated when a workload needs more than it has.
@@ -209,8 +217,10 @@ def cpu_info(cpuinfo_text: str) -> dict:
     return {"model": model, "flags": [f for f in CPU_FLAGS_OF_NOTE if f in (flags or ())]}
 
 
-def format_table(report: Report, engines: list[str]) -> str:
-    """Tokens/s per workload and engine (median and min-max over rounds), then tinyserve / each peer."""
+def format_table(report: Report, engines: list[str], variant: str = "avx512vnni") -> str:
+    """Tokens/s per workload and engine (median and min-max over rounds), then tinyserve / each peer, marked
+    against the goals for the kernels `variant`."""
+    goals = targets(variant)
     peers = [e for e in (LLAMA, TORCH) if e in engines]
     ratio_cols = [f"{TINY}/{p}" for p in peers] if TINY in engines else []
     header = ["workload (tokens/s)", *engines, *ratio_cols]
@@ -222,7 +232,7 @@ def format_table(report: Report, engines: list[str]) -> str:
             row.append(s.fmt(1) if s else ("failed" if e in report.failed else "-"))
         for p in peers if ratio_cols else ():
             r = report.ratio(key, p)
-            target = TARGETS[key]
+            target = goals[key]
             mark = "" if r is None or target[0] != p else (" ok" if r.median >= target[1] else " <")
             row.append(r.fmt(2, "x") + mark if r else "-")
         rows.append(row)
@@ -232,10 +242,10 @@ def format_table(report: Report, engines: list[str]) -> str:
     return "\n".join(lines)
 
 
-def format_targets(report: Report) -> str:
-    """One line per goal of issue 9: the measured ratio against its target."""
+def format_targets(report: Report, variant: str) -> str:
+    """One line per goal: the measured ratio against its target."""
     out = []
-    for key, (peer, target) in TARGETS.items():
+    for key, (peer, target) in targets(variant).items():
         r = report.ratio(key, peer)
         label = report.settings.workloads()[key]
         got = "not measured" if r is None else (f"{r.median:.2f}x: " + ("met" if r.median >= target else "not met"))
@@ -451,14 +461,14 @@ def main(argv: list[str] | None = None) -> int:
     if TINY in infos:
         print(f"tinyserve: quant={infos[TINY]['quant']} (--quant {args.quant}), backend={args.backend}, "
               f"{isa.describe()}")
-    print(format_table(report, args.engines))
+    print(format_table(report, args.engines, isa.NAME))
     print(f"median over {st.rounds} round(s), (min-max) when more than one; ratios are tinyserve / peer per round. "
           f"Prefill: LM head on the last position only in every engine (transformers: logits_to_keep=1). "
           f"On a shared, loaded machine single numbers are noisy; compare the ratios.")
     print(f"load average (1 min): {load_before[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, "
           f"on {cpu['cores']} cores")
-    print("goals of issue 9 (on a quiet machine):")
-    print(format_targets(report))
+    print(f"goals for the {isa.NAME} kernels (on a quiet machine):")
+    print(format_targets(report, isa.NAME))
     for name, why in report.failed.items():
         print(f"{name} failed: {why.splitlines()[0]}")
 
