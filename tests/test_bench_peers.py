@@ -122,6 +122,16 @@ def test_table_shows_medians_spreads_ratios_and_goals():
     assert "prefill 512: tinyserve >= 1.0x PyTorch?" in bp.format_targets(rep, "avx2")   # AVX2-class kernels
 
 
+def test_pytorch_is_held_to_avx2_only_beside_forced_avx2_class_kernels():
+    env = {"PATH": "/bin"}
+    assert bp.torch_env(env, "avx512vnni", forced=False) is env
+    assert bp.torch_env(env, "avx2", forced=False) is env            # an AVX2 CPU's own: PyTorch is held by the CPU
+    held = bp.torch_env(env, "avx2", forced=True)
+    assert held["ATEN_CPU_CAPABILITY"] == "avx2" and held["MKL_ENABLE_INSTRUCTIONS"] == "AVX2"
+    assert held["PATH"] == "/bin"
+    assert bp.torch_env({"ONEDNN_MAX_CPU_ISA": "SSE41"}, "avxvnni", forced=True)["ONEDNN_MAX_CPU_ISA"] == "SSE41"
+
+
 def test_table_without_tinyserve_has_no_ratio_columns():
     table = bp.format_table(_report(), ["llama.cpp"])
     assert "x" not in table.replace("max", "") and "tinyserve" not in table

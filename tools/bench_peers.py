@@ -334,17 +334,37 @@ def measure(engine, workload: str, prompts: list[list[int]], settings: Settings,
     return Sample(round_, name, workload, r["decode_tokens"], r["decode_seconds"])
 
 
+# PyTorch's own switches that hold its kernels (ATen's vectorised ops, MKL's and oneDNN's GEMMs) to AVX2: with the
+# tinyserve kernels forced to an AVX2-class variant, the float32 peer then runs the instructions of the same CPU
+# class. (llama.cpp's were chosen when it was built: it keeps this CPU's.)
+TORCH_AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def torch_env(env: dict, variant: str, forced: bool) -> dict:
+    """The PyTorch worker's environment: held to AVX2 when tinyserve's kernels are forced to avxvnni or avx2
+    (a setting of yours wins)."""
+    if forced and variant in ("avxvnni", "avx2"):
+        return {**TORCH_AVX2_ENV, **env}
+    return env
+
+
 def start_engines(args: argparse.Namespace, weights: Path, report: Report, log_dir: Path) -> dict:
     """The engines, each loaded once: the peers as worker processes in their venvs, tinyserve in this process.
     A peer that cannot start is reported and left out; the run goes on without it."""
     st = report.settings
+    from tinyserve.kernels import isa
     env = {**os.environ, "PYTHONPATH": ""}      # the workers must not see tinyserve (nor need it)
+    t_env = torch_env(env, isa.NAME, isa.NAME != isa.supported()[0])
+    if TORCH in args.engines and t_env is not env:
+        held = " ".join(f"{k}={t_env[k]}" for k in TORCH_AVX2_ENV)
+        print(f"kernels forced to {isa.NAME}: PyTorch held to AVX2 too ({held}); llama.cpp keeps the instructions "
+              "it was built for")
     starts = {LLAMA: lambda: Worker(LLAMA, [args.llama_python, str(ROOT / "tools/peers/llama_worker.py"),
                                              "--gguf", str(args.gguf or find_gguf()), "--threads", str(st.threads)],
                                     log_dir / "llama_worker.log", env),
               TORCH: lambda: Worker(TORCH, [args.torch_python, str(ROOT / "tools/peers/torch_worker.py"),
                                              "--weights", str(weights), "--threads", str(st.threads)],
-                                    log_dir / "torch_worker.log", env),
+                                    log_dir / "torch_worker.log", t_env),
               TINY: lambda: Tinyserve(args, weights)}
     engines = {}
     for name in args.engines:
