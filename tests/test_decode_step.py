@@ -28,7 +28,7 @@ from tinyserve.engine import Engine
 from tinyserve.kernels import decode_step, forward as fast
 from tinyserve.kernels.attention import paged_attention_numba_unchecked
 from tinyserve.kernels.fast_exp import exp32
-from tinyserve.kernels.spin import FAILED, SPIN_CYCLES, SYNC_SIZE, barrier, cycle_counter
+from tinyserve.kernels.spin import FAILED, SPIN_CYCLES, SYNC_SIZE, atomic_load, atomic_store, barrier, cycle_counter
 from tinyserve.paged import write_kv_unchecked
 from tinyserve.sampling import SamplingParams
 
@@ -92,14 +92,18 @@ def test_barrier_keeps_the_threads_in_step():
 
 
 @njit(cache=True, parallel=True)
-def _late_partner(n_threads, sync, delay, waited):
+def _late_partner(n_threads, sync, delay, arrive, leave):
     for tid in prange(n_threads):
-        start = cycle_counter()
-        if tid == 0:                       # thread 0 arrives `delay` cycles late
+        if tid == 0:                       # thread 0 comes `delay` cycles after every other thread is waiting
+            for other in range(1, n_threads):
+                while atomic_load(arrive, other) == 0:
+                    pass
+            start = cycle_counter()
             while cycle_counter() - start < delay:
                 pass
+        atomic_store(arrive, tid, cycle_counter())
         ok = barrier(sync, n_threads, 10_000_000_000)
-        waited[tid] = (cycle_counter() - start) if ok else -1
+        atomic_store(leave, tid, cycle_counter() if ok else -1)
 
 
 def test_barrier_waits_for_a_late_partner_past_the_spin_budget():
@@ -108,11 +112,12 @@ def test_barrier_waits_for_a_late_partner_past_the_spin_budget():
     n = numba.get_num_threads()
     if n < 2:
         pytest.skip("one Numba thread: nobody waits at a barrier")
-    sync, waited = np.zeros(SYNC_SIZE, np.int64), np.zeros(n, np.int64)
-    _late_partner(n, sync, 4 * SPIN_CYCLES, waited)
-    assert sync[FAILED] == 0 and (waited > 0).all(), f"a barrier failed: waited {waited}"
-    assert waited[1:].max() >= 3 * SPIN_CYCLES, (
-        f"the others passed the barrier after {waited[1:]} cycles, before the late thread came ({4 * SPIN_CYCLES})")
+    sync, arrive, leave = np.zeros(SYNC_SIZE, np.int64), np.zeros(n, np.int64), np.zeros(n, np.int64)
+    _late_partner(n, sync, 4 * SPIN_CYCLES, arrive, leave)
+    assert sync[FAILED] == 0 and (leave > 0).all(), f"a barrier failed: left at {leave}"
+    assert (arrive[1:] < arrive[0] - 3 * SPIN_CYCLES).all(), f"the others did not wait long: arrived at {arrive}"
+    assert (leave >= arrive.max()).all(), (
+        f"a thread left the barrier (cycles {leave}) before the late one arrived ({arrive[0]})")
 
 
 def test_barrier_gives_up_when_a_partner_never_comes():
