@@ -48,6 +48,7 @@ def test_params_of_the_13b_like_model():
 def test_kv_bytes_per_token_of_the_13b_like_model():
     assert llama13b_like().kv_bytes_per_token(1) == 262_144             # int8: 2 * 64 * 8 * 256
     assert llama13b_like().kv_bytes_per_token(2) == 524_288             # bf16
+    assert llama13b_like().kv_bytes_per_token() == 524_288, "the default bytes_per_value is 2 (bf16)"
     assert llama13b_like(n_kv_heads=1).kv_bytes_per_token(1) == 32_768  # one KV head: 8x less
 
 
