@@ -39,8 +39,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")   # forked children must not inherit a BLAS thread pool
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+if __name__ == "__main__":   # before NumPy loads: forked children must not inherit a BLAS thread pool
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))

@@ -6,7 +6,7 @@ import importlib
 from pathlib import Path
 
 import pytest
-from hypothesis.core import is_hypothesis_test
+from hypothesis import is_hypothesis_test
 
 LESSONS = sorted(int(p.stem[-2:]) for p in Path(__file__).parent.glob("test_lesson_[0-9][0-9].py"))
 
@@ -15,6 +15,7 @@ LESSONS = sorted(int(p.stem[-2:]) for p in Path(__file__).parent.glob("test_less
 def test_every_property_check_is_derandomised_without_a_database(lesson):
     module = importlib.import_module(f"tests.lessons.test_lesson_{lesson:02d}")
     props = {name: fn for name, fn in vars(module).items() if callable(fn) and is_hypothesis_test(fn)}
+    assert len(props) == Path(module.__file__).read_text().count("\n@given("), "every @given test was found"
     for name, fn in props.items():
         s = fn._hypothesis_internal_use_settings
         assert s.derandomize and s.database is None, (
