@@ -76,38 +76,43 @@ _COMPARE = ["Eq_NotEq", "NotEq_Eq", "Lt_LtE", "Lt_Gt", "LtE_Lt", "LtE_GtE", "Gt_
             "Is_IsNot", "IsNot_Is"]
 
 
-class SwapMinMax(Operator):
+class _SwapToken(Operator):
+    """Replace one token's text by SWAP[text] where `applies` (the two operators below differ only in that)."""
+    SWAP: dict[str, str] = {}
+    EXAMPLE = ("", "")
+
+    def applies(self, node) -> bool:
+        raise NotImplementedError
+
+    def mutation_positions(self, node):
+        if getattr(node, "value", None) in self.SWAP and self.applies(node):
+            yield (node.start_pos, node.end_pos)
+
+    def mutate(self, node, index):
+        node.value = self.SWAP[node.value]
+        return node
+
+    @classmethod
+    def examples(cls):
+        return (Example(*cls.EXAMPLE),)
+
+
+class SwapMinMax(_SwapToken):
     """max(...) <-> min(...) (also np.maximum/np.minimum): cosmic-ray has no operator for the two regimes of a bound."""
     SWAP = {"max": "min", "min": "max", "maximum": "minimum", "minimum": "maximum"}
+    EXAMPLE = ("y = max(a, b)", "y = min(a, b)")
 
-    def mutation_positions(self, node):
-        if isinstance(node, parso.python.tree.Name) and node.value in self.SWAP and _is_called(node):
-            yield (node.start_pos, node.end_pos)
-
-    def mutate(self, node, index):
-        node.value = self.SWAP[node.value]
-        return node
-
-    @classmethod
-    def examples(cls):
-        return (Example("y = max(a, b)", "y = min(a, b)"),)
+    def applies(self, node) -> bool:
+        return isinstance(node, parso.python.tree.Name) and _is_called(node)
 
 
-class ReplaceAugmentedAssign(Operator):
+class ReplaceAugmentedAssign(_SwapToken):
     """x += y -> x -= y, ...: cosmic-ray's binary replacements leave the augmented assignments alone."""
     SWAP = {"+=": "-=", "-=": "+=", "*=": "/=", "/=": "*=", "//=": "/=", "|=": "&=", "&=": "|="}
+    EXAMPLE = ("x += 1", "x -= 1")
 
-    def mutation_positions(self, node):
-        if isinstance(node, parso.python.tree.Operator) and node.value in self.SWAP:
-            yield (node.start_pos, node.end_pos)
-
-    def mutate(self, node, index):
-        node.value = self.SWAP[node.value]
-        return node
-
-    @classmethod
-    def examples(cls):
-        return (Example("x += 1", "x -= 1"),)
+    def applies(self, node) -> bool:
+        return isinstance(node, parso.python.tree.Operator)
 
 
 def _is_called(name) -> bool:
