@@ -29,6 +29,7 @@ help:
 	@echo "make lesson-N LEARNER=1  run lesson N's notebook on your own exercise functions"
 	@echo "make notebook   open the lessons in Jupyter Lab"
 	@echo "make check-wrong-answers  prove every kept wrong answer fails its exercise's checks"
+	@echo "make mutation  mutation-test the lesson checks: killed/survived per exercise (MUT=6: one lesson; EX=name)"
 	@echo "make bench      benchmarks (tokens/s, ratios measured side by side)"
 	@echo "make serve      OpenAI-compatible server on http://127.0.0.1:8000/v1 (SERVE_ARGS=... for options)"
 	@echo "make fixtures   regenerate the PyTorch reference fixture (own venv with torch + transformers)"
@@ -93,6 +94,12 @@ check-%: $(TESTS) weights
 
 check-wrong-answers: $(TESTS) weights
 	$(PYTHON) tools/check.py --wrong-answers-must-fail all
+
+# Mutants of each exercise's reference (cosmic-ray's operators), judged by that exercise's checks as a learner's file
+# would be; survivors are printed with their diff, equivalents are in tests/lessons/equivalent_mutants.txt
+.PHONY: mutation
+mutation: $(TESTS) weights
+	$(PYTHON) tools/mutation.py $(or $(MUT),all) $(if $(EX),--ex $(EX))
 
 # Jupyter Lab on the lessons, with the project's venv as the kernel (plots inline); root (containers) needs --allow-root
 notebook: $(COURSE) weights

@@ -235,6 +235,8 @@ def report_learner(lesson: int, only: str | None = None, verbose: bool = False) 
         print("\n".join("    " + ln for e in res.errors for ln in e.splitlines()[-15:]))
         return 1
     failed = 0
+    uses = exercises_used(path, names)
+    implemented = _implemented(path)
     for name in ([only] if only else names) + [n for n in res.checks if n not in names]:
         checks = res.checks.get(name, [])
         ok = sum(c.passed for c in checks)
@@ -247,10 +249,16 @@ def report_learner(lesson: int, only: str | None = None, verbose: bool = False) 
             continue
         failed += 1
         bad = [c for c in checks if not c.passed]
-        if all(c.message.startswith("not implemented") for c in bad):
+        # a check of B fails because B calls the learner's own A, and A is wrong or still a stub: send them to A
+        culprits = [(a, line) for a, line in uses.get(name, []) if not _passes(res, a, lesson, path)]
+        if all(c.message.startswith("not implemented") for c in bad) and not (implemented.get(name) and culprits):
             print(f"  TODO  {name:<24} not implemented yet ({len(checks)} check{'s' * (len(checks) > 1)} waiting)")
             continue
         print(f"  FAIL  {name:<24} {ok}/{len(checks)} checks")
+        for a, line in culprits:
+            state = "is still a stub" if not implemented.get(a, True) else "fails its own checks"
+            print(f"        ! your {name} calls your {a} (line {line}), which {state}: fix {a} first, "
+                  f"this failure may be {a}'s")
         for c in bad:
             print(f"        x {c.test}")
             for line in c.message.splitlines():
@@ -265,6 +273,39 @@ def report_learner(lesson: int, only: str | None = None, verbose: bool = False) 
         print(f"The checks are in tests/lessons/test_lesson_{lesson:02d}.py; for one exercise with full tracebacks: "
               f"{hint}")
     return 1 if failed or res.ran == 0 else 0
+
+
+def exercises_used(path: Path, names: list[str]) -> dict[str, list[tuple[str, int]]]:
+    """{exercise B: [(exercise A, line), ...]}: the other exercises B's definition in the learner's file names."""
+    try:
+        tree = ast.parse(path.read_text())
+    except (OSError, SyntaxError):
+        return {}
+    out = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in names:
+            found = {}
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.Name) and sub.id in names and sub.id != node.name:
+                    found.setdefault(sub.id, sub.lineno)
+            out[node.name] = sorted(found.items(), key=lambda kv: kv[1])
+    return out
+
+
+def _implemented(path: Path) -> dict[str, bool]:
+    from tinyserve.course import implemented_names
+    try:
+        return implemented_names(path)
+    except (OSError, SyntaxError):
+        return {}
+
+
+def _passes(res: Results, name: str, lesson: int, path: Path) -> bool:
+    """Does the learner's `name` pass its own checks? (Runs them if this report did not: make check-N EX=...)"""
+    if name not in res.checks:
+        res.checks[name] = run(lesson, path, "learner", name).checks.get(name, [])
+    checks = res.checks[name]
+    return bool(checks) and all(c.passed for c in checks)
 
 
 # --- CI: stubs and kept wrong answers must fail ----------------------------------------------------------------

@@ -20,7 +20,14 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+from hypothesis import HealthCheck, settings
+
 ROOT = Path(__file__).resolve().parents[2]
+
+# Every property check of the lessons draws its examples from this profile: the same examples on every run (derandomize)
+# and no example database, so a file's verdict never depends on what an earlier run of anyone's code found.
+# Use it as @settings(CHECKS, max_examples=...).
+CHECKS = settings(derandomize=True, database=None, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 MODES = ("reference", "learner", "patch")
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from tests.lessons.impl import load_impl
+from tests.lessons.impl import CHECKS, load_impl
 from tests.test_scheduler import WORKLOADS, simulate
 from tinyserve.paged import OutOfBlocks
 from tinyserve.scheduler import SeqState, blocks_for
@@ -73,7 +73,7 @@ def test_freed_blocks_are_reused_last():
 
 
 @pytest.mark.exercise("BlockAllocator")
-@settings(max_examples=40, deadline=None)
+@settings(CHECKS, max_examples=40)
 @given(st.lists(st.tuples(st.sampled_from(["alloc", "incref", "decref"]), st.integers(0, 1000)), max_size=60))
 def test_random_operations_keep_the_invariants(ops):
     alloc = impl.BlockAllocator(5, 2)
@@ -227,7 +227,7 @@ def test_the_decode_reserve_counts_only_decodes_after_the_prefill():
 
 
 @pytest.mark.exercise("plan_step")
-@settings(max_examples=25, deadline=None)
+@settings(CHECKS, max_examples=25)
 @given(*WORKLOADS)
 def test_whole_workloads_finish_without_leaks_or_livelock(requests, block_size, budget, spare):
     simulate(impl.plan_step, requests, block_size, budget, spare)

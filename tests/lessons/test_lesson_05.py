@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from tests.lessons.impl import load_impl
+from tests.lessons.impl import CHECKS, load_impl
 from tinyserve.prefix_cache import Node, cached_prefixes
 
 REFERENCE = {
@@ -112,7 +112,7 @@ def test_match_does_not_modify_the_trie():
 
 
 @pytest.mark.exercise("match_prefix")
-@settings(max_examples=60, deadline=None)
+@settings(CHECKS, max_examples=60)
 @given(seqs=st.lists(st.lists(st.integers(0, 2), max_size=10), max_size=8),
        query=st.lists(st.integers(0, 2), max_size=12), bs=st.integers(1, 3))
 def test_match_is_the_longest_cached_prefix(seqs, query, bs):
@@ -179,7 +179,7 @@ def test_insert_of_a_known_sequence_adds_nothing():
 
 
 @pytest.mark.exercise("insert")
-@settings(max_examples=60, deadline=None)
+@settings(CHECKS, max_examples=60)
 @given(seqs=st.lists(st.lists(st.integers(0, 2), max_size=12), max_size=10), bs=st.integers(1, 3))
 def test_insert_caches_each_block_once_first_come(seqs, bs):
     root, expect = Node(), {}

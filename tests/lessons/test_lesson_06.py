@@ -137,6 +137,38 @@ def test_stochastic_never_returns_a_token_the_filters_removed():
 
 
 @pytest.mark.exercise("verify_stochastic")
+def test_stochastic_uses_every_sampling_option_and_the_accepted_tokens_as_context():
+    # Temperature, top-k, top-p and a repetition penalty at once, with a context `seen`: p_i must be exactly what
+    # sampling.probabilities gives for row i after seen + the tokens accepted so far. Token 2 is row 0's and row 1's
+    # favourite, the drafter proposes it, and row 0's runner-up 4 is in `seen`: forgetting `seen`, a filter, or to append an accepted
+    # token to the context each moves the first or the second token's distribution far from the target's.
+    V = 7
+    logits = np.array([[0.3, 1.1, 2.4, -0.6, 1.7, 0.2, -1.3],
+                       [1.6, -0.4, 2.6, 0.9, 0.1, 1.2, -2.0]], np.float32)
+    params = SamplingParams(temperature=0.8, top_k=5, top_p=0.93, repetition_penalty=1.7)
+    seen = [6, 4]
+    p0 = probabilities(logits[0], params, seen)
+    p1 = probabilities(logits[1], params, seen + [2])
+    n = 4000
+    first, second = [], []
+    for s in range(n):
+        out = impl.verify_stochastic(logits, [2], None, params, np.random.default_rng(s), seen=list(seen))
+        first.append(out[0])
+        if out[0] == 2:
+            assert len(out) == 2, "an accepted draft token is followed by the bonus token"
+            second.append(out[1])
+    chi2, bound = chi2_and_bound(np.bincount(first, minlength=V) / n, p0, n)
+    assert chi2 < bound, (f"chi-square {chi2:.0f} over {bound:.0f}: the first token is not distributed as "
+                          "sampling.probabilities(logits[0], params, seen): use the repetition penalty on `seen`, "
+                          "the temperature, top-k and top-p, as sample() would")
+    m = len(second)
+    chi2, bound = chi2_and_bound(np.bincount(second, minlength=V) / m, p1, m)
+    assert chi2 < bound, (f"chi-square {chi2:.0f} over {bound:.0f}: after the draft token 2 is accepted, the bonus "
+                          "token must follow probabilities(logits[1], params, seen + [2]): the accepted token joins the "
+                          "context the repetition penalty sees")
+
+
+@pytest.mark.exercise("verify_stochastic")
 def test_stochastic_refuses_wrong_shapes():
     with pytest.raises(ValueError):
         impl.verify_stochastic(np.zeros((2, 8), np.float32), [1, 2], None, SamplingParams(), np.random.default_rng())
@@ -149,7 +181,7 @@ def test_stochastic_refuses_wrong_shapes():
 
 @pytest.mark.exercise("rewind_blocks")
 @pytest.mark.parametrize("num_tokens, n, kept", [(10, 0, 3), (10, 1, 3), (10, 2, 2), (10, 7, 1), (10, 10, 0),
-                                                 (12, 4, 2), (12, 5, 2), (12, 9, 1)])
+                                                 (12, 4, 2), (12, 5, 2), (12, 9, 1), (0, 0, 0)])
 def test_rewind_frees_exactly_the_blocks_left_without_a_kept_position(num_tokens, n, kept):
     alloc = BlockAllocator(8, 4)
     table = [alloc.allocate() for _ in range(3)]
@@ -175,7 +207,7 @@ def test_rewind_decrefs_a_shared_block_instead_of_freeing_it():
 def test_rewind_refuses_nonsense():
     alloc = BlockAllocator(4, 4)
     table = [alloc.allocate()]
-    for num_tokens, n in ((5, 1), (3, 4), (3, -1)):
-        with pytest.raises(ValueError):
+    for num_tokens, n in ((5, 1), (3, 4), (3, -1), (-1, 0)):
+        with pytest.raises(ValueError):   # more tokens than the table holds, n > num_tokens, negatives
             impl.rewind_blocks(table, num_tokens, n, 4, alloc)
     assert table == [0] and alloc.num_free == 3

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.lessons.impl import load_impl
+from tests.lessons.impl import CHECKS, load_impl
 from tinyserve import quant
 from tinyserve.kernels import matmul as kernels
 
@@ -82,7 +82,7 @@ def test_quantize_rows_by_hand_rounds_half_up():
 
 
 @pytest.mark.exercise("quantize_rows")
-@settings(max_examples=30, deadline=None)
+@settings(CHECKS, max_examples=30)
 @given(st.integers(1, 20), st.integers(1, 200), st.integers(0, 2**32 - 1))
 def test_quantize_rows_matches_the_kernel_exactly(T, D, seed):
     """The Numba kernel (kernels.matmul.quantize_rows, fused into RMSNorm in the fast path) must see the very same
@@ -175,7 +175,7 @@ def test_pack_vnni_by_hand():
 
 
 @pytest.mark.exercise("pack_vnni")
-@settings(max_examples=20, deadline=None)
+@settings(CHECKS, max_examples=20)
 @given(st.integers(1, 24), st.integers(1, 6), st.integers(0, 2**32 - 1))
 def test_pack_vnni_holds_every_weight_where_the_formula_says(n4, nb, seed):
     D, O = 4 * n4, 16 * nb
@@ -203,7 +203,7 @@ def w8a8_inputs(x: np.ndarray, q: quant.QuantizedLinear):
 
 
 @pytest.mark.exercise("matmul_w8a8")
-@settings(max_examples=25, deadline=None)
+@settings(CHECKS, max_examples=25)
 @given(st.integers(1, 12), st.integers(1, 40), st.integers(1, 5), st.integers(0, 2**32 - 1))
 def test_matmul_w8a8_is_bit_exact(T, n4, nb, seed):
     x, w = rand((T, 4 * n4), seed=seed), rand((4 * n4, 16 * nb), seed=seed + 1)
@@ -231,6 +231,7 @@ def test_matmul_w8a8_large_sums_and_accumulate():
     got = impl.matmul_w8a8(*args, out=out, accumulate=True)
     assert got is out, "accumulate into the given buffer (no temporary)"
     assert np.array_equal(out, residual + ref)
+
 
 
 # --- smoothing_factors -------------------------------------------------------------------------------------------

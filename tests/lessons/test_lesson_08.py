@@ -9,9 +9,9 @@ import json
 
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
-from tests.lessons.impl import load_impl
+from tests.lessons.impl import CHECKS, load_impl
 from tinyserve.engine import Engine
 from tinyserve.kv_cache import KVCache, prefill
 from tinyserve.protocol import parse_sse
@@ -46,6 +46,7 @@ def test_sse_escapes_what_would_break_a_line():
 
 
 @pytest.mark.exercise("sse_event")
+@settings(CHECKS)
 @given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(),
                     lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=5), kids, max_size=3),
                     max_leaves=8))
@@ -67,9 +68,13 @@ def test_held_back_examples():
     assert impl.held_back("x\n", ("\n\n", "###")) == 1
     assert impl.held_back("anything", ()) == 0
     assert impl.held_back("", ("END",)) == 0
+    assert impl.held_back("aa", ("aaa",)) == 2, "the tail matches the stop string at lengths 2 and 1: the longest counts"
+    assert impl.held_back("caf\u00e9 \u00e9t", ("\u00e9t\u00e9", "\u00e9t\u00e9s")) == 2, \
+        "non-ASCII: counted in characters (str), not in UTF-8 bytes"
 
 
 @pytest.mark.exercise("held_back")
+@settings(CHECKS)
 @given(st.text("ab\n", max_size=12), st.lists(st.text("ab\n", min_size=1, max_size=4), min_size=1, max_size=3))
 def test_held_back_is_the_longest_proper_prefix_tail(text, stops):
     k = impl.held_back(text, tuple(stops))
@@ -89,6 +94,7 @@ def test_interleave_budget_examples():
 
 
 @pytest.mark.exercise("interleave_budget")
+@settings(CHECKS)
 @given(st.integers(0, 50), st.lists(st.integers(1, 300), max_size=6), st.integers(1, 256))
 def test_interleave_budget_invariants(decoding, remaining, budget):
     d, chunks = impl.interleave_budget(decoding, remaining, budget)

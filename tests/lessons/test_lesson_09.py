@@ -48,6 +48,7 @@ def test_params_of_the_13b_like_model():
 def test_kv_bytes_per_token_of_the_13b_like_model():
     assert llama13b_like().kv_bytes_per_token(1) == 262_144             # int8: 2 * 64 * 8 * 256
     assert llama13b_like().kv_bytes_per_token(2) == 524_288             # bf16
+    assert llama13b_like().kv_bytes_per_token() == 524_288, "the default bytes_per_value is 2 (bf16)"
     assert llama13b_like(n_kv_heads=1).kv_bytes_per_token(1) == 32_768  # one KV head: 8x less
 
 
@@ -131,6 +132,18 @@ def test_70b_capacity_with_2gb_reserved():
     assert impl.max_batch(V5E, 16, 2048, 70e9, KV70, 1, reserved_bytes=2e9) == 458    # 9.625e9 / 20,971,520
     assert impl.max_batch(V5E, 4, 2048, 70e9, KV70, 1) == 0                          # 17.5 GB per chip: no room
 
+@pytest.mark.exercise("max_batch")
+def test_max_batch_at_the_edges_on_a_toy_chip():
+    # a 1000-byte chip: the boundaries are exact, so a byte too many or too few, and each rounding, shows
+    toy = Chip("toy", hbm_bytes=1000, hbm_bandwidth=1, flops=1)
+    assert impl.max_batch(toy, 1, 10, 500, 5, 1) == 10, "500 B left, 50 B per sequence: exactly 10 fit (default: nothing reserved)"
+    assert impl.max_batch(toy, 1, 10, 500.5, 5, 1) == 9, "499.5 B left: the 10th sequence does not fit"
+    assert impl.max_batch(toy, 1, 10, 250, 5, 2) == 10, "bf16 weights: 250 params x 2 bytes"
+    assert impl.max_batch(toy, 3, 10, 1502, 5, 1, kv_shards=1) == 9, "each of 3 chips holds 1502 / 3 = 500.67 B of weights (not 500)"
+    assert impl.max_batch(toy, 3, 10, 150, 2, 1, kv_shards=3) == 142, "950 B / (10 x 2 / 3 B per sequence per chip)"
+    assert impl.max_batch(toy, 1, 1, 999, 1, 1) == 1, "1 B left, a 1-byte sequence: it fits"
+    assert impl.max_batch(toy, 2, 10, 2001, 5, 1) == 0, "1000.5 B of weights per chip: half a byte too many, 0 (never < 0)"
+
 
 @pytest.mark.exercise("largest_batch_within")
 def test_70b_batch_under_12ms_at_8192_context():
@@ -150,6 +163,14 @@ def test_70b_batch_under_12ms_at_2048_context_is_compute_bound():
     assert impl.largest_batch_within(V5E, 16, 12e-3, 70e9, 2048 * KV70, 1) == 170
     assert impl.largest_batch_within(V5E, 16, 5e-3, 70e9, 2048 * KV70, 1) == 0      # the weights alone: 5.4 ms
 
+@pytest.mark.exercise("largest_batch_within")
+def test_largest_batch_within_on_a_toy_chip():
+    # 1 B/s, 1000 FLOP/s: w = params * bytes / n_chips seconds, c = 2 * params / (n_chips * 1000), k = kv / kv_shards
+    toy = Chip("toy", hbm_bytes=1e9, hbm_bandwidth=1, flops=1000)
+    assert impl.largest_batch_within(toy, 1, 100, 10, 5, 2) == 16, "bf16: w = 20 s, (100 - 20) / 5 = 16"
+    assert impl.largest_batch_within(toy, 1, 20, 10, 0, 2) == 1000, (
+        "no KV read and a step exactly as long as the weight read: the FLOPs bound, 20 / 0.02 = 1000")
+
 
 # --- disaggregated serving -------------------------------------------------------------------------------------
 
@@ -166,6 +187,12 @@ def test_disaggregated_prefill_decode_and_link_rates():
     # link: 4.5e10 / 1,342,177,280 B per hand-over = 33.5 requests/s
     assert r.handover == approx(4.5e10 / (8192 * KV70))
     assert min(r.prefill, r.decode, r.handover) == r.prefill       # this deployment needs more prefill chips
+
+@pytest.mark.exercise("disaggregated_rates")
+def test_disaggregated_decode_rate_with_an_odd_output_length():
+    r = impl.disaggregated_rates(V5E, 16, 16, 8192, 511, 32, 70e9, KV70, 1, 4.5e10)
+    step = 70e9 / (16 * 8.1e11) + 32 * (8192 + 255.5) * KV70 / (16 * 8.1e11)
+    assert r.decode == approx(32 / (511 * step)), "the mean context is prompt_len + output_len / 2 = 8447.5 (not 8447)"
 
 
 # --- the ring all-reduce ---------------------------------------------------------------------------------------
@@ -194,3 +221,17 @@ def test_all_reduce_moves_what_a_ring_moves(P):
     impl.all_reduce(parts, link)
     assert link.bytes_sent == 2 * (P - 1) * parts[0].nbytes
     assert link.messages == 2 * (P - 1) * P
+
+
+@pytest.mark.exercise("all_reduce")
+@pytest.mark.parametrize("shape", [(7,), (2, 3, 7)])
+def test_all_reduce_splits_the_last_axis_of_any_shape(shape):
+    # [..., n] with n = 7 not a multiple of P = 3 (chunks of 3, 2, 2), and a 1-D and a 3-D array
+    rng = np.random.default_rng(5)
+    parts = [rng.standard_normal(shape).astype(np.float32) for _ in range(3)]
+    link = Link()
+    out = impl.all_reduce(parts, link)
+    for o in out:
+        assert o.shape == shape
+        np.testing.assert_allclose(o, np.sum(parts, axis=0), rtol=1e-5, atol=1e-6)
+    assert link.messages == 2 * 2 * 3, "2 (P - 1) steps of P messages, whatever the shape"
