@@ -61,7 +61,7 @@ def test_engine_greedy_speculative_equals_plain(tiny, reference, kind, k):
         engine = Engine(tiny, num_blocks=num_blocks, block_size=bs, max_batch_tokens=budget,
                         speculative=drafter_factories(tiny)[kind], draft_k=k)
         assert engine.generate(ps, GREEDY) == expected, f"{kind}, k={k}, {name}"
-        assert engine.spec_stats.steps > 0 and all(s.num_tokens <= budget for s in engine.stats)
+        assert engine.speculator.stats.steps > 0 and all(s.num_tokens <= budget for s in engine.stats)
         if name == "tiny-pool-preempts":
             assert sum(s.num_preempted for s in engine.stats) > 0, "this pool is meant to force preemption"
         assert_no_leaks(engine)
@@ -98,7 +98,7 @@ def test_prefix_caching_only_ever_publishes_verified_blocks(tiny, kind, num_bloc
         verified += [p + o for p, o in zip(ps, out)]
     if num_blocks == 24:
         assert sum(s.num_preempted for s in engine.stats) > 0
-    assert engine.spec_stats.accepted > 0
+    assert engine.speculator.stats.accepted > 0
     assert_no_leaks(engine)
 
 
@@ -106,7 +106,7 @@ def test_adaptive_k_in_the_engine_is_identical(tiny, reference):
     ps, expected = reference
     engine = Engine(tiny, num_blocks=64, block_size=4, speculative="ngram", draft_k=8, adaptive_k=True)
     assert engine.generate(ps, GREEDY) == expected
-    ks = [k for i in range(len(ps)) for k in engine.finished[i].spec.ks]
+    ks = [k for i in range(len(ps)) for k in engine.finished[i].spec.stats.ks]
     assert ks and max(ks) <= 8
     assert_no_leaks(engine)
 
@@ -163,8 +163,8 @@ def test_metrics_report_acceptance(tiny, reference):
     engine.generate(ps[:2], GREEDY)
     m = engine.finished[0].metrics()
     assert m.draft_alpha == 1.0 and m.tokens_per_step > 1
-    total = engine.spec_stats
-    assert total.accepted == sum(engine.finished[i].spec.accepted for i in range(2))
+    total = engine.speculator.stats
+    assert total.accepted == sum(engine.finished[i].spec.stats.accepted for i in range(2))
     assert total.accepted == sum(s.num_accepted for s in engine.stats)
     assert total.drafted == sum(s.num_drafted for s in engine.stats)
     plain = Engine(tiny, num_blocks=128, block_size=4)
@@ -212,7 +212,7 @@ def test_smollm2_engine_speculative_matches_plain(smol, smol_tok):
     expected = [kv_cache.generate(smol, p, params=params) for p in ps]
     engine = Engine(smol, num_blocks=64, block_size=16, max_batch_tokens=512, speculative="ngram", draft_k=4)
     assert engine.generate(ps, params) == expected
-    assert engine.spec_stats.accepted > 0
+    assert engine.speculator.stats.accepted > 0
     assert_no_leaks(engine)
 
 

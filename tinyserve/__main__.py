@@ -8,6 +8,8 @@ import os
 import sys
 import time
 
+from .cli_options import (add_backend_options, add_engine_options, add_model_options, add_speculative_options,
+                          describe_backend, draft_model_for, load_for_cli)
 from .weights import DEFAULT_WEIGHTS_DIR, WeightsError, fetch_weights
 
 T_START = time.time()   # when this process started (as good as): the origin of generate's JSON timeline
@@ -23,49 +25,6 @@ def strategies() -> dict:
 
 def default_strategy() -> str:
     return "kv"
-
-
-# --- lesson 6: speculative decoding options, shared by generate, chat and bench ------------------------------------
-DRAFTERS = ("ngram", "early-exit", "int8")
-
-
-def add_speculative_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--speculative", default=None, choices=DRAFTERS,
-                        help="lesson 6: draft tokens with this drafter and verify them in one forward of the model "
-                             "(the output is unchanged; only the speed is)")
-    parser.add_argument("--draft-k", type=int, default=4, help="tokens drafted per step (the maximum with --adaptive-k)")
-    parser.add_argument("--adaptive-k", action="store_true",
-                        help="pick k per step from the measured acceptance rate (roofline's expected-tokens formula)")
-
-
-def draft_model_for(kind: str | None, weights):
-    """The draft Model the drafter needs: the int8 copy of the target for "int8" (lesson 7's weights on its Numba
-    kernels: the NumPy int8 reference is slower than the float32 target), else None."""
-    if kind != "int8":
-        return None
-    from .weights import load_model
-    return load_model(weights, quant="int8", backend="numba")
-
-
-def speculative_engine_kwargs(args, model) -> dict:
-    """Engine(...) keyword arguments for the --speculative options ({} when off)."""
-    kind = getattr(args, "speculative", None)
-    if not kind:
-        return {}
-    return dict(speculative=kind, draft_k=args.draft_k, adaptive_k=args.adaptive_k,
-                draft_model=draft_model_for(kind, args.weights))
-
-
-def load_for_cli(args):
-    """(tokenizer, model) for --model smollm2 (the converted weights) or tiny (random, a character tokenizer)."""
-    from .quant import set_backend
-    if getattr(args, "model", "smollm2") == "tiny":
-        from .server import CharTokenizer
-        from .weights import tiny_model
-        return CharTokenizer(), set_backend(tiny_model(seed=0), args.quant, args.backend)
-    from .tokenizer import load_tokenizer
-    from .weights import load_model
-    return load_tokenizer(args.weights), load_model(args.weights, quant=args.quant, backend=args.backend)
 
 
 def cmd_generate(args) -> int:
@@ -227,28 +186,6 @@ def kernels_json(kernels, n_slow: int, fast) -> dict:
             "fast_ttft_s": fast[0] if fast else None, "fast_tokens_per_s": fast[1] if fast else None}
 
 
-def describe_backend(model) -> str:
-    """Which path runs (lesson 7): the fast one is the default, `--quant none --backend numpy` the reference."""
-    what = {"none": "float32", "int8": "int8 weights (W8A32)", "w8a8": "int8 weights and activations (W8A8)",
-            "w8a8-64": "int8 weights and activations, a scale per 64 (W8A8-64)"}
-    if model.backend != "numba":
-        return f"{what[model.quant]}, {model.backend} backend"
-    from .kernels import isa                   # which instruction set the kernels were built for (lesson 7)
-    return f"{what[model.quant]}, {model.backend} backend, {isa.describe()}"
-
-
-def add_backend_args(p: argparse.ArgumentParser) -> None:
-    # auto by default: the fastest mode within int8's accuracy bounds on this CPU (quant.default_quant): W8A8-64
-    # where the kernels have a byte dot product (1.3-1.5x int8 on an AVX-512 VNNI Xeon, at 0.5 % perplexity),
-    # else int8; lesson 7's "outliers" table measures every mode
-    p.add_argument("--quant", default="auto", choices=["auto", "none", "int8", "w8a8", "w8a8-64"],
-                   help="quantisation (lesson 7; default auto: the fastest accurate mode on this CPU; int8: int8 "
-                        "weights, float32 activations; w8a8-64: int8 activations too, one scale per 64 values; "
-                        "w8a8: one scale per token, faster, less accurate; none = float32, the reference)")
-    p.add_argument("--backend", default="numba", choices=["numpy", "numba"],
-                   help="numba: the fused kernels (default); numpy: the readable reference")
-
-
 def cmd_compile(args) -> int:
     from . import jit
     return jit.main(args)
@@ -304,10 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    g.add_argument("--weights", default=str(DEFAULT_WEIGHTS_DIR))
-    g.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"],
-                   help="tiny: a random 2-layer model with a character tokenizer (tests; answers are noise)")
-    add_backend_args(g)
+    add_model_options(g)
+    add_backend_options(g)
     g.add_argument("--compile", default="background", choices=["background", "wait"],
                    help="first run (empty Numba cache): answer on the NumPy path while the kernels compile in the "
                         "background (default), or compile first (wait); neither is counted in TTFT or tokens/s")
@@ -326,13 +261,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--shared-prefix", type=int, default=0,
                    help="tokens every prompt starts with; > 0 also runs the workload with the prefix trie (lesson 5)")
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--num-blocks", type=int, default=256)
-    b.add_argument("--block-size", type=int, default=16)
-    b.add_argument("--max-batch-tokens", type=int, default=256, help="per-step token budget (chunked prefill)")
+    add_engine_options(b)
     b.add_argument("--sweep", default="1,4,16", help="also measure aggregate tokens/s at these batch sizes ('' = off)")
-    b.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"])
-    b.add_argument("--weights", default=str(DEFAULT_WEIGHTS_DIR))
-    add_backend_args(b)
+    add_model_options(b)
+    add_backend_options(b)
     b.add_argument("--server", default=None, help="drive a running server at this URL instead (lesson 8)")
     b.add_argument("--concurrency", type=int, default=16, help="with --server: streaming clients in flight")
     b.add_argument("--rate", type=float, default=None, help="with --server: Poisson arrivals per second")
@@ -356,11 +288,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--top-p", type=float, default=1.0)
     c.add_argument("--seed", type=int, default=None)
     c.add_argument("--system", default=None, help="system prompt (default: SmolLM2's)")
-    c.add_argument("--num-blocks", type=int, default=256, help="KV pool size (x block size = positions)")
-    c.add_argument("--block-size", type=int, default=16)
+    add_engine_options(c)
     c.add_argument("--no-prefix-cache", action="store_true", help="recompute the whole history every turn")
-    c.add_argument("--weights", default=str(DEFAULT_WEIGHTS_DIR))
-    add_backend_args(c)
+    add_model_options(c, tiny=False)
+    add_backend_options(c)
     add_speculative_options(c)
     c.set_defaults(func=cmd_chat)
 
@@ -368,14 +299,11 @@ def build_parser() -> argparse.ArgumentParser:
                                      "/v1/models, /health, /metrics), streamed; lesson 8")
     s.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"])
     s.add_argument("--served-model-name", default=None, help="the `model` clients must name (default: the model's)")
-    s.add_argument("--num-blocks", type=int, default=512, help="KV pool size (x block size = positions)")
-    s.add_argument("--block-size", type=int, default=16)
-    s.add_argument("--max-batch-tokens", type=int, default=256, help="per-step token budget (chunked prefill)")
-    s.add_argument("--max-running", type=int, default=64, help="most requests in one running batch")
+    add_engine_options(s)
     s.add_argument("--max-waiting", type=int, default=128, help="waiting queue bound; beyond it: HTTP 429")
-    add_backend_args(s)     # the same default as generate and chat: int8 on numba
+    add_model_options(s)
+    add_backend_options(s)  # the same default as generate and chat
     s.add_argument("--compile", default="background", choices=["background", "wait"],
                    help="first run (empty Numba cache): serve on the NumPy path while the kernels compile in the "
                         "background and move to the fast path when ready (default), or compile before serving")
@@ -383,7 +311,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let streams in flight finish before cancelling them")
     s.add_argument("--log-level", default="warning")
-    s.add_argument("--weights", default=str(DEFAULT_WEIGHTS_DIR))
     s.set_defaults(func=cmd_serve)
     return p
 

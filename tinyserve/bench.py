@@ -106,8 +106,9 @@ def batch_sweep(model: Model, batch_sizes=(1, 4, 16), prompt_len: int = 32, new_
     for b in batch_sizes:
         w = Workload(num_requests=b, prompt_len=(prompt_len, prompt_len), output_len=(new_tokens, new_tokens),
                      seed=b)
+        # the batch size is what the sweep varies: it overrides a max_running given with the other options
         results.append(run_workload(model, w.requests(model.config.vocab_size), label=f"batch {b}",
-                                    progress=progress, max_running=b, **engine_kwargs))
+                                    progress=progress, **(engine_kwargs | {"max_running": b})))
     return results
 
 
@@ -134,9 +135,8 @@ def main(args) -> int:
     parse = lambda s: tuple(int(x) for x in s.split(":")) * (1 if ":" in s else 2)  # noqa: E731  "a:b" or "a"
     workload = Workload(args.requests, parse(args.prompt_len), parse(args.output_len), args.seed,
                         getattr(args, "shared_prefix", 0))
-    from .__main__ import speculative_engine_kwargs
-    kw = dict(num_blocks=args.num_blocks, block_size=args.block_size, max_batch_tokens=args.max_batch_tokens,
-              **speculative_engine_kwargs(args, model))   # lesson 6: --speculative
+    from .cli_options import engine_kwargs
+    kw = engine_kwargs(args, model)   # the pool, the token budget and (lesson 6) --speculative
     print(f"workload: {workload.num_requests} requests, prompt {workload.prompt_len[0]}..{workload.prompt_len[1]} "
           f"tokens (after a shared prefix of {workload.shared_prefix}), output {workload.output_len[0]}.."
           f"{workload.output_len[1]} tokens, seed {workload.seed}; "

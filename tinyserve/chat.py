@@ -169,7 +169,7 @@ def main(args) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
                             seed=args.seed)
     tok = load_tokenizer(args.weights)
-    from .__main__ import describe_backend, speculative_engine_kwargs
+    from .cli_options import describe_backend, engine_kwargs
     from . import jit
     model = load_model(args.weights, quant=args.quant, backend=args.backend)
     print(f"[{describe_backend(model)}]", file=sys.stderr)
@@ -177,8 +177,7 @@ def main(args) -> int:
     log = lambda line: print(line, file=sys.stderr, flush=True)   # noqa: E731
     if model.backend == "numba" and model.quant != "none":   # lesson 7: never compile inside a timed turn
         model, kernels = jit.prepare(model, "engine", background=not args.speculative, log=log)
-    engine = Engine(model, num_blocks=args.num_blocks, block_size=args.block_size,
-                    tokenizer=tok, prefix_caching=not args.no_prefix_cache, **speculative_engine_kwargs(args, model))
+    engine = Engine(model, tokenizer=tok, prefix_caching=not args.no_prefix_cache, **engine_kwargs(args, model))
 
     def before_turn() -> None:   # cold start: once the background compile is done, the next turn runs fast
         if kernels is not None and kernels.bg is not None and kernels.switched_at is None and kernels.bg.ok:

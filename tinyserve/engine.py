@@ -27,8 +27,7 @@ import contextlib
 import dataclasses
 import time
 from collections import deque
-from dataclasses import dataclass
-from typing import Iterator, NamedTuple, Sequence as Seq
+from typing import Callable, Iterator, Sequence as Seq
 
 import numpy as np
 
@@ -41,43 +40,20 @@ from .interrupts import interrupts_deferred
 from .paged import KVPool, write_kv_unchecked
 from .sampling import SamplingParams, sample
 from .scheduler import bind, plan_step
-from . import spec_step
+from .spec_step import SpecConfig, Speculator, Verdict
 from .speculative import SpecStats
 from .sequence import Sequence, Status
-from .step_batch import StepBatch, prepare_batch
-from .stopping import StopChecker
-
-
-class StepOutput(NamedTuple):
-    request_id: int
-    new_tokens: list[int]          # the token sampled this step (empty only when the request failed this step)
-    finished: bool
-    finish_reason: str | None      # "eos" | "length" | "context" | "stop" | "error" | "abort" once finished
-    error: str | None = None       # finish_reason "error": what went wrong (the rest of the batch carried on)
-
-
-@dataclass(frozen=True, slots=True)
-class StepStats:
-    num_seqs: int            # sequences in this step's batch (B)
-    num_tokens: int          # rows of the flattened batch (T)
-    num_decode: int          # of the B, how many were plain decodes (1 row, sampled)
-    num_sampled: int         # rows that produced a token
-    num_preempted: int
-    num_admitted: int
-    blocks_used: int         # after the step
-    seconds: float
-    num_drafted: int = 0     # lesson 6: draft tokens verified in this step's forward ...
-    num_accepted: int = 0    # ... and how many of them the target accepted
+from .step_batch import StepBatch, StepOutput, StepStats, prepare_batch   # StepOutput, StepStats: also imported
+from .stopping import StopChecker                                         # from here by callers and tests
 
 
 class Engine:
     def __init__(self, model: Model, num_blocks: int = 256, block_size: int = 16, max_batch_tokens: int = 256,
                  max_running: int = 64, backend: str | None = None, tokenizer=None, prefix_caching: bool = False,
-                 speculative=None, draft_k: int = 4, adaptive_k: bool = False, draft_model: Model | None = None,
-                 verify_costs: Seq[float] | None = None):
-        """speculative (lesson 6): None; "ngram", "early-exit", "int8"/"draft" (with draft_model); or a function
-        returning a fresh Drafter, called once per request. draft_k: tokens drafted per step (the maximum when
-        adaptive_k; verify_costs as for speculative.AdaptiveK)."""
+                 speculative: SpecConfig | str | Callable | None = None, **spec_options):
+        """speculative (lesson 6): None (one token per step), a spec_step.SpecConfig, or its drafter: "ngram",
+        "early-exit", "int8"/"draft" (with draft_model=), or a function returning a fresh Drafter (called once per
+        request), with SpecConfig's other fields as keywords: Engine(model, speculative="ngram", draft_k=4)."""
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
                             ("max_batch_tokens", max_batch_tokens), ("max_running", max_running)):
             check_positive_int(name, value, "Engine")
@@ -98,7 +74,8 @@ class Engine:
         self.finished: dict[int, Sequence] = {}
         self.stats: list[StepStats] = []          # one per step: a long-running caller may clear() it
         self._next_id = 0
-        spec_step.setup(self, model, speculative, draft_k, adaptive_k, draft_model, verify_costs)   # lesson 6
+        spec = SpecConfig.of(speculative, **spec_options)
+        self.speculator = Speculator(model, spec) if spec is not None else None   # lesson 6 (None: off)
 
     # --- requests --------------------------------------------------------------------------------------------
     def add_request(self, prompt_ids: Seq[int], params: SamplingParams | None = None) -> int:
@@ -122,8 +99,10 @@ class Engine:
                              f"but the whole pool has {self.blocks.num_blocks} blocks: it can never run "
                              f"(shorten the prompt or max_new_tokens, or give the engine more blocks)")
         stopper = StopChecker(self.config, params, self.tokenizer, prompt_len=len(ids))  # ValueError on stop w/o tok
-        return spec_step.attach(self, Sequence(self._next_id, [int(t) for t in ids], params, stopper,
-                                               params.make_rng()))
+        seq = Sequence(self._next_id, [int(t) for t in ids], params, stopper, params.make_rng())
+        if self.speculator is not None:
+            self.speculator.attach(seq)
+        return seq
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -188,17 +167,18 @@ class Engine:
         """Schedule, run one batched forward, sample, retire. Returns one StepOutput per sampled token, and one
         per request that failed in this step (finish_reason "error")."""
         t0 = time.perf_counter()
+        spec = self.speculator
         with interrupts_deferred():          # the queues and block tables change together or not at all
-            failed = spec_step.draft_all(self) if self.make_drafter is not None else []
+            failed = [self._fail(seq, e) for seq, e in spec.draft_all(self.running, self.blocks)] if spec else []
             scheduled, n_preempted, n_admitted = self._schedule()
-            if self.make_drafter is not None:
-                spec_step.fit_drafts(self, scheduled)
+            if spec is not None:
+                spec.fit_drafts(scheduled, (*self.running, *self.waiting))
             if not scheduled:
                 # add_request refuses what could never fit, so an empty plan with work left is a scheduler bug
                 assert n_preempted or failed or not self.has_unfinished(), "the scheduler made no progress: a livelock"
                 return failed
             batch = prepare_batch(scheduled, self.pool.num_blocks, self.block_size)   # step_batch.py
-            drafted = sum(len(seq.draft) for seq in batch.seqs)
+            drafted = sum(seq.num_drafted for seq in batch.seqs)
         try:
             # Nothing is advanced until the forward has returned: if it raises, every sequence is as it was (its
             # new blocks stay allocated and hold nothing yet), and the next step runs the same chunks again.
@@ -210,12 +190,12 @@ class Engine:
                 outputs = [self._fail(seq, e) for seq in batch.seqs]
         else:
             with interrupts_deferred():
-                accepted_before = self.spec_stats.accepted
+                accepted_before = spec.stats.accepted if spec else 0
                 outputs = self._advance(batch, logits)
         self.stats.append(StepStats(len(batch.seqs), len(batch.tokens), batch.num_decode, len(batch.sampled),
                                     n_preempted, n_admitted, self.blocks.allocator.num_used,
                                     time.perf_counter() - t0, drafted,
-                                    self.spec_stats.accepted - accepted_before if drafted else 0))
+                                    spec.stats.accepted - accepted_before if drafted else 0))
         return failed + outputs
 
     def _forward(self, batch: StepBatch) -> np.ndarray:
@@ -255,8 +235,9 @@ class Engine:
                 seq.num_computed_tokens += n
                 self.blocks.commit(seq)
                 continue
-            if seq.draft:                     # lesson 6: k + 1 rows to verify
-                outputs.append(spec_step.verify_draft(self, seq, n, logits[row[b]:row[b] + n], now))
+            if seq.num_drafted:               # lesson 6: k + 1 rows to verify
+                verdict = self.speculator.verify(seq, n, logits[row[b]:row[b] + n], now, self.blocks)
+                outputs.append(self._conclude(seq, verdict))
                 continue
             try:
                 # the repetition penalty needs every token seen so far; skip building that list when it is off
@@ -268,9 +249,7 @@ class Engine:
             seq.output_ids.append(token)
             seq.token_times.append(now)
             if seq.spec is not None:          # a step without a draft (prefill, or k = 0): one token, no verdict
-                for stats in (seq.spec, self.spec_stats):
-                    stats.record(0, 0)
-                    stats.emitted += 1
+                self.speculator.record(seq, 0, 0, 1)
             seq.num_computed_tokens += n
             self.blocks.commit(seq)
             try:
@@ -283,6 +262,14 @@ class Engine:
             outputs.append(StepOutput(seq.request_id, [token], done, seq.finish_reason))
         return outputs
 
+    def _conclude(self, seq: Sequence, verdict: Verdict) -> StepOutput:
+        """Lesson 6: the StepOutput of a verified draft; a request that stopped or failed inside it is retired."""
+        if verdict.error is not None:
+            return self._fail(seq, verdict.error, verdict.tokens)
+        if verdict.done:
+            self._finish(seq)
+        return StepOutput(seq.request_id, verdict.tokens, verdict.done, seq.finish_reason)
+
     def _fail(self, seq: Sequence, error: Exception, new_tokens: list[int] | None = None) -> StepOutput:
         """End `seq` because something raised while serving it; the message goes to the caller."""
         self._finish(seq, "error", f"{type(error).__name__}: {error}")
@@ -294,7 +281,7 @@ class Engine:
         if reason is not None:
             seq.stopper.reason = reason
             seq.error = error
-        spec_step.drop_draft(seq)             # unverified tokens are not output (their K/V were never counted)
+        seq.drop_draft()                      # unverified tokens are not output (their K/V were never counted)
         self.blocks.free(seq)
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
@@ -390,6 +377,6 @@ def generate_stream(model: Model, ids: Seq[int], max_new_tokens: int | None = No
         for out in engine.step():
             yield from out.new_tokens
     if spec_stats is not None and engine.finished[rid].spec is not None:
-        stats = engine.finished[rid].spec
+        stats = engine.finished[rid].spec.stats
         for name in ("steps", "drafted", "accepted", "rejected", "emitted", "ks", "accepts"):
             setattr(spec_stats, name, getattr(stats, name))

@@ -21,6 +21,19 @@ from .speculative import AdaptiveK, SpecStats
 from .stopping import StopChecker
 
 
+@dataclass(slots=True)
+class SpecState:
+    """Lesson 6: one request's speculative decoding (spec_step.Speculator gives each request its own). Within one
+    engine step the drafted tokens sit at the end of output_ids, so scheduling, blocks and the batch treat them as
+    an ordinary chunk of 1 + k rows; verification then keeps what the target agrees with. Between steps `draft` is
+    always empty."""
+    drafter: Drafter                           # this request's own (a model drafter holds a KV cache)
+    stats: SpecStats                           # what verification did for this request
+    k_control: AdaptiveK | None = None         # picks k per step from the measured acceptance (None: fixed k)
+    draft: list[int] = field(default_factory=list)           # [k] the unverified tail of output_ids
+    draft_probs: np.ndarray | None = None      # [k, V] the q they were drawn from (stochastic verification)
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -44,14 +57,7 @@ class Sequence:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_scheduled_time: float | None = None
     token_times: list[float] = field(default_factory=list)   # when each output token was sampled
-    # lesson 6, speculative decoding (drafter None: one token per step). Within one engine step the drafted tokens
-    # sit at the end of output_ids, so scheduling, blocks and the batch treat them as an ordinary chunk of 1 + k
-    # rows; verification then keeps what the target agrees with. Between steps `draft` is always empty.
-    drafter: Drafter | None = None             # this request's own (a model drafter holds a KV cache)
-    draft: list[int] = field(default_factory=list)           # [k] the unverified tail of output_ids
-    draft_probs: np.ndarray | None = None      # [k, V] the q they were drawn from (stochastic verification)
-    k_control: AdaptiveK | None = None         # picks k per step from the measured acceptance (None: fixed k)
-    spec: SpecStats | None = None              # what verification did for this request
+    spec: SpecState | None = None              # lesson 6: its speculation state (None: one token per step)
 
     @property
     def num_tokens(self) -> int:               # prompt + generated so far
@@ -64,6 +70,16 @@ class Sequence:
     @property
     def is_decoding(self) -> bool:             # only the last sampled token is new: one row this step
         return self.num_remaining == 1 and bool(self.output_ids)
+
+    @property
+    def num_drafted(self) -> int:              # lesson 6: unverified draft tokens at the end of output_ids
+        return len(self.spec.draft) if self.spec is not None else 0
+
+    def drop_draft(self) -> None:
+        """Take the unverified draft off output_ids (their K/V were never counted as computed)."""
+        if self.spec is not None and self.spec.draft:
+            del self.output_ids[-len(self.spec.draft):]
+            self.spec.draft, self.spec.draft_probs = [], None
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         """tokens[start:stop] of prompt + output, without building the concatenation."""
@@ -105,5 +121,5 @@ class RequestMetrics:
                    tokens_per_s=len(t) / total if total > 0 else float("inf"),
                    num_output_tokens=len(seq.output_ids),
                    num_preemptions=seq.num_preemptions,
-                   draft_alpha=seq.spec.alpha if seq.spec is not None else None,
-                   tokens_per_step=seq.spec.tokens_per_step if seq.spec is not None else None)
+                   draft_alpha=seq.spec.stats.alpha if seq.spec is not None else None,
+                   tokens_per_step=seq.spec.stats.tokens_per_step if seq.spec is not None else None)

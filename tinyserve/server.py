@@ -29,11 +29,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .cli_options import describe_backend
 from .engine import Engine
 from .engine_loop import EngineLoop, Observer, Rejected, RequestHandle
 from .protocol import (FINISH_REASONS, ChatCompletionRequest, CompletionRequest, TextStream, chat_chunk,
                        chat_response, completion_chunk, completion_response, error_body, new_id, sse_event, usage)
 from .sampling import SamplingParams
+from .tokenizer import CharTokenizer  # noqa: F401  (the tests and --model tiny import it from here too)
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5.0)
@@ -133,39 +135,7 @@ class FastPathSwitch(Observer):
             self.kernels.switched(loop.stats.steps)
             self.status = f"compiled in the background in {self.kernels.seconds:.1f} s (first run only)"
             print(f"tinyserve: the fast path's kernels are ready ({self.status}); now serving on "
-                  f"{_describe(engine.model)}", file=sys.stderr, flush=True)
-
-
-def _describe(model) -> str:
-    from .__main__ import describe_backend
-    return describe_backend(model)
-
-
-class CharTokenizer:
-    """For `--model tiny` (a random 256-token model): token id i is the character chr(i), ids 0-2 are special
-    (2 = EOS). Enough to exercise the server end to end in milliseconds; its outputs are random characters."""
-
-    def __init__(self, vocab_size: int = 256, eos_id: int = 2):
-        self.vocab_size, self.eos_id, self.bos_id = vocab_size, eos_id, 1
-        self.eos_token = "</s>"
-
-    def encode(self, text: str) -> list[int]:
-        bad = next((c for c in text if not 3 <= ord(c) < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"the tiny model's tokenizer only knows characters U+0003..U+{self.vocab_size - 1:04X}, "
-                             f"got {bad!r}")
-        return [ord(c) for c in text]
-
-    def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        return "".join(chr(i) for i in ids if i >= 3 or not skip_special_tokens)
-
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
-        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant: " if add_generation_prompt
-                                                                             else "")
-
-    def stream_decoder(self, skip_special_tokens: bool = True):
-        from .tokenizer import StreamDecoder
-        return StreamDecoder(self, skip_special_tokens)
+                  f"{describe_backend(engine.model)}", file=sys.stderr, flush=True)
 
 
 def _error(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -224,7 +194,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, max_waiting: int = 64
             status = {"cache": "loaded from the on-disk cache", "compiled": "compiled at start"}[kernels.how]
         else:
             status = "none needed (NumPy)"
-        return {"path": _describe(engine.model), "kernels": status}
+        return {"path": describe_backend(engine.model), "kernels": status}
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
@@ -471,7 +441,7 @@ def build(args, log=None) -> tuple[FastAPI, str]:
     """The app the `serve` subcommand runs, from its options (also used by the tests). The default path is
     generate's: int8 weights on the Numba kernels (`--quant none --backend numpy`: the float32 reference)."""
     from . import jit
-    from .__main__ import load_for_cli
+    from .cli_options import engine_kwargs, load_for_cli
 
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     tok, model = load_for_cli(args)
@@ -479,9 +449,7 @@ def build(args, log=None) -> tuple[FastAPI, str]:
     kernels = None
     if model.backend == "numba" and model.quant != "none":
         model, kernels = jit.prepare(model, "engine", args.compile == "background", log)
-    engine = Engine(model, num_blocks=args.num_blocks, block_size=args.block_size,
-                    max_batch_tokens=args.max_batch_tokens, max_running=args.max_running, tokenizer=tok,
-                    prefix_caching=not args.no_prefix_cache)
+    engine = Engine(model, tokenizer=tok, prefix_caching=not args.no_prefix_cache, **engine_kwargs(args, model))
     name = args.served_model_name or name
     return create_app(engine, tok, name, max_waiting=args.max_waiting, kernels=kernels), name
 
@@ -491,7 +459,7 @@ def main(args) -> int:
     import uvicorn
 
     app, name = build(args)
-    print(f"tinyserve: serving {name!r} on http://{args.host}:{args.port} with {_describe(app.state.engine.model)} "
+    print(f"tinyserve: serving {name!r} on http://{args.host}:{args.port} with {describe_backend(app.state.engine.model)} "
           f"(OpenAI API under /v1; /health and /v1/models say which path answers; /metrics)", file=sys.stderr,
           flush=True)
     # uvicorn handles SIGTERM/SIGINT: stop listening, let the streams in flight finish for up to drain_timeout,

@@ -1,4 +1,5 @@
-"""Lesson 4: one engine step's batch — the chunks of B sequences flattened into T rows, checked once.
+"""Lesson 4: one engine step's batch — the chunks of B sequences flattened into T rows, checked once — and what a
+step hands back (StepOutput per request, StepStats per step).
 
 Continuous batching runs decodes (1 row each) and prefill chunks (many rows) in one forward. The model sees one
 [T] array of tokens and positions; attention alone is per sequence, so it gets the layout: where each sequence's
@@ -9,12 +10,35 @@ built and checked once per step and read by all L layers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from .attention_backends import check_block_tables
 from .paged import slot_mapping
 from .sequence import Sequence
+
+
+class StepOutput(NamedTuple):
+    request_id: int
+    new_tokens: list[int]          # the tokens this step added (empty only when the request failed this step)
+    finished: bool
+    finish_reason: str | None      # "eos" | "length" | "context" | "stop" | "error" | "abort" once finished
+    error: str | None = None       # finish_reason "error": what went wrong (the rest of the batch carried on)
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    num_seqs: int            # sequences in this step's batch (B)
+    num_tokens: int          # rows of the flattened batch (T)
+    num_decode: int          # of the B, how many were plain decodes (1 row, sampled)
+    num_sampled: int         # rows that produced a token
+    num_preempted: int
+    num_admitted: int
+    blocks_used: int         # after the step
+    seconds: float
+    num_drafted: int = 0     # lesson 6: draft tokens verified in this step's forward ...
+    num_accepted: int = 0    # ... and how many of them the target accepted
 
 
 @dataclass(slots=True)
@@ -60,9 +84,9 @@ def prepare_batch(scheduled: list[tuple[Sequence, int]], num_pool_blocks: int, b
     logit_rows = query_starts[1:][sampled] - 1                                                # [R]
     num_decode = sum(seq.is_decoding for seq in seqs)
     logit_starts = None
-    if any(seqs[b].draft for b in sampled):
+    if any(seqs[b].num_drafted for b in sampled):
         # lesson 6: a sequence verifying a draft of k needs the logits of all its k + 1 rows
-        n_rows = [1 + len(seqs[b].draft) for b in sampled]
+        n_rows = [1 + seqs[b].num_drafted for b in sampled]
         logit_rows = np.concatenate([np.arange(end - r, end) for end, r in zip(logit_rows + 1, n_rows)])
         logit_starts = np.concatenate([[0], np.cumsum(n_rows)[:-1]]).tolist()
     return StepBatch(seqs, counts, tokens, positions, slots // bs, slots % bs, block_tables, context_lens,

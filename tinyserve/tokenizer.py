@@ -1,4 +1,5 @@
-"""Text <-> token ids: the `tokenizers` library, the model's chat template, and streaming detokenisation."""
+"""Text <-> token ids: the `tokenizers` library, the model's chat template, streaming detokenisation, and the
+character tokenizer of the random tiny model (tests, `--model tiny`)."""
 from __future__ import annotations
 
 import json
@@ -146,3 +147,29 @@ def _byte_level_symbols() -> list[str]:
 
 def load_tokenizer(path: str | Path = DEFAULT_WEIGHTS_DIR) -> Tokenizer:
     return Tokenizer(path)
+
+
+class CharTokenizer:
+    """For `--model tiny` (a random 256-token model): token id i is the character chr(i), ids 0-2 are special
+    (2 = EOS). Enough to exercise the server end to end in milliseconds; its outputs are random characters."""
+
+    def __init__(self, vocab_size: int = 256, eos_id: int = 2):
+        self.vocab_size, self.eos_id, self.bos_id = vocab_size, eos_id, 1
+        self.eos_token = "</s>"
+
+    def encode(self, text: str) -> list[int]:
+        bad = next((c for c in text if not 3 <= ord(c) < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"the tiny model's tokenizer only knows characters U+0003..U+{self.vocab_size - 1:04X}, "
+                             f"got {bad!r}")
+        return [ord(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return "".join(chr(i) for i in ids if i >= 3 or not skip_special_tokens)
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant: " if add_generation_prompt
+                                                                             else "")
+
+    def stream_decoder(self, skip_special_tokens: bool = True):
+        return StreamDecoder(self, skip_special_tokens)

@@ -1,0 +1,108 @@
+"""The command line's shared options: which path runs (lesson 7), speculation (lesson 6), the engine's size (lesson 4).
+
+`generate`, `bench`, `chat` and `serve` take these flags from here, so a flag has one spelling, one default and one
+way of becoming Model / Engine arguments in every command. __main__.py only assembles the parser; the commands'
+modules import from here, never from __main__ (under `python -m` that would load a second copy of it).
+"""
+from __future__ import annotations
+
+import argparse
+
+from .weights import DEFAULT_WEIGHTS_DIR
+
+# --- lesson 7: the backend and the quantisation --------------------------------------------------------------------
+QUANTS = ("auto", "none", "int8", "w8a8", "w8a8-64")
+
+
+def add_backend_options(p: argparse.ArgumentParser) -> None:
+    # auto by default: the fastest mode within int8's accuracy bounds on this CPU (quant.default_quant): W8A8-64
+    # where the kernels have a byte dot product (1.3-1.5x int8 on an AVX-512 VNNI Xeon, at 0.5 % perplexity),
+    # else int8; lesson 7's "outliers" table measures every mode
+    p.add_argument("--quant", default="auto", choices=QUANTS,
+                   help="quantisation (lesson 7; default auto: the fastest accurate mode on this CPU; int8: int8 "
+                        "weights, float32 activations; w8a8-64: int8 activations too, one scale per 64 values; "
+                        "w8a8: one scale per token, faster, less accurate; none = float32, the reference)")
+    p.add_argument("--backend", default="numba", choices=["numpy", "numba"],
+                   help="numba: the fused kernels (default); numpy: the readable reference")
+
+
+def add_model_options(p: argparse.ArgumentParser, tiny: bool = True) -> None:
+    """--weights, and --model smollm2|tiny where the command can run on the random tiny model."""
+    if tiny:
+        p.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"],
+                       help="tiny: a random 2-layer model with a character tokenizer (tests; answers are noise)")
+    p.add_argument("--weights", default=str(DEFAULT_WEIGHTS_DIR))
+
+
+def load_for_cli(args):
+    """(tokenizer, model) for --model smollm2 (the converted weights) or tiny (random, a character tokenizer)."""
+    from .quant import set_backend
+    if getattr(args, "model", "smollm2") == "tiny":
+        from .tokenizer import CharTokenizer
+        from .weights import tiny_model
+        return CharTokenizer(), set_backend(tiny_model(seed=0), args.quant, args.backend)
+    from .tokenizer import load_tokenizer
+    from .weights import load_model
+    return load_tokenizer(args.weights), load_model(args.weights, quant=args.quant, backend=args.backend)
+
+
+def describe_backend(model) -> str:
+    """Which path runs (lesson 7): the fast one is the default, `--quant none --backend numpy` the reference."""
+    what = {"none": "float32", "int8": "int8 weights (W8A32)", "w8a8": "int8 weights and activations (W8A8)",
+            "w8a8-64": "int8 weights and activations, a scale per 64 (W8A8-64)"}
+    if model.backend != "numba":
+        return f"{what[model.quant]}, {model.backend} backend"
+    from .kernels import isa                   # which instruction set the kernels were built for (lesson 7)
+    return f"{what[model.quant]}, {model.backend} backend, {isa.describe()}"
+
+
+# --- lesson 6: speculative decoding ----------------------------------------------------------------------------------
+DRAFTERS = ("ngram", "early-exit", "int8")
+
+
+def add_speculative_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--speculative", default=None, choices=DRAFTERS,
+                        help="lesson 6: draft tokens with this drafter and verify them in one forward of the model "
+                             "(the output is unchanged; only the speed is)")
+    parser.add_argument("--draft-k", type=int, default=4, help="tokens drafted per step (the maximum with --adaptive-k)")
+    parser.add_argument("--adaptive-k", action="store_true",
+                        help="pick k per step from the measured acceptance rate (roofline's expected-tokens formula)")
+
+
+def draft_model_for(kind: str | None, weights):
+    """The draft Model the drafter needs: the int8 copy of the target for "int8" (lesson 7's weights on its Numba
+    kernels: the NumPy int8 reference is slower than the float32 target), else None."""
+    if kind != "int8":
+        return None
+    from .weights import load_model
+    return load_model(weights, quant="int8", backend="numba")
+
+
+def speculative_engine_kwargs(args, model) -> dict:
+    """Engine(...) keyword arguments for the --speculative options ({} when off)."""
+    kind = getattr(args, "speculative", None)
+    if not kind:
+        return {}
+    return dict(speculative=kind, draft_k=args.draft_k, adaptive_k=args.adaptive_k,
+                draft_model=draft_model_for(kind, args.weights))
+
+
+# --- lesson 4: the engine's size -------------------------------------------------------------------------------------
+# One whole context window of SmolLM2 at the default block size (512 x 16 = 8192 positions): no command refuses a
+# prompt the model could take, and the pool is ~0.4 GB of float32 K/V (30 layers x 3 KV heads x 64 x 2 x 4 bytes
+# = 46 KB a position), touched only as far as it is used.
+DEFAULT_NUM_BLOCKS = 512
+
+
+def add_engine_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-blocks", type=int, default=DEFAULT_NUM_BLOCKS, help="KV pool size (x block size = positions)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-batch-tokens", type=int, default=256, help="per-step token budget (chunked prefill)")
+    p.add_argument("--max-running", type=int, default=64, help="most requests in one running batch")
+
+
+def engine_kwargs(args, model) -> dict:
+    """Engine(...) keyword arguments for the engine-size options, and the speculative ones where the command
+    has them."""
+    return dict(num_blocks=args.num_blocks, block_size=args.block_size, max_batch_tokens=args.max_batch_tokens,
+                max_running=args.max_running, **speculative_engine_kwargs(args, model))
