@@ -37,7 +37,7 @@ if isa.FORCED_FEATURES is not None:          # a variant below this CPU's: compi
     os.environ["NUMBA_CPU_FEATURES"] = os.environ["TINYSERVE_PINNED_FEATURES"] = isa.FORCED_FEATURES
 
 # libgomp's workers (Numba's `omp` layer) spin after each parallel loop, by default 300,000 turns of `pause`
-# (~10-40 ms on recent x86) before they sleep. Alone on the machine that is harmless; beside another busy program
+# (estimated ~10-40 ms on recent x86) before they sleep. Alone on the machine that is harmless; beside another busy program
 # (a second engine, a test run, a browser) the spinning workers take the cores the other side's threads need, and
 # both collapse: a three-call decode step (~6 ms alone) measured a median of 160-1270 ms, p90 up to 1.8 s, and
 # with 10,000 turns 104 ms, p90 110 (Xeon, 2 cores, load 3-6 from other test runs; fused step and barrier yielding
