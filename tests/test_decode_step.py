@@ -6,7 +6,8 @@ What must hold:
   the K/V written into the cache. W8A32 runs the very same code per element (matmul tiles, norms, SiLU on exp32,
   the decode attention item): equal to ~1e-6. W8A8's three-call path takes SiLU's exp from NumPy (to be the NumPy
   reference bit for bit) where the fused step uses fast_exp.exp32; given exp32 there too, the two are bit-identical;
-- the strategies really take it: kv_cache decode and the Engine's decode-only steps (greedy tokens as before);
+- the strategies really take it: kv_cache decode and the Engine's decode-only steps (greedy tokens as before), and
+  speculative verify steps, whose rows read each other's K/V: row j equals a decode step at that position;
 - threads that do not meet (here: a step told it has 2 threads while Numba runs 1) give up at the deadline, warn
   once, and the step is run the three-call way with the same result.
 """
@@ -228,6 +229,45 @@ def test_engine_decode_steps_run_fused_with_the_same_tokens(tiny_fast, mode, mon
         assert got == Engine(model, num_blocks=40, block_size=4).generate(prompts, GREEDY12)
 
 
+@pytest.mark.parametrize("mode", ["int8", "w8a8", "w8a8-64"])
+def test_verify_rows_run_fused_and_equal_decode_steps(tiny_fast, mode, monkeypatch):
+    """A speculative verify (k + 1 rows of one sequence, every row's logits) runs as one fused step whose rows read
+    each other's K/V; row j gets exactly what a decode step at that position gets (the same per-row code)."""
+    model = tiny_fast[mode]
+    prompt, drafted = [5, 17, 99, 3, 42, 250, 7], [7, 200, 2, 19]
+    calls = []
+    real = decode_step.decode_step
+    monkeypatch.setattr(decode_step, "decode_step", lambda m, t, lay: calls.append(len(t)) or real(m, t, lay))
+    cache = kv_cache.KVCache.allocate(model.config, 16)
+    kv_cache.prefill(model, cache, prompt)
+    steps = np.concatenate([kv_cache.forward_with_cache(model, cache, [tok]) for tok in drafted])
+    k_steps, v_steps = cache.k[:, :cache.length].copy(), cache.v[:, :cache.length].copy()
+    cache.rewind(len(drafted))
+    verify = kv_cache.forward_with_cache(model, cache, drafted, all_logits=True)
+    assert calls == [1, 1, 1, 1, 4], f"fused steps of {calls} rows: the 4-row verify should have run fused"
+    np.testing.assert_array_equal(verify, steps, err_msg="verify row j != the decode step at position j")
+    np.testing.assert_array_equal(cache.k[:, :cache.length], k_steps)
+    np.testing.assert_array_equal(cache.v[:, :cache.length], v_steps)
+
+
+@pytest.mark.parametrize("mode", ["int8", "w8a8-64"])
+def test_engine_verify_steps_run_fused_with_the_plain_greedy_tokens(tiny_fast, mode, monkeypatch):
+    """The Engine's verify steps (one sequence's k + 1 rows, here beside other sequences' decode rows) take the
+    fused step when they fit, and speculation still decodes plain decoding's greedy tokens."""
+    model = tiny_fast[mode]
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6], [3, 1, 4, 1, 5, 9, 2, 6]]
+    calls = []
+    real = decode_step.decode_step
+    monkeypatch.setattr(decode_step, "decode_step", lambda m, t, lay: calls.append(len(t)) or real(m, t, lay))
+    plain = Engine(model, num_blocks=40, block_size=4).generate(prompts, GREEDY12)
+    calls.clear()
+    spec = Engine(model, num_blocks=40, block_size=4, speculative="ngram", draft_k=2)
+    assert spec.generate(prompts, GREEDY12) == plain
+    drafted = [s.num_drafted for s in spec.stats]
+    assert any(drafted), "the n-gram drafter drafted nothing: the test does not exercise verification"
+    assert any(n > len(prompts) for n in calls), f"fused steps of {sorted(set(calls))} rows: no verify ran fused"
+
+
 def test_threads_that_do_not_meet_fall_back_to_the_three_call_path(tiny_fast, monkeypatch):
     model = tiny_fast["int8"]
     prompt = [5, 17, 99, 3, 42]
@@ -288,7 +328,7 @@ def test_usable_only_for_steps_it_can_run(tiny_fast, rows):
     two = KVLayout(cache.k, cache.v, np.zeros((2, 1), np.int64), 8, np.array([3, 4]))
     if rows is None or len(rows) == 1:
         assert decode_step.usable(1, one, rows) == (numba.threading_layer() == "omp")
-    assert not decode_step.usable(2, one, rows)                     # 2 rows of one sequence: not a decode step
+    assert not decode_step.usable(2, one, rows)                     # a layout of 1 row for a step of 2
     assert not decode_step.usable(1, None, rows)                    # no layout: custom attention
     assert not decode_step.usable(2, two, np.array([1, 0]))         # logits wanted in another order
     big = decode_step.MAX_ROWS + 1

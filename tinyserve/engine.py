@@ -211,11 +211,14 @@ class Engine:
             return attend(q, pool.k[layer], pool.v[layer], batch.block_tables, batch.context_lens,
                           batch.query_starts)
 
-        if self.backend == "numba" and len(batch.tokens) == len(batch.seqs):
-            # lesson 7: a decode-only step (one row per sequence) may run as one kernel that also writes the K/V
+        if self.backend == "numba" and len(batch.logit_rows) == len(batch.tokens):
+            # lesson 7: a step whose every row needs logits (decodes, speculative verifies, no prefill chunk) may
+            # run as one kernel that also writes the K/V, if it has few rows. The kernel reads each row as a
+            # sequence of its own: its sequence's block table, its context ending at the row itself
             L, nb, bs, K, H = pool.k.shape
+            seq_of_row = np.repeat(np.arange(len(batch.seqs)), batch.counts)
             attention.kv_layout = KVLayout(pool.k.reshape(L, nb * bs, K, H), pool.v.reshape(L, nb * bs, K, H),
-                                           batch.block_tables, bs, batch.context_lens)
+                                           batch.block_tables[seq_of_row], bs, batch.positions + 1)
         with self._threads():
             logits = forward(self.model, batch.tokens, batch.positions, attention, logit_rows=batch.logit_rows)
         if self.backend == "numba":

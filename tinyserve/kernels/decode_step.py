@@ -25,9 +25,12 @@ needs every thread's results (kernels/spin.py):
     --- barrier ---
     logits = RMSNorm(x) @ W_head                                  split (the join of prange ends the step)
 
-Which steps. Decode-only steps of up to MAX_ROWS rows, one row per sequence, whose attention says where its K/V
-live (a `KVLayout`: kv_cache.forward_with_cache and the Engine attach one when they use the default attention).
-Anything else (prefill chunks, speculative verification, custom attention) takes the three-call path.
+Which steps. Steps of up to MAX_ROWS rows that all need logits (decode rows, the k + 1 rows of a speculative
+verify), whose attention says where its K/V live (a `KVLayout`, one entry per row: kv_cache.forward_with_cache and
+the Engine attach one when they use the default attention). A verify's rows are one sequence and read each other's
+K/V, so every row's K/V is written before any row attends (one barrier more per layer). Its row j gets the logits a
+decode step at that position would get, bit for bit in W8A8 (tests/test_decode_step.py). Anything else (prefill
+chunks, custom attention, more rows) takes the three-call path.
 
 Same numbers? The matmuls, norms and attention are the three-call path's own code (kernels/matmul.py, layer.py,
 attention.py: decode_attention_item); SiLU uses fast_exp.exp32, where the three-call W8A8 path calls NumPy's exp to
@@ -52,7 +55,10 @@ from .layer import _rms_norm_quant_row, _rms_norm_row, _swiglu_row
 from .matmul import BLOCK, COLS, ROWS, _quantize_row, rope_head, w8a8_blocks, w8a32_blocks
 from .spin import FAILED, HAS_CLOCK, SYNC_SIZE, TIMEOUT_CYCLES, barrier
 
-MAX_ROWS = ROWS       # rows (sequences) per fused step: one weight tile serves them all (see matmul.ROWS)
+# rows per fused step: one weight tile serves them all (matmul.ROWS). From 5 to 16 rows the fused step measured no
+# faster than the three calls (2-core Xeon, avx2 and avx512vnni kernels): every thread norms and quantises every row
+# for itself, and that share grows with the rows
+MAX_ROWS = ROWS
 
 
 @njit(cache=True)
@@ -103,7 +109,7 @@ def _thread_step(tid, n_threads, sync, timeout, w8a8, x, cos, sin, eps, weights,
         _share(w8a8, h, xu, sx, qkv_w[layer], qkv_sum[layer], qkv_scale[layer], qkv, False, tid, n_threads, acc)
         if not barrier(sync, n_threads, timeout):
             return
-        # RoPE, K/V into the cache, attention: items (row t, KV head kh)
+        # RoPE and K/V into the cache, then attention: items (row t, KV head kh)
         k_rows, v_rows = k_pool[layer], v_pool[layer]
         for item in range(tid, T * K, n_threads):
             t, kh = item // K, item % K
@@ -114,7 +120,10 @@ def _thread_step(tid, n_threads, sync, timeout, w8a8, x, cos, sin, eps, weights,
             rope_head(qkv[t], (N + kh) * H, cos[t], sin[t], k_rows[slot, kh])
             for d in range(H):
                 v_rows[slot, kh, d] = qkv[t, (N + K + kh) * H + d]
-            decode_attention_item(q, k_rows, v_rows, block_tables, bs, context_lens, t, kh, a)
+        if not barrier(sync, n_threads, timeout):                   # the rows of a verify step (one sequence)
+            return                                                  # read each other's K/V: all written first
+        for item in range(tid, T * K, n_threads):
+            decode_attention_item(q, k_rows, v_rows, block_tables, bs, context_lens, item // K, item % K, a)
         if not barrier(sync, n_threads, timeout):
             return
         # x += a @ Wo

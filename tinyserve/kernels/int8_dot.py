@@ -43,6 +43,12 @@ from .simd import _data_pointer
 BLOCK = 16                                                   # outputs per packed block
 _I1, _I8, _I16, _I32 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32)
 
+# Software prefetch of each weight stream 16 steps (1 KiB) ahead, on the first row pass over it. A tile of several
+# rows computes long enough per weight line that the hardware prefetcher falls behind, and the step waits on memory
+# and computes in turn instead of at once. Measured on a 2-core Xeon (fused decode step, W8A8-64, 4 rows): avx2
+# 13.2-13.6 -> 10.5-11.6 ms, avx512vnni 8.6 -> 7.6-7.8 ms; 1 row: 5-15 % faster; 256-4096 B ahead tried, 1 KiB best
+# on avx512vnni and within the noise of the best on avx2.
+PREFETCH = 1024
 TILE_OFFSET = 128 if isa.NAME in ("avx512vnni", "avxvnni") else 0
 
 
@@ -149,6 +155,8 @@ def _intrinsic_tile(R: int, C: int, name: str):
             i64 = x_off.type
             k = lambda v: ir.Constant(i64, v)                                           # noqa: E731
             st = setup(builder)
+            prefetch = cgutils.get_or_insert_function(        # (address, 0 = read, 3 = keep in every cache, 1 = data)
+                builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch")
             x_rows = [_data_pointer(context, builder, ty[0], x_arr, builder.add(x_off, builder.mul(x_stride, k(r))))
                       for r in range(R)]
             w_cols = [_data_pointer(context, builder, ty[3], w_arr, builder.add(w_off, builder.mul(w_stride, k(c))))
@@ -180,6 +188,11 @@ def _intrinsic_tile(R: int, C: int, name: str):
                         start = builder.mul(b, n4)                          # the block's first 4-byte step
                         with cgutils.for_range(builder, n4) as loop:
                             i = builder.add(start, loop.index)
+                            if r0 == 0:                          # (the later row passes read from cache)
+                                for c in sub_c:
+                                    ahead = builder.gep(w_cols[c], [builder.add(builder.mul(i, k(64)), k(PREFETCH))])
+                                    builder.call(prefetch, [builder.bitcast(ahead, _I8.as_pointer())]
+                                                 + [ir.Constant(_I32, a) for a in (0, 3, 1)])
                             w_vec = {(c, p): builder.load(builder.bitcast(
                                          builder.gep(w_cols[c], [builder.add(builder.mul(i, k(64)), k(vb * p))]),
                                          ir.VectorType(_I8, vb).as_pointer()), align=1)
