@@ -80,15 +80,22 @@ def decode_time(stream, stats) -> tuple[list[int], float]:
     return out, (t_end - t_first) / n
 
 
+def parse_ks(text: str) -> list[int]:
+    """"2,4" -> [2, 4]; "" -> [] (that drafter is left out of the run)."""
+    return [int(k) for k in text.split(",") if k.strip()]
+
+
 def drafter_lineup(model, args) -> dict:
     """name -> (factory of a fresh drafter, k values to sweep)."""
-    ks = [int(k) for k in args.ks.split(",")]
-    lineup = {"ngram": (lambda: NgramDrafter(), ks)}
+    lineup = {"ngram": (lambda: NgramDrafter(), parse_ks(args.ks))}
     L = args.early_exit_layers
-    ee = early_exit_model(model, L)
-    lineup[f"early-exit-{L}"] = (lambda: ModelDrafter(ee, name=f"early-exit-{L}", target=model),
-                                 [int(k) for k in args.early_exit_ks.split(",")])
-    if args.target != "fp32":
+    if parse_ks(args.early_exit_ks):
+        ee = early_exit_model(model, L)
+        lineup[f"early-exit-{L}"] = (lambda: ModelDrafter(ee, name=f"early-exit-{L}", target=model),
+                                     parse_ks(args.early_exit_ks))
+    if not parse_ks(args.int8_ks):
+        pass
+    elif args.target != "fp32":
         print(f"(the target is the {model.quant} model itself: no int8 drafter)")
     elif "quant" in inspect.signature(ts.load_model).parameters:
         int8 = load(args, quant="int8", backend="numba")
@@ -96,7 +103,7 @@ def drafter_lineup(model, args) -> dict:
         cost = decode_seconds(int8) / decode_seconds(model)
         print(f"int8 draft model (Numba): one decode step costs {cost:.2f} of the float32 target's")
         lineup["int8"] = (lambda: ModelDrafter(int8, name="int8", target=model, cost=cost),
-                          [int(k) for k in args.int8_ks.split(",")])
+                          parse_ks(args.int8_ks))
     else:
         print("(int8 weights are not on this branch yet: no int8 drafter in this run)")
     return lineup
