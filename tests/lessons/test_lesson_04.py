@@ -294,3 +294,13 @@ def test_chunks_follow_the_budget_rule_and_exactly_enough_blocks_preempt_nobody(
         f"budget {budget}, requests (tokens, computed) {[(s.num_tokens, s.num_computed) for s in running]}: run should "
         f"be {want} (a decode takes 1 token, a prefill the budget left minus one per decode after it, a request "
         f"that gets 0 tokens is skipped and the next one still gets its turn), got {plan.run}")
+
+
+@pytest.mark.exercise("plan_step")
+def test_a_waiting_request_that_already_holds_blocks_needs_only_the_rest():
+    # a waiting request with 4 of its 9 tokens already computed into 2 blocks (a prefix-cache hit, lesson 5): its
+    # 5 remaining tokens reach 3 blocks of 4, so it needs 3 - 2 = 1 new block, and 1 is free
+    plan = impl.plan_step([], [SeqState(9, 4, 2)], free_blocks=1, token_budget=100, block_size=4)
+    assert plan.admit == [(0, 5)], (
+        f"admit = {plan.admit}: the request holds 2 blocks already and its chunk reaches 3, so it needs "
+        f"blocks_for(4 + 5, 4) - 2 = 1 new block, which is free: admit its 5 tokens")
