@@ -156,8 +156,11 @@ def evict_lru(root: Node, num_blocks: int, refcount: Sequence[int], block_size: 
     block ids; the caller gives back the cache's reference on each.
     """
     bs = block_size
-    heap = [(leaf.last_access, i, leaf) for i, leaf in enumerate(iter_nodes(root)) if not leaf.children]
-    heapq.heapify(heap)                      # (last_access, tie-breaker, node): the oldest leaf on top
+    leaves = [node for node in iter_nodes(root) if not node.children]
+    # (last_access, tie-breaker, node): the oldest leaf on top. The tie-breakers must all differ, or two entries of
+    # equal last_access compare their Nodes (TypeError): the leaves take 0..L-1, a parent that becomes a leaf L, L+1, ...
+    heap = [(leaf.last_access, i, leaf) for i, leaf in enumerate(leaves)]
+    heapq.heapify(heap)
     tie = len(heap)
     evicted: list[int] = []
     while heap and len(evicted) < num_blocks:

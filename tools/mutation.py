@@ -16,10 +16,11 @@ rewrites whole modules in place and runs the tests against the reference, not th
 A mutant is killed when a check fails (or the patch file does not load), survives when every check passes, and
 times out when the checks do not finish in time (counted as caught: a learner would not see a green tick). A
 survivor that behaves exactly like the reference is listed in tests/lessons/equivalent_mutants.txt with a reason; the
-score is killed / (all - equivalent). A mutant of a branch the exercise's stub does not ask for is listed there too,
-with a reason that starts "outside the exercise:", and is not counted either. Mutations in annotations, decorators and assert statements are not made
-(annotations and asserts do not change what a correct call returns), nor inside f-strings (an error message's words
-are not what the checks judge).
+score is killed / (all - equivalent). A line whose text appears more than once in the definition (`break`) is mutated
+at every place and named there with its occurrence, counted from the top. A mutant of a branch the exercise's stub
+does not ask for is listed there too, with a reason that starts "outside the exercise:", and is not counted either.
+Mutations in annotations, decorators and assert statements are not made (annotations and asserts do not change what a
+correct call returns), nor inside f-strings (an error message's words are not what the checks judge).
 """
 from __future__ import annotations
 
@@ -142,10 +143,11 @@ class Mutant:
     diff: str
     verdict: str = ""    # killed / survived / timeout / equivalent
     why: str = ""        # the first failing check (killed) or the equivalence reason
+    occurrence: int = 1  # the same change to the same text on another line of the definition (e.g. `break`) counts on
 
     @property
-    def key(self) -> tuple[str, str, str]:
-        return (self.exercise, self.before, self.after)
+    def key(self) -> tuple[str, str, str, int]:
+        return (self.exercise, self.before, self.after, self.occurrence)
 
 
 @dataclass
@@ -219,14 +221,19 @@ def mutants(t: Target) -> list[Mutant]:
             changed = [i for i, (a, b) in enumerate(zip(old, new)) if a != b] or [start[0] - 1]
             i = changed[0]
             before, after = old[i].strip(), new[i].strip() if i < len(new) else ""
-            if (before, after) in seen:   # the same text from two operators (e.g. `not` added twice)
+            if (i, before, after) in seen:   # the same text from two operators (e.g. `not` added twice)
                 continue
-            seen.add((before, after))
+            seen.add((i, before, after))   # the same text on another line (`break`, `i += 1`) is another mutant
             diff = "\n".join(difflib.unified_diff(old, new, f"a/{_rel(t.path)}", f"b/{_rel(t.path)}", lineterm="", n=1))
             diff = re.sub(r"^@@ -(\d+)", lambda m: f"@@ -{int(m.group(1)) + t.first_line - 1}", diff, flags=re.M)
             out.append(Mutant(t.exercise, op_cls.__name__.replace("ReplaceBinaryOperator_", "")
                               .replace("ReplaceComparisonOperator_", ""), t.first_line + i, before, after, code, diff))
-    return sorted(out, key=lambda m: m.line)
+    out.sort(key=lambda m: m.line)
+    # number the lines that carry the same text and change top to bottom: the equivalents file names one by it
+    counts: dict[tuple[str, str], int] = {}
+    for m in out:
+        m.occurrence = counts[(m.before, m.after)] = counts.get((m.before, m.after), 0) + 1
+    return out
 
 
 def _walk(node):
@@ -301,10 +308,11 @@ def judge(lesson: int, t: Target, source: str, timeout: float, folder: Path) -> 
 
 # --- equivalents -------------------------------------------------------------------------------------------------
 
-_EQ = re.compile(r"^\[(?P<ex>\w+)\] `(?P<before>.*)` -> `(?P<after>.*)`: (?P<why>.+)$")
+# `... -> `...` (occurrence 2)`: the second line of the definition with this text and this change (`break`, ...)
+_EQ = re.compile(r"^\[(?P<ex>\w+)\] `(?P<before>.*)` -> `(?P<after>.*)`(?: \(occurrence (?P<n>\d+)\))?: (?P<why>.+)$")
 
 
-def equivalents() -> dict[tuple[str, str, str], str]:
+def equivalents() -> dict[tuple[str, str, str, int], str]:
     out = {}
     for n, line in enumerate(EQUIVALENTS.read_text().splitlines() if EQUIVALENTS.exists() else [], 1):
         if not line.strip() or line.startswith("#"):
@@ -312,7 +320,7 @@ def equivalents() -> dict[tuple[str, str, str], str]:
         m = _EQ.match(line)
         if not m:
             raise SystemExit(f"{_rel(EQUIVALENTS)}:{n}: expected [exercise] `line` -> `mutated line`: reason")
-        out[(m["ex"], m["before"], m["after"])] = m["why"]
+        out[(m["ex"], m["before"], m["after"], int(m["n"] or 1))] = m["why"]
     return out
 
 

@@ -375,3 +375,13 @@ def test_top_p_keeps_the_smallest_most_likely_set():
         np.testing.assert_allclose(out.sum(), 1.0, err_msg='the kept probabilities must sum to 1')
         np.testing.assert_allclose(out[kept], probs[kept] / mass,
         err_msg='kept tokens must keep their ratios: probs / kept mass')  # renormalised, ratios unchanged
+
+
+@pytest.mark.exercise("top_p_filter")
+def test_top_p_of_one_keeps_even_a_token_the_running_sum_rounds_away():
+    # 0.75 + 0.25 is exactly 1.0, so the running sum before the third token is already 1.0 in float64: a sort-and-cut
+    # with "mass before < p" drops it even at p = 1. p >= 1 means "off": every token keeps its probability as given.
+    probs = np.array([0.75, 0.25, 1e-20])
+    np.testing.assert_array_equal(impl.top_p_filter(probs, 1.0), probs,
+        err_msg='p = 1 means top-p is off: return every probability unchanged (a token of 1e-20 after a running sum '
+                'that has rounded to 1.0 must not be cut; check p >= 1 before sorting)')

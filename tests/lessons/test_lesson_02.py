@@ -12,7 +12,7 @@ import pytest
 import tinyserve as ts
 from tests.lessons.impl import load_impl
 from tinyserve import naive
-from tinyserve.kv_cache import KVCache, KVCacheFull
+from tinyserve.kv_cache import KVCache, KVCacheFull, rectangular_attention
 from tinyserve.layers import causal_attention, softmax
 from tinyserve.sampling import SamplingParams
 
@@ -140,6 +140,29 @@ def test_forward_with_cache_chunk_after_history_all_logits(tiny):
     np.testing.assert_allclose(logits, full[4:], rtol=1e-4, atol=1e-4,
                                err_msg="a chunk of 6 after 4 cached positions: rows must equal the full forward's 4..9")
     assert cache.length == 10
+
+
+@pytest.mark.exercise("forward_with_cache")
+def test_forward_with_cache_attends_with_the_attend_it_is_given(tiny):
+    # the optional `attend` replaces the default attention: every layer of every step calls it, over history + new
+    calls = []
+
+    def attend(q, k_all, v_all):
+        calls.append((q.shape[0], k_all.shape[0], v_all.shape[0]))
+        return rectangular_attention(q, k_all, v_all)
+
+    ids = np.random.default_rng(7).integers(3, 256, 9)
+    full = naive.forward(tiny, ids)
+    cache = KVCache.allocate(tiny.config, 9)
+    impl.forward_with_cache(tiny, cache, ids[:5], attend=attend)
+    logits = impl.forward_with_cache(tiny, cache, ids[5:], attend=attend, all_logits=True)
+    L = tiny.config.n_layers
+    assert calls == [(5, 5, 5)] * L + [(4, 9, 9)] * L, (
+        f"attend was called as (new rows, keys, values) = {calls}: with attend given, each of the {L} layers must call "
+        f"it once per step, with the m new queries and the keys/values of history + new ({[(5, 5, 5)] * L} for the "
+        f"5-token prefill, then {[(4, 9, 9)] * L} for 4 more)")
+    np.testing.assert_allclose(logits, full[5:], rtol=1e-4, atol=1e-4,
+                               err_msg="with a given attend the logits must still be those of the full forward")
 
 
 @pytest.mark.exercise("forward_with_cache")

@@ -8,8 +8,9 @@ import tracemalloc
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
-from tests.lessons.impl import load_impl
+from tests.lessons.impl import CHECKS, load_impl
 from tinyserve.config import ModelConfig
 from tinyserve.kv_cache import rectangular_attention
 
@@ -51,6 +52,21 @@ def test_grouped_matches_repeat_based_mha_mqa_gqa(N, K):
     np.testing.assert_allclose(impl.grouped_attention(q, k, v), rectangular_attention(q, k, v),
                                rtol=1e-5, atol=1e-6,
         err_msg='grouped_attention differs from the repeat-based attention of lesson 2 (same numbers expected, no copy)')
+
+
+@pytest.mark.exercise("grouped_attention")
+@settings(CHECKS, max_examples=40)
+@given(S=st.integers(1, 13), new=st.integers(1, 13), heads=st.sampled_from([(4, 4), (6, 2), (6, 3), (3, 1)]),
+       H=st.sampled_from([4, 8]), seed=st.integers(0, 2**16))
+def test_grouped_matches_repeat_based_for_every_chunk_length(S, new, heads, H, seed):
+    """Every block length m from 1 (decode) to S (prefill), not just the lengths someone thought of: a mask that is
+    skipped for small chunks, or applied from the wrong row, shows up at m = 2 or 3 after a history."""
+    m, (N, K) = min(new, S), heads
+    q, k, v = qkv(m, S, N, K, H, seed=seed)
+    q *= np.float32(1 + seed % 7)                                      # sharper scores: the mask matters more
+    np.testing.assert_allclose(impl.grouped_attention(q, k, v), rectangular_attention(q, k, v), rtol=1e-5, atol=1e-6,
+        err_msg=f'm = {m} new rows over S = {S} keys ({N} query heads, {K} K/V heads): every chunk length must be '
+                f'masked like lesson 2 (history visible to every row, new row i sees new keys 0..i)')
 
 
 @pytest.mark.exercise("grouped_attention")

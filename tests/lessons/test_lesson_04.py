@@ -231,3 +231,76 @@ def test_the_decode_reserve_counts_only_decodes_after_the_prefill():
 @given(*WORKLOADS)
 def test_whole_workloads_finish_without_leaks_or_livelock(requests, block_size, budget, spare):
     simulate(impl.plan_step, requests, block_size, budget, spare)
+
+
+@pytest.mark.exercise("plan_step")
+def test_a_prefill_without_budget_is_skipped_and_the_decodes_behind_it_still_run():
+    # budget 2, a prefill then two decodes: the prefill keeps 1 token for each decode behind it, so it gets 0 and is
+    # skipped; the loop must go on to the decodes (not stop, not jump over the next one)
+    plan = impl.plan_step([SeqState(120, 20, 5), decoding(9), decoding(5)], [], free_blocks=100, token_budget=2,
+                          block_size=4)
+    assert plan.run == [(1, 1), (2, 1)], (
+        f"run = {plan.run}: the prefill gets 2 - 2 (kept for the two decodes behind it) = 0 tokens and is skipped, "
+        f"but both decodes behind it still run one token each; skipping a request moves on to the very next one")
+
+
+@pytest.mark.exercise("plan_step")
+def test_exactly_enough_free_blocks_preempts_nobody():
+    # request 0 needs one new block for its next token and exactly one is free; request 1 decodes inside its block
+    plan = impl.plan_step([SeqState(9, 8, 2), SeqState(6, 5, 2)], [], free_blocks=1, token_budget=100, block_size=4)
+    assert (plan.preempt, plan.run) == ([], [(0, 1), (1, 1)]), (
+        f"preempt {plan.preempt}, run {plan.run}: 1 block needed and 1 free is enough (need > free preempts, "
+        f"need == free does not)")
+
+
+@pytest.mark.exercise("plan_step")
+def test_a_middle_request_short_of_blocks_pushes_out_the_youngest_not_itself():
+    # 0 decodes inside its block, 1 needs a new block, 2 (the youngest) holds 2 blocks; nothing is free: 2 goes
+    plan = impl.plan_step([SeqState(6, 5, 2), SeqState(9, 8, 2), SeqState(9, 8, 2)], [], free_blocks=0,
+                          token_budget=100, block_size=4)
+    assert (plan.preempt, plan.run) == ([2], [(0, 1), (1, 1)]), (
+        f"preempt {plan.preempt}, run {plan.run}: request 1 is short of a block and a younger one (2) exists: "
+        f"preempt the youngest (alive[-1]), and request 1 runs with the blocks it gave back")
+
+
+def _chunks_by_the_budget_rule(running: list[SeqState], budget: int) -> list[tuple[int, int]]:
+    """The docstring's budget rule, with blocks to spare: a decode takes 1 token, a prefill chunk the rest of the budget
+    minus one token for every decode after it; a request with 0 tokens is skipped."""
+    run = []
+    for i, s in enumerate(running):
+        later = sum(1 for r in running[i + 1:] if r.remaining == 1)
+        n = min(1, budget) if s.remaining == 1 else min(s.remaining, budget - later)
+        if n > 0:
+            run.append((i, n))
+            budget -= n
+    return run
+
+
+@pytest.mark.exercise("plan_step")
+@settings(CHECKS, max_examples=80)
+@given(st.lists(st.tuples(st.integers(0, 30), st.sampled_from([1, 1, 2, 5, 13])), min_size=1, max_size=6),
+       st.integers(0, 40), st.sampled_from([1, 3, 4, 16]))
+def test_chunks_follow_the_budget_rule_and_exactly_enough_blocks_preempt_nobody(reqs, budget, bs):
+    # decodes and prefills mixed in any order, any budget (also 0 and less than the decodes), and exactly as many free
+    # blocks as the chunks need: nobody is preempted, every chunk follows the budget rule
+    running = [SeqState(c + rest, c, blocks_for(c, bs)) for c, rest in reqs]   # rest 1: decoding, else prefilling
+    want = _chunks_by_the_budget_rule(running, budget)
+    free = sum(blocks_for(running[i].num_computed + n, bs) - running[i].num_blocks for i, n in want)
+    plan = impl.plan_step(running, [], free_blocks=free, token_budget=budget, block_size=bs)
+    assert plan.preempt == [], (
+        f"preempted {plan.preempt} with exactly the {free} free blocks the chunks need (block size {bs}): a chunk "
+        f"preempts only when it needs MORE blocks than are free")
+    assert plan.run == want, (
+        f"budget {budget}, requests (tokens, computed) {[(s.num_tokens, s.num_computed) for s in running]}: run should "
+        f"be {want} (a decode takes 1 token, a prefill the budget left minus one per decode after it, a request "
+        f"that gets 0 tokens is skipped and the next one still gets its turn), got {plan.run}")
+
+
+@pytest.mark.exercise("plan_step")
+def test_a_waiting_request_that_already_holds_blocks_needs_only_the_rest():
+    # a waiting request with 4 of its 9 tokens already computed into 2 blocks (a prefix-cache hit, lesson 5): its
+    # 5 remaining tokens reach 3 blocks of 4, so it needs 3 - 2 = 1 new block, and 1 is free
+    plan = impl.plan_step([], [SeqState(9, 4, 2)], free_blocks=1, token_budget=100, block_size=4)
+    assert plan.admit == [(0, 5)], (
+        f"admit = {plan.admit}: the request holds 2 blocks already and its chunk reaches 3, so it needs "
+        f"blocks_for(4 + 5, 4) - 2 = 1 new block, which is free: admit its 5 tokens")

@@ -252,6 +252,100 @@ def test_evict_never_takes_a_referenced_block():
     assert shape(root) == [((1, 2), (10,), [])], "a keeps its held first block and the tokens [1 2]"
 
 
+@pytest.mark.exercise("evict_lru")
+def test_evict_a_long_edge_keeps_the_tokens_of_its_remaining_blocks():
+    # a 3-block leaf loses its tail block: it keeps 2 blocks and the 4 tokens they hold (bs 2), not just the first 2
+    root = Node()
+    leaf = add(root, [1, 2, 3, 4, 5, 6], [7, 8, 9], t=1)
+    got = list(impl.evict_lru(root, 1, [1] * 10, 2))
+    assert got == [9], f"one block asked for: the tail block 9 of the only leaf, got {got}"
+    assert leaf.blocks == [7, 8] and leaf.tokens == (1, 2, 3, 4), (
+        f"after losing its tail block the edge holds blocks {leaf.blocks} and tokens {leaf.tokens}: want [7, 8] and "
+        f"(1, 2, 3, 4): drop the last block's bs tokens from the end of the edge (tokens[:-bs])")
+
+
+@pytest.mark.exercise("evict_lru")
+def test_evict_with_ties_in_last_access_never_compares_nodes():
+    """A path is touched at one clock tick, so equal last_access values are the rule. A heap entry (last_access, tie,
+    node) whose tie equals another entry's makes heapq compare two Nodes (TypeError): every entry needs its own."""
+    cases = []
+    root = Node()                                            # a parent that becomes a leaf ties with a leaf
+    add(root, [1], [10], t=2)
+    add(add(root, [2], [11], t=2), [3], [12], t=0)
+    cases.append((root, [12], [10, 11, 12]))
+    root = Node()                                            # two parents become leaves, all three tie at t=5
+    add(root, [1], [10], t=5)
+    add(add(root, [2], [11], t=5), [3], [12], t=0)
+    add(add(root, [4], [13], t=5), [5], [14], t=1)
+    cases.append((root, [12, 14], [10, 11, 12, 13, 14]))
+    for root, first, every in cases:
+        try:
+            got = list(impl.evict_lru(root, 10, [1] * 20, 1))
+        except TypeError as e:
+            pytest.fail(f"evict_lru raised TypeError ({e}): two heap entries had the same last_access and the same "
+                        f"tie-breaker, so heapq compared their Nodes; give every entry, also a parent pushed when it "
+                        f"becomes a leaf, a tie-breaker no other entry has")
+        assert got[:len(first)] == first and sorted(got) == every, (
+            f"evicted {got}: the least recently used leaves {first} first, then the rest (ties in any order)")
+
+
+@st.composite
+def tries_with_holders(draw):
+    """A random trie (edges of 1-3 blocks, last_access with many ties) whose referenced blocks form root paths, as the
+    cache guarantees: a sequence that holds a block holds every block before it."""
+    bs = draw(st.integers(1, 3))
+    root, nodes, next_block = Node(), [], 0
+    for j in range(draw(st.integers(1, 9))):
+        parent = draw(st.sampled_from([root] + nodes))
+        nb = draw(st.integers(1, 3))
+        tokens = [1000 * (j + 1) + t for t in range(nb * bs)]           # a first block of its own: a key of its own
+        nodes.append(add(parent, tokens, range(next_block, next_block + nb), t=draw(st.integers(0, 3))))
+        next_block += nb
+    refcount = [1] * next_block
+    for node in draw(st.lists(st.sampled_from(nodes), max_size=3)):   # each: a sequence holding a root path
+        held = draw(st.integers(1, len(node.blocks)))
+        path, up = list(node.blocks[:held]), node.parent
+        while up is not root:
+            path, up = up.blocks + path, up.parent
+        for b in path:
+            refcount[b] += 1
+    return root, nodes, refcount, bs, draw(st.integers(0, next_block + 1))
+
+
+@pytest.mark.exercise("evict_lru")
+@settings(CHECKS, max_examples=80)
+@given(tries_with_holders())
+def test_evict_gives_back_every_unreferenced_block_asked_for_and_keeps_the_trie_whole(case):
+    root, nodes, refcount, bs, num_blocks = case
+    before = {id(n): (list(n.blocks), n.tokens) for n in nodes}
+    free = sum(1 for rc in refcount if rc == 1)
+    try:
+        got = list(impl.evict_lru(root, num_blocks, refcount, bs))
+    except TypeError as e:
+        pytest.fail(f"evict_lru raised TypeError ({e}) on a trie whose leaves share a last_access: heap entries "
+                    f"(last_access, tie, node) with equal last_access and equal tie compare the Nodes; every entry "
+                    f"needs a tie-breaker of its own")
+    assert all(refcount[b] == 1 for b in got), (
+        f"evicted {[b for b in got if refcount[b] != 1]}, which a sequence still holds (refcount > 1)")
+    assert len(set(got)) == len(got), f"a block was evicted twice: {got}"
+    assert len(got) == min(num_blocks, free), (
+        f"asked for {num_blocks} blocks, {free} are held by the cache alone: evict min(asked, {free}) = "
+        f"{min(num_blocks, free)}, got {len(got)} (tail-first LRU reaches every unreferenced block: go on to parents "
+        f"that become leaves, and stop as soon as enough are evicted)")
+    check_structure(root, bs)
+    for n in nodes:
+        blocks, tokens = before[id(n)]
+        assert n.blocks == blocks[:len(n.blocks)] and n.tokens == tokens[:len(n.blocks) * bs], (
+            f"edge {tokens} with blocks {blocks} became blocks {n.blocks} with tokens {n.tokens}: an edge loses "
+            f"blocks from its tail only, and keeps exactly the tokens of the blocks it keeps")
+    assert sorted(got + _trie_blocks(root)) == sorted(b for blocks, _ in before.values() for b in blocks), \
+        "every block is either evicted (and returned) or still in the trie"
+
+
+def _trie_blocks(node: Node) -> list[int]:
+    return [b for ch in node.children.values() for b in ch.blocks + _trie_blocks(ch)]
+
+
 # --- block_hashes ---------------------------------------------------------------------------------------------
 
 @pytest.mark.exercise("block_hashes")
