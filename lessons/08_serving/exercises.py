@@ -1,16 +1,37 @@
-"""Lesson 8 exercises: the wire format of a token stream (SSE framing, stop strings held back), the interleaved
-design's per-step budget, and the K/V hand-over of the disaggregated design.
+"""Lesson 8 exercises: the load prediction (Little's law over the step time), the wire format of a token stream (SSE
+framing, stop strings held back), the interleaved design's per-step budget, and the K/V hand-over of the
+disaggregated design.
 
 Replace each `raise NotImplementedError(...)` with your code, then run `make check-8`: it runs the checks in
 tests/lessons/test_lesson_08.py against this file and tells you, exercise by exercise, what passes.
-The reference answers live in tinyserve/protocol.py, tinyserve/queueing.py and tinyserve/orchestrators.py: try
+The reference answers live in tinyserve/queueing.py, tinyserve/protocol.py and tinyserve/orchestrators.py: try
 first, compare after.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
+
+from tinyserve.queueing import LoadPrediction  # noqa: F401  (what predict_load returns)
+
+
+def predict_load(rate: float, prompt_tokens: float, output_tokens: float, step_seconds: Callable[[float], float],
+                 prefill_per_token: float, max_batch: float = 64, iters: int = 200) -> LoadPrediction:
+    """The batch a server settles at under `rate` requests/s, and the latencies that follow (the notebook's capacity).
+
+    Little's law: B = rate * W, where W is the time one request spends in the system,
+        W = TTFT + (output_tokens - 1) * t_step(B),   TTFT = t_step(B) / 2 + t_step(B) + prompt_tokens * prefill_per_token
+    (a request arrives on average half a step before the next boundary, waits that step, then pays its prefill).
+    step_seconds(B) is the decode step time at batch B, and it grows with B: B appears on both sides. Find the B
+    where they agree, starting from B = 1 and within `iters` rounds. Return LoadPrediction(rate, B, t_step(B),
+    TTFT, itl = t_step(B), stable=True). If the batch the law asks for ever exceeds max_batch, the server cannot
+    drain the arrivals: return LoadPrediction(rate, max_batch, t_step(max_batch), inf, t_step(max_batch), False).
+    """
+    raise NotImplementedError(
+        "predict_load: B is on both sides of B = rate * W(B). Guess a B, compute the W it implies, and the B that W "
+        "implies in turn: does repeating that settle? (If it oscillates, what does averaging the old and new guess "
+        "do?) When should you stop, and what does it mean if the batch keeps growing past max_batch?")
 
 
 def sse_event(data: dict | str) -> str:
