@@ -42,8 +42,9 @@ def sse_event(data: dict | str) -> str:
     newline (CR or LF) cannot be one data line: raise ValueError.
     """
     raise NotImplementedError(
-        "sse_event: payload = data if it is a str, else json.dumps(data, separators=(',', ':')); refuse '\\n' or "
-        "'\\r' in it; return 'data: ' + payload + two newlines")
+        "sse_event: which separators make json.dumps compact, and does its default keep non-ASCII characters "
+        "(why does that matter to a client that splits lines)? A frame ends where? What would a newline inside "
+        "the payload do to a client reading line by line?")
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:
@@ -54,8 +55,8 @@ def held_back(text: str, stops: tuple[str, ...]) -> int:
     E.g. held_back("the END", ("END",)) == 0 (complete: found, not held), held_back("the EN", ("END",)) == 2.
     """
     raise NotImplementedError(
-        "held_back: for each stop s, for k from len(s) - 1 down to 1: if text ends with s[:k], that s gives k; "
-        "return the largest k over all stops (0 if none)")
+        "held_back: which tails of the text could still grow into a stop string? Try the beginnings of each stop "
+        "(but not the whole stop: why not?), longest first. With several stops, which one decides?")
 
 
 def interleave_budget(num_decoding: int, prefill_remaining: Sequence[int], token_budget: int
@@ -66,8 +67,9 @@ def interleave_budget(num_decoding: int, prefill_remaining: Sequence[int], token
     Returns (decodes that run, [tokens for each prompt in prefill_remaining]).
     """
     raise NotImplementedError(
-        "interleave_budget: decodes = min(num_decoding, token_budget); left = budget - decodes; for each prompt "
-        "take min(remaining, left) and subtract it from left")
+        "interleave_budget: who goes first, and why should a running request's next token never wait behind a "
+        "prompt? What is left for the prompts, and how do you hand it out so that no prompt overtakes an earlier "
+        "one? What if the budget cannot even cover the decodes?")
 
 
 def export_kv(engine, seq, num_positions: int) -> tuple[np.ndarray, np.ndarray]:
@@ -78,5 +80,6 @@ def export_kv(engine, seq, num_positions: int) -> tuple[np.ndarray, np.ndarray]:
     positions i*bs .. i*bs+bs-1; engine.block_size is bs. Only the blocks that hold the P positions are read.
     """
     raise NotImplementedError(
-        "export_kv: table = seq.block_table[:ceil(P / bs)]; engine.pool.k[:, table] is [L, n, bs, K, H]: reshape "
-        "to [L, n*bs, K, H] and keep the first P positions; the same for v")
+        "export_kv: how many blocks hold positions 0 .. P-1, and which entries of the block table are they? NumPy "
+        "can index the pool's block axis with a list of block ids: what shape comes out, how do you merge the "
+        "block and in-block axes into one position axis, and what do you do with the tail of the last block?")
