@@ -24,10 +24,10 @@ def verify_greedy(logits: np.ndarray, draft: Sequence[int], params: SamplingPara
     target's token and ends the step; if all k agree, row k gives a bonus token. Returns 1 .. k + 1 tokens.
     """
     raise NotImplementedError(
-        "verify_greedy: for i = 0 .. k, the target's choice at row i is sample(logits[i], params, None, seen=...) "
-        "(greedy: an argmax after the repetition penalty, which must see `seen` + the tokens accepted so far). "
-        "Append it to the output; stop if i == k or it differs from draft[i]. Raise ValueError if logits does not "
-        "have k + 1 rows, or if params are not greedy")
+        "verify_greedy: row i is the target's opinion after the context plus draft[:i]. What is its greedy "
+        "choice (which helper above already applies the repetition penalty, and which tokens must that penalty "
+        "see by row i)? When does the step end, and which token does it end with, in both cases: a disagreement, "
+        "and all k agreeing? What should happen for the wrong number of rows, or params that are not greedy?")
 
 
 def verify_stochastic(logits: np.ndarray, draft: Sequence[int], draft_probs: np.ndarray | None,
@@ -41,10 +41,10 @@ def verify_stochastic(logits: np.ndarray, draft: Sequence[int], draft_probs: np.
     max(0, p_i - q_i), normalised, and stop; if all k are accepted, draw a bonus token from p_k.
     """
     raise NotImplementedError(
-        "verify_stochastic: for each draft token x at row i, p = probabilities(logits[i], params, seen so far) and "
-        "q = draft_probs[i] (or one-hot on x). Accept if rng.random() * q[x] < p[x]; otherwise append "
-        "draw(np.maximum(p - q, 0), rng) and return. After k acceptances append draw(p_k, rng). Raise ValueError on "
-        "wrong shapes (logits [k + 1, V], draft_probs [k, V])")
+        "verify_stochastic: accepting x with probability min(1, p(x)/q(x)) gives every token min(p, q) of "
+        "probability. How much is each token then still missing from p, and what distribution must a rejection "
+        "draw from to supply exactly that? (Drawing from p again is the classic mistake: why?) What is q for a "
+        "drafter that gives no draft_probs, what context does p_i see, and which shapes should you refuse?")
 
 
 def rewind_blocks(block_table: list[int], num_tokens: int, n: int, block_size: int,
@@ -57,6 +57,7 @@ def rewind_blocks(block_table: list[int], num_tokens: int, n: int, block_size: i
     Edits `block_table` in place. n = 0 is a no-op; n = num_tokens empties the table.
     """
     raise NotImplementedError(
-        "rewind_blocks: check 0 <= num_tokens <= len(block_table) * block_size and 0 <= n <= num_tokens (ValueError "
-        "otherwise); keep = blocks_for(num_tokens - n, block_size); the dropped blocks are block_table[keep:]: "
-        "delete them from the table (in place) and allocator.decref each one; return them")
+        "rewind_blocks: after the rewind, how many blocks still hold at least one kept position (and is a block "
+        "that is only partly kept one of them)? The later ones leave the table, in place: but another owner (the "
+        "prefix trie, a fork) may still hold one, so what do you call instead of freeing it? Which values of "
+        "num_tokens and n make no sense for this table?")

@@ -27,8 +27,10 @@ def quantize_weight(w: np.ndarray, mode: str = "int8") -> QuantizedLinear:
     (the tied LM head is embed.T): make wq contiguous. `mode` ("int8" or "w8a8") is stored as given.
     """
     raise NotImplementedError(
-        "quantize_weight: amax = |w|.max(axis=0); scale = amax / 127 as float32 (1 where amax == 0); "
-        "wq = clip(rint(w / scale), -127, 127) as int8, np.ascontiguousarray; return QuantizedLinear(wq, scale, mode)")
+        "quantize_weight: one scale per output channel: along which axis of [D, O] do you take the maximum? "
+        "What must an all-zero column's scale be so that nothing divides by zero? Which NumPy rounding is "
+        "half-to-even, which dtype do the scales keep, and what does a transposed view need before it is "
+        "handed to a kernel?")
 
 
 def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -39,8 +41,9 @@ def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     values bit for bit, and np.rint rounds half to even).
     """
     raise NotImplementedError(
-        "quantize_rows: like quantize_weight but along axis=1 (one scale per row), and round with "
-        "np.floor(x / sx[:, None] + np.float32(0.5)) instead of np.rint; keep everything float32")
+        "quantize_rows: the same idea as quantize_weight, one scale per row instead of per column. The kernel "
+        "rounds halves up: what does np.rint do with 2.5, and how do you round half up with floor? Which "
+        "operations would silently promote float32 to float64 (and so change a value the kernel computes)?")
 
 
 def matmul_reference(x: np.ndarray, q: QuantizedLinear) -> np.ndarray:
@@ -52,8 +55,9 @@ def matmul_reference(x: np.ndarray, q: QuantizedLinear) -> np.ndarray:
     then float32(acc) * sx[:, None] * q.scale, in that order.
     """
     raise NotImplementedError(
-        "matmul_reference: for w8a8, an exact integer product: e.g. float64 matmul of the int8 values (every "
-        "partial sum is an integer below 2^53) cast to int32, or an int32/int64 matmul; then the two scales")
+        "matmul_reference: W8A32 is a float matmul with the scale applied after. For W8A8 the integer sum must be "
+        "exact: what does int8 @ int8 overflow to in NumPy, and up to which integer is a float32 sum exact? Which "
+        "dtype can hold every partial sum exactly? Then apply the two scales in the order the docstring gives")
 
 
 def pack_vnni(wq: np.ndarray) -> np.ndarray:
@@ -64,8 +68,9 @@ def pack_vnni(wq: np.ndarray) -> np.ndarray:
     Raise ValueError (with a sentence) unless D % 4 == 0 and O % 16 == 0.
     """
     raise NotImplementedError(
-        "pack_vnni: reshape wq to [D/4, 4, O/16, 16] (axes i, k, b, l), transpose to (b, i, l, k), make it "
-        "contiguous and reshape to [O/16, D/4 * 64]; check the shape first")
+        "pack_vnni: the formula names four indices: i, k on the input side (d = 4i + k) and b, l on the output side "
+        "(o = 16b + l). Can a reshape of wq give you those four as axes, and in which order must they then stand "
+        "so that a flat row of block b reads 64 bytes per step i? Which shapes cannot be cut this way?")
 
 
 def matmul_w8a8(xu: np.ndarray, sx: np.ndarray, wp: np.ndarray, wsum: np.ndarray, sw: np.ndarray,
@@ -85,9 +90,10 @@ def matmul_w8a8(xu: np.ndarray, sx: np.ndarray, wp: np.ndarray, wsum: np.ndarray
     the notebook measures it): write `acc = np.int32(acc + np.int32(a) * np.int32(b))`.
     """
     raise NotImplementedError(
-        "matmul_w8a8: an @njit(parallel=True) kernel: for b in prange(O/16): for t, l: acc = np.int32(0); for "
-        "i in range(D/4): for k in range(4): acc = np.int32(acc + np.int32(xu[t, 4i+k]) * np.int32(wp[b, "
-        "64i+4l+k])); then the epilogue above")
+        "matmul_w8a8: which loop is independent across threads (so it can be the prange), and where in wp does "
+        "wq[i, o] live (invert pack_vnni's formula)? Keep the sum in int32 as the docstring says, and check the "
+        "epilogue: why is 128 * wsum[o] subtracted, and why before converting to float? What does accumulate "
+        "change about the write to out?")
 
 
 def smoothing_factors(x_amax: np.ndarray, w_amax: np.ndarray, alpha: float = 0.5) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Lesson 8 self-checks: SSE framing, stop strings held back in a stream, the interleaved budget, the K/V
+"""Lesson 8 self-checks: the load prediction (Little's law fixed point), SSE framing, stop strings held back in a stream, the interleaved budget, the K/V
 hand-over read side.
 
 `make check-8` runs these against lessons/08_serving/exercises.py; `make test` runs them against tinyserve.
@@ -18,6 +18,7 @@ from tinyserve.protocol import parse_sse
 from tinyserve.sampling import SamplingParams
 
 REFERENCE = {
+    "predict_load": "tinyserve.queueing:predict_load",
     "sse_event": "tinyserve.protocol:sse_event",
     "held_back": "tinyserve.protocol:held_back",
     "interleave_budget": "tinyserve.queueing:interleave_budget",
@@ -128,3 +129,77 @@ def test_export_kv_equals_a_contiguous_cache(tiny, n_prompt, block_size):
     np.testing.assert_allclose(v, cache.v[:, :n_prompt], rtol=1e-5, atol=1e-5)
     k3, _ = impl.export_kv(engine, seq, 3)
     np.testing.assert_array_equal(k3, k[:, :3])
+
+
+# --- predict_load --------------------------------------------------------------------------------------------
+
+def _fixed_point_linear(rate, prompt, out, a, b, pp):
+    """B = rate * W(B) solved by hand for t_step(B) = a + b * B: W = prompt * pp + (out + 0.5) * t_step(B)."""
+    c0, c1 = prompt * pp, out + 0.5
+    return rate * (c0 + c1 * a) / (1 - rate * c1 * b)
+
+
+@pytest.mark.exercise("predict_load")
+def test_predict_load_constant_step_is_littles_law_by_hand():
+    # t_step = 20 ms at every batch: W = 1.5 * 20 ms + 50 * 0.5 ms + 11 * 20 ms = 275 ms, B = 2 * 0.275 = 0.55
+    p = impl.predict_load(2.0, 50, 12, lambda B: 0.020, 0.0005)
+    assert p.stable, "2 requests/s with 275 ms each is far below any limit: stable=True"
+    assert p.batch == pytest.approx(0.55, rel=1e-4), (
+        f"batch {p.batch}: Little's law gives B = rate * W = 2/s * (1.5 * 20 ms + 50 * 0.5 ms + 11 * 20 ms) = 0.55")
+    assert p.step == pytest.approx(0.020) and p.itl == pytest.approx(0.020), "step and itl: t_step at that batch"
+    assert p.ttft == pytest.approx(0.030 + 0.025, rel=1e-6), (
+        f"ttft {p.ttft}: half a step of waiting + one step + the prompt's prefill (50 * 0.5 ms) = 55 ms")
+    assert p.rate == 2.0 and p.latency == pytest.approx(0.275, rel=1e-4), "latency = batch / rate = W"
+
+
+@pytest.mark.exercise("predict_load")
+@settings(CHECKS, max_examples=60)
+@given(st.floats(0.05, 20), st.integers(1, 300), st.integers(2, 64), st.floats(0.002, 0.08), st.floats(0, 0.02),
+       st.floats(1e-5, 2e-3))
+def test_predict_load_solves_the_fixed_point_when_step_grows_with_batch(rate, prompt, out, a, b, pp):
+    step = lambda B: a + b * B                                           # noqa: E731  (a measured line, as in the notebook)
+    rho = rate * (out + 0.5) * b                                         # how much W grows per request in the system
+    exact = _fixed_point_linear(rate, prompt, out, a, b, pp) if rho < 1 else float("inf")
+    p = impl.predict_load(rate, prompt, out, step, pp, max_batch=64)
+    if exact <= 60 and rho < 0.8:                                        # (near rho = 1 any iteration settles slowly)
+        assert p.stable, f"rate {rate}: the fixed point B = {exact:.3f} is below max_batch, so stable=True"
+        assert p.batch == pytest.approx(exact, rel=1e-3, abs=1e-5), (
+            f"batch {p.batch} at rate {rate}, t_step(B) = {a} + {b} * B: B must satisfy B = rate * W(B) with t_step "
+            f"taken at that same B (solved by hand: {exact:.5f}); t_step(1) or the first guess is not the answer")
+        assert p.step == pytest.approx(step(p.batch), rel=1e-9) and p.itl == pytest.approx(p.step, rel=1e-9), (
+            "step and itl are t_step at the batch you return")
+        assert p.ttft == pytest.approx(1.5 * p.step + prompt * pp, rel=1e-9), "ttft = 1.5 t_step(B) + prefill"
+    elif rho >= 1 or exact > 70:
+        assert not p.stable, (
+            f"rate {rate}: each request adds {rho:.2f} requests' worth of time to everyone's stay (>= 1, or a fixed "
+            f"point beyond max_batch): the queue grows without bound, so stable=False")
+        assert p.batch == 64 and p.ttft == float("inf") and p.step == pytest.approx(step(64), rel=1e-9), (
+            "saturated: batch = max_batch, ttft = inf, step = itl = t_step(max_batch)")
+
+
+@pytest.mark.exercise("predict_load")
+def test_predict_load_saturates_and_respects_max_batch():
+    step = lambda B: 0.010 + 0.002 * B                                    # noqa: E731
+    # capacity of this line: rho = rate * 16.5 * 0.002 < 1 -> rate < 30.3/s, and the fixed point must stay <= max_batch
+    ok = impl.predict_load(20.0, 32, 16, step, 0.001, max_batch=64)
+    assert ok.stable and ok.batch == pytest.approx(_fixed_point_linear(20.0, 32, 16, 0.010, 0.002, 0.001), rel=1e-3)
+    small = impl.predict_load(20.0, 32, 16, step, 0.001, max_batch=8)
+    assert not small.stable and small.batch == 8, (
+        f"with max_batch=8 the same 20/s needs a batch of {ok.batch:.1f}: more than the server holds, stable=False, "
+        f"batch = max_batch (max_batch is an argument: use it, not 64)")
+    assert small.step == pytest.approx(step(8)) and small.itl == pytest.approx(step(8)) and small.ttft == float("inf")
+    for rate in (40.0, 1000.0):
+        p = impl.predict_load(rate, 32, 16, step, 0.001)
+        assert not p.stable and p.ttft == float("inf"), f"{rate}/s is beyond this server's capacity: stable=False"
+
+
+@pytest.mark.exercise("predict_load")
+def test_predict_load_grows_with_rate_and_keeps_the_inputs():
+    step = lambda B: 0.015 + 0.001 * B                                    # noqa: E731
+    batches = [impl.predict_load(r, 64, 12, step, 0.0008).batch for r in (0.1, 1.0, 5.0, 20.0)]
+    assert batches == sorted(batches) and batches[0] < batches[-1], (
+        f"batches {batches} at 0.1, 1, 5, 20 requests/s: more arrivals, more requests in the system")
+    low = impl.predict_load(0.1, 64, 12, step, 0.0008)
+    assert low.batch < 1 and low.batch == pytest.approx(_fixed_point_linear(0.1, 64, 12, 0.015, 0.001, 0.0008),
+                                                        rel=1e-3), (
+        f"at 0.1/s the system holds {low.batch:.4f} requests on average (less than one): do not clamp B to 1")
