@@ -28,8 +28,8 @@ class KVLayout:
     """Where a decode step's K/V live, for a kernel that runs the whole step itself (lesson 7,
     kernels/decode_step.py). The cache is seen as rows addressed by slot; sequence b's position j is at slot
     block_tables[b, j // block_size] * block_size + j % block_size. A contiguous KVCache is one block of
-    max_len positions. A strategy attaches one to its attention function (`attention.kv_layout = ...`) when the
-    step is a decode step with its default attention; the kernel writes the step's K/V into those slots."""
+    max_len positions. A strategy passes one to model.forward (`kv_layout=`) when the step is a decode step with
+    its default attention; the kernel writes the step's K/V into those slots."""
     k: np.ndarray             # [L, num_slots, K, H]: the cache's keys of every layer, by slot (a view)
     v: np.ndarray             # [L, num_slots, K, H]
     block_tables: np.ndarray  # [B, max_blocks] int64

@@ -35,9 +35,9 @@ from .attention_backends import KVLayout, get_paged_attention
 from .block_manager import BlockManager
 from .config import check_positive_int, is_int
 from .model import Model, check_token_ids, forward
-from .kv_sizing import blocks_for, max_kv_positions
+from .kv_sizing import max_kv_blocks, max_kv_positions
 from .interrupts import interrupts_deferred
-from .paged import KVPool, write_kv_unchecked
+from .paged import KVPool, slot_mapping, write_kv, write_kv_unchecked
 from .sampling import SamplingParams, sample
 from .scheduler import bind, plan_step
 from .spec_step import SpecConfig, Speculator, Verdict
@@ -92,9 +92,9 @@ class Engine:
         ids = check_token_ids(self.config, prompt_ids)
         # If even the whole pool cannot hold the most positions it can ever reach, preempting everyone else would
         # not help.
-        max_positions = max_kv_positions(len(ids), params.max_new_tokens, self.config.max_seq_len)
-        need = blocks_for(max_positions, self.block_size)
+        need = max_kv_blocks(len(ids), params.max_new_tokens, self.config.max_seq_len, self.block_size)
         if need > self.blocks.num_blocks:
+            max_positions = max_kv_positions(len(ids), params.max_new_tokens, self.config.max_seq_len)
             raise ValueError(f"request needs up to {max_positions} KV positions = {need} blocks of {self.block_size}, "
                              f"but the whole pool has {self.blocks.num_blocks} blocks: it can never run "
                              f"(shorten the prompt or max_new_tokens, or give the engine more blocks)")
@@ -103,6 +103,38 @@ class Engine:
         if self.speculator is not None:
             self.speculator.attach(seq)
         return seq
+
+    def add_prefilled(self, prompt_ids: Seq[int], params: SamplingParams | None, first_token: int, k: np.ndarray,
+                      v: np.ndarray, rng_state: dict | None = None, first_token_time: float | None = None) -> int:
+        """Lesson 8's hand-over: a request whose prompt K/V (k, v: [L, P, K, H]) and first token were computed by
+        another engine (orchestrators.py, disaggregated). It is validated like any request, then joins `running`
+        directly: its next step is a plain decode of `first_token`. Returns its request id.
+
+        It skips the waiting queue and the scheduler, so the caller checks that the pool has blocks_for(P + 1) free
+        blocks (the first decode needs one more position); a pool short of the P prompt positions raises ValueError
+        before anything changes. No prefix-cache lookup: the K/V arrive whole, so there is nothing to reuse."""
+        P = len(prompt_ids)
+        if k.shape != v.shape or k.shape[1] != P:
+            raise ValueError(f"K/V for {P} prompt positions expected, got k {k.shape}, v {v.shape}")
+        seq = self._new_sequence(prompt_ids, params)
+        if self.blocks.blocks_needed(seq, P) > self.blocks.num_free:
+            raise ValueError(f"the pool has {self.blocks.num_free} free blocks, {P} prompt positions need "
+                             f"{self.blocks.blocks_needed(seq, P)}")
+        self._next_id += 1
+        with interrupts_deferred():          # the block table and the queues change together or not at all
+            self.blocks.allocate(seq, P)     # a block table covering the P prompt positions
+            slots = slot_mapping(seq.block_table, 0, P, self.block_size)                         # [P]
+            for layer in range(k.shape[0]):
+                write_kv(self.pool.k[layer], self.pool.v[layer], slots, k[layer], v[layer])
+            seq.num_computed_tokens = P
+            seq.output_ids.append(int(first_token))
+            seq.token_times.append(first_token_time if first_token_time is not None else time.perf_counter())
+            if rng_state is not None:        # continue the sampler's random stream where prefill left it
+                seq.rng.bit_generator.state = rng_state
+            seq.status = Status.RUNNING
+            seq.first_scheduled_time = time.perf_counter()
+            self.running.append(seq)
+        return seq.request_id
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -211,13 +243,15 @@ class Engine:
             return attend(q, pool.k[layer], pool.v[layer], batch.block_tables, batch.context_lens,
                           batch.query_starts)
 
+        layout = None
         if self.backend == "numba" and len(batch.tokens) == len(batch.seqs):
             # lesson 7: a decode-only step (one row per sequence) may run as one kernel that also writes the K/V
             L, nb, bs, K, H = pool.k.shape
-            attention.kv_layout = KVLayout(pool.k.reshape(L, nb * bs, K, H), pool.v.reshape(L, nb * bs, K, H),
-                                           batch.block_tables, bs, batch.context_lens)
+            layout = KVLayout(pool.k.reshape(L, nb * bs, K, H), pool.v.reshape(L, nb * bs, K, H),
+                              batch.block_tables, bs, batch.context_lens)
         with self._threads():
-            logits = forward(self.model, batch.tokens, batch.positions, attention, logit_rows=batch.logit_rows)
+            logits = forward(self.model, batch.tokens, batch.positions, attention, logit_rows=batch.logit_rows,
+                             kv_layout=layout)
         if self.backend == "numba":
             from .kernels import check_threading_layer
             check_threading_layer()          # warns (once) if numba fell back to its slow thread pool
@@ -369,8 +403,8 @@ def generate_stream(model: Model, ids: Seq[int], max_new_tokens: int | None = No
     if max_new_tokens is not None:
         params = dataclasses.replace(params, max_new_tokens=max_new_tokens)
     n_prompt = len(check_token_ids(model.config, ids))
-    positions = max_kv_positions(n_prompt, params.max_new_tokens, model.config.max_seq_len)
-    engine = Engine(model, num_blocks=blocks_for(positions, block_size), block_size=block_size,
+    num_blocks = max_kv_blocks(n_prompt, params.max_new_tokens, model.config.max_seq_len, block_size)
+    engine = Engine(model, num_blocks=num_blocks, block_size=block_size,
                     max_batch_tokens=max_batch_tokens, backend=backend, tokenizer=tokenizer, **engine_kwargs)
     rid = engine.add_request(ids, params)
     while engine.has_unfinished():

@@ -175,11 +175,11 @@ def forward_with_cache(model: Model, cache: KVCache, tokens: Sequence[int], atte
     positions = np.arange(cache.length, cache.length + m)   # RoPE positions continue from the history
     rows = None if all_logits else np.array([m - 1])
     attention = cache_attention(cache, attend or attention_for(model))
+    layout = None
     if attend is None and m == 1 and model.backend == "numba":
         # lesson 7: with its default attention, a decode step may run as one kernel that also writes the K/V
-        attention.kv_layout = KVLayout(cache.k, cache.v, np.zeros((1, 1), np.int64), cache.max_len,
-                                       np.array([cache.length + 1]))
-    logits = model_forward(model, tokens, positions, attention, logit_rows=rows)
+        layout = KVLayout(cache.k, cache.v, np.zeros((1, 1), np.int64), cache.max_len, np.array([cache.length + 1]))
+    logits = model_forward(model, tokens, positions, attention, logit_rows=rows, kv_layout=layout)
     cache.length += m  # every layer has appended its block at the same positions
     return logits
 
