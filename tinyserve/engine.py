@@ -37,7 +37,7 @@ from .config import check_positive_int, is_int
 from .model import Model, check_token_ids, forward
 from .kv_sizing import max_kv_blocks, max_kv_positions
 from .interrupts import interrupts_deferred
-from .paged import KVPool, slot_mapping, write_kv, write_kv_unchecked
+from .paged import KVPool, write_kv_unchecked
 from .sampling import SamplingParams, sample
 from .scheduler import bind, plan_step
 from .spec_step import SpecConfig, Speculator, Verdict
@@ -106,33 +106,16 @@ class Engine:
 
     def add_prefilled(self, prompt_ids: Seq[int], params: SamplingParams | None, first_token: int, k: np.ndarray,
                       v: np.ndarray, rng_state: dict | None = None, first_token_time: float | None = None) -> int:
-        """Lesson 8's hand-over: a request whose prompt K/V (k, v: [L, P, K, H]) and first token were computed by
-        another engine (orchestrators.py, disaggregated). It is validated like any request, then joins `running`
-        directly: its next step is a plain decode of `first_token`. Returns its request id.
-
-        It skips the waiting queue and the scheduler, so the caller checks that the pool has blocks_for(P + 1) free
-        blocks (the first decode needs one more position); a pool short of the P prompt positions raises ValueError
-        before anything changes. No prefix-cache lookup: the K/V arrive whole, so there is nothing to reuse."""
-        P = len(prompt_ids)
-        if k.shape != v.shape or k.shape[1] != P:
-            raise ValueError(f"K/V for {P} prompt positions expected, got k {k.shape}, v {v.shape}")
+        """Lesson 8: a request whose prompt K/V (k, v: [L, P, K, H]) and first token another engine computed joins
+        `running` at once; it skips the scheduler, so the caller checks that blocks_for(P + 1) blocks are free."""
+        if k.shape != v.shape or k.shape[1] != len(prompt_ids):
+            raise ValueError(f"K/V for {len(prompt_ids)} prompt positions expected, got k {k.shape}, v {v.shape}")
         seq = self._new_sequence(prompt_ids, params)
-        if self.blocks.blocks_needed(seq, P) > self.blocks.num_free:
-            raise ValueError(f"the pool has {self.blocks.num_free} free blocks, {P} prompt positions need "
-                             f"{self.blocks.blocks_needed(seq, P)}")
         self._next_id += 1
         with interrupts_deferred():          # the block table and the queues change together or not at all
-            self.blocks.allocate(seq, P)     # a block table covering the P prompt positions
-            slots = slot_mapping(seq.block_table, 0, P, self.block_size)                         # [P]
-            for layer in range(k.shape[0]):
-                write_kv(self.pool.k[layer], self.pool.v[layer], slots, k[layer], v[layer])
-            seq.num_computed_tokens = P
-            seq.output_ids.append(int(first_token))
-            seq.token_times.append(first_token_time if first_token_time is not None else time.perf_counter())
-            if rng_state is not None:        # continue the sampler's random stream where prefill left it
-                seq.rng.bit_generator.state = rng_state
-            seq.status = Status.RUNNING
-            seq.first_scheduled_time = time.perf_counter()
+            self.blocks.allocate(seq, len(seq.prompt_ids))
+            self.pool.write_prompt(seq.block_table, k, v)
+            seq.resume_prefilled(first_token, first_token_time, rng_state)
             self.running.append(seq)
         return seq.request_id
 
