@@ -159,11 +159,11 @@ def _paged_step(model, k_pool, v_pool, tables, ctx, tokens, fused):
     def attention(layer, q, k, v):
         write_kv_unchecked(k_pool[layer], v_pool[layer], blocks, offsets, k, v)
         return paged_attention_numba_unchecked(q, k_pool[layer], v_pool[layer], tables, ctx, starts)
+    layout = None
     if fused:
-        attention.kv_layout = KVLayout(k_pool.reshape(L, nb * bs, K, H), v_pool.reshape(L, nb * bs, K, H), tables,
-                                       bs, ctx)
-        _require_fused(B, attention.kv_layout, np.arange(B))
-    return fast.fast_forward(model, tokens, pos, attention, logit_rows=np.arange(B))
+        layout = KVLayout(k_pool.reshape(L, nb * bs, K, H), v_pool.reshape(L, nb * bs, K, H), tables, bs, ctx)
+        _require_fused(B, layout, np.arange(B))
+    return fast.fast_forward(model, tokens, pos, attention, logit_rows=np.arange(B), kv_layout=layout)
 
 
 @settings(max_examples=25)

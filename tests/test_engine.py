@@ -71,9 +71,9 @@ def test_one_forward_per_step_with_logits_only_for_sampled_rows(tiny, monkeypatc
     calls = []
     real = engine_mod.forward
 
-    def spy(model, tokens, positions, attention, logit_rows=None):
+    def spy(model, tokens, positions, attention, logit_rows=None, kv_layout=None):
         calls.append((len(tokens), None if logit_rows is None else len(logit_rows)))
-        return real(model, tokens, positions, attention, logit_rows=logit_rows)
+        return real(model, tokens, positions, attention, logit_rows=logit_rows, kv_layout=kv_layout)
 
     monkeypatch.setattr(engine_mod, "forward", spy)
     engine = Engine(tiny, num_blocks=64, block_size=4, max_batch_tokens=8)

@@ -25,16 +25,17 @@ BACKENDS: dict[str, tuple[str, str, str]] = {
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
-    """Where a decode step's K/V live, for a kernel that runs the whole step itself (lesson 7,
-    kernels/decode_step.py). The cache is seen as rows addressed by slot; sequence b's position j is at slot
-    block_tables[b, j // block_size] * block_size + j % block_size. A contiguous KVCache is one block of
-    max_len positions. A strategy attaches one to its attention function (`attention.kv_layout = ...`) when the
-    step is a decode step with its default attention; the kernel writes the step's K/V into those slots."""
+    """Where a step's K/V live, for a kernel that runs the whole step itself (lesson 7, kernels/decode_step.py).
+    One entry per row of the step: row b's context is context_lens[b] positions, its own the last, position j at
+    slot block_tables[b, j // block_size] * block_size + j % block_size. A decode row is its sequence; the k + 1
+    rows of a speculative verify share their sequence's block table, with contexts ending one position apart. A
+    contiguous KVCache is one block of max_len positions. A strategy passes one to model.forward (`kv_layout=`)
+    when every row needs logits and it uses its default attention; the kernel writes the K/V into those slots."""
     k: np.ndarray             # [L, num_slots, K, H]: the cache's keys of every layer, by slot (a view)
     v: np.ndarray             # [L, num_slots, K, H]
-    block_tables: np.ndarray  # [B, max_blocks] int64
+    block_tables: np.ndarray  # [B, max_blocks] int64: row b's sequence's block table
     block_size: int
-    context_lens: np.ndarray  # [B] int64: each sequence's positions after this step (its new row is the last)
+    context_lens: np.ndarray  # [B] int64: the positions row b attends to after this step (its own is the last)
 
 
 def get_paged_attention(backend: str = "numpy", checked: bool = True) -> Callable[..., np.ndarray]:

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, TextIO
 
-from .kv_sizing import blocks_for, max_kv_positions
+from .kv_sizing import max_kv_blocks
 from .sampling import SamplingParams
 from .tokenizer import DEFAULT_SYSTEM_PROMPT
 
@@ -69,8 +69,8 @@ def turns_to_drop(engine, conv: Conversation, user_text: str, params: SamplingPa
     base = len(conv.prompt_for(user_text)) - sum(conv.turn_lens)    # system prompt + this message
 
     def fits(n_prompt: int) -> bool:
-        need = blocks_for(max_kv_positions(n_prompt, params.max_new_tokens, window), bs)
-        return n_prompt + params.max_new_tokens <= window and need <= engine.blocks.num_blocks
+        return (n_prompt + params.max_new_tokens <= window    # the whole reply fits the window, not just its start
+                and max_kv_blocks(n_prompt, params.max_new_tokens, window, bs) <= engine.blocks.num_blocks)
 
     for n in range(len(conv.turn_lens) + 1):
         if fits(base + sum(conv.turn_lens[n:])):

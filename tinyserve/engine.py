@@ -35,7 +35,7 @@ from .attention_backends import KVLayout, get_paged_attention
 from .block_manager import BlockManager
 from .config import check_positive_int, is_int
 from .model import Model, check_token_ids, forward
-from .kv_sizing import blocks_for, max_kv_positions
+from .kv_sizing import max_kv_blocks, max_kv_positions
 from .interrupts import interrupts_deferred
 from .paged import KVPool, write_kv_unchecked
 from .sampling import SamplingParams, sample
@@ -92,9 +92,9 @@ class Engine:
         ids = check_token_ids(self.config, prompt_ids)
         # If even the whole pool cannot hold the most positions it can ever reach, preempting everyone else would
         # not help.
-        max_positions = max_kv_positions(len(ids), params.max_new_tokens, self.config.max_seq_len)
-        need = blocks_for(max_positions, self.block_size)
+        need = max_kv_blocks(len(ids), params.max_new_tokens, self.config.max_seq_len, self.block_size)
         if need > self.blocks.num_blocks:
+            max_positions = max_kv_positions(len(ids), params.max_new_tokens, self.config.max_seq_len)
             raise ValueError(f"request needs up to {max_positions} KV positions = {need} blocks of {self.block_size}, "
                              f"but the whole pool has {self.blocks.num_blocks} blocks: it can never run "
                              f"(shorten the prompt or max_new_tokens, or give the engine more blocks)")
@@ -103,6 +103,21 @@ class Engine:
         if self.speculator is not None:
             self.speculator.attach(seq)
         return seq
+
+    def add_prefilled(self, prompt_ids: Seq[int], params: SamplingParams | None, first_token: int, k: np.ndarray,
+                      v: np.ndarray, rng_state: dict | None = None, first_token_time: float | None = None) -> int:
+        """Lesson 8: a request whose prompt K/V (k, v: [L, P, K, H]) and first token another engine computed joins
+        `running` at once; it skips the scheduler, so the caller checks that blocks_for(P + 1) blocks are free."""
+        if k.shape != v.shape or k.shape[1] != len(prompt_ids):
+            raise ValueError(f"K/V for {len(prompt_ids)} prompt positions expected, got k {k.shape}, v {v.shape}")
+        seq = self._new_sequence(prompt_ids, params)
+        self._next_id += 1
+        with interrupts_deferred():          # the block table and the queues change together or not at all
+            self.blocks.allocate(seq, len(seq.prompt_ids))
+            self.pool.write_prompt(seq.block_table, k, v)
+            seq.resume_prefilled(first_token, first_token_time, rng_state)
+            self.running.append(seq)
+        return seq.request_id
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -211,16 +226,15 @@ class Engine:
             return attend(q, pool.k[layer], pool.v[layer], batch.block_tables, batch.context_lens,
                           batch.query_starts)
 
-        if self.backend == "numba" and len(batch.logit_rows) == len(batch.tokens):
-            # lesson 7: a step whose every row needs logits (decodes, speculative verifies, no prefill chunk) may
-            # run as one kernel that also writes the K/V, if it has few rows. The kernel reads each row as a
-            # sequence of its own: its sequence's block table, its context ending at the row itself
-            L, nb, bs, K, H = pool.k.shape
-            seq_of_row = np.repeat(np.arange(len(batch.seqs)), batch.counts)
-            attention.kv_layout = KVLayout(pool.k.reshape(L, nb * bs, K, H), pool.v.reshape(L, nb * bs, K, H),
-                                           batch.block_tables[seq_of_row], bs, batch.positions + 1)
+        layout = None     # lesson 7: a few rows that all need logits (decodes, verifies) may run as one kernel
+        if self.backend == "numba" and len(batch.logit_rows) == len(batch.tokens):  # that also writes the K/V
+            L, nb, bs, K, H = pool.k.shape                 # (row: its sequence's block table, context up to itself)
+            row_seq = np.repeat(np.arange(len(batch.seqs)), batch.counts)
+            layout = KVLayout(pool.k.reshape(L, nb * bs, K, H), pool.v.reshape(L, nb * bs, K, H),
+                              batch.block_tables[row_seq], bs, batch.positions + 1)
         with self._threads():
-            logits = forward(self.model, batch.tokens, batch.positions, attention, logit_rows=batch.logit_rows)
+            logits = forward(self.model, batch.tokens, batch.positions, attention, logit_rows=batch.logit_rows,
+                             kv_layout=layout)
         if self.backend == "numba":
             from .kernels import check_threading_layer
             check_threading_layer()          # warns (once) if numba fell back to its slow thread pool
@@ -372,8 +386,8 @@ def generate_stream(model: Model, ids: Seq[int], max_new_tokens: int | None = No
     if max_new_tokens is not None:
         params = dataclasses.replace(params, max_new_tokens=max_new_tokens)
     n_prompt = len(check_token_ids(model.config, ids))
-    positions = max_kv_positions(n_prompt, params.max_new_tokens, model.config.max_seq_len)
-    engine = Engine(model, num_blocks=blocks_for(positions, block_size), block_size=block_size,
+    num_blocks = max_kv_blocks(n_prompt, params.max_new_tokens, model.config.max_seq_len, block_size)
+    engine = Engine(model, num_blocks=num_blocks, block_size=block_size,
                     max_batch_tokens=max_batch_tokens, backend=backend, tokenizer=tokenizer, **engine_kwargs)
     rid = engine.add_request(ids, params)
     while engine.has_unfinished():

@@ -175,13 +175,14 @@ def forward_with_cache(model: Model, cache: KVCache, tokens: Sequence[int], atte
     positions = np.arange(cache.length, cache.length + m)   # RoPE positions continue from the history
     rows = None if all_logits else np.array([m - 1])
     attention = cache_attention(cache, attend or attention_for(model))
+    layout = None
     if attend is None and model.backend == "numba" and (m == 1 or all_logits):
         # lesson 7: with its default attention, a step of a few rows that all need logits (a decode step, a
         # speculative verify) may run as one kernel that also writes the K/V; it reads row j as a sequence of its
         # own, whose context ends at j (the cache is one block of max_len positions)
-        attention.kv_layout = KVLayout(cache.k, cache.v, np.zeros((m, 1), np.int64), cache.max_len,
-                                       np.arange(cache.length + 1, cache.length + m + 1))
-    logits = model_forward(model, tokens, positions, attention, logit_rows=rows)
+        layout = KVLayout(cache.k, cache.v, np.zeros((m, 1), np.int64), cache.max_len,
+                          np.arange(cache.length + 1, cache.length + m + 1))
+    logits = model_forward(model, tokens, positions, attention, logit_rows=rows, kv_layout=layout)
     cache.length += m  # every layer has appended its block at the same positions
     return logits
 

@@ -2,7 +2,8 @@
 
 Lesson 2's contiguous cache reserves `max_kv_positions` rows up front; lesson 4's paged pool hands out
 `blocks_for(positions, bs)` blocks as a request grows, and the engine refuses a request whose most positions could
-never fit the whole pool. They live below both lessons' modules so that neither imports the other.
+never fit the whole pool (`max_kv_blocks`: the one pool-fit rule, used by the engine, generate_stream and the chat).
+They live below both lessons' modules so that neither imports the other.
 """
 from __future__ import annotations
 
@@ -20,3 +21,10 @@ def max_kv_positions(prompt_len: int, max_new_tokens: int, max_seq_len: int) -> 
     window still runs through the model once, to sample its one token.
     """
     return max(prompt_len, min(prompt_len + max_new_tokens, max_seq_len) - 1)
+
+
+def max_kv_blocks(prompt_len: int, max_new_tokens: int, max_seq_len: int, block_size: int) -> int:
+    """The most KV blocks of `block_size` one request can ever hold: the pool-fit rule. A pool with fewer blocks
+    could never run it, however many other requests were preempted (Engine refuses it; generate_stream sizes its
+    pool with exactly this many; the chat drops old turns until it fits)."""
+    return blocks_for(max_kv_positions(prompt_len, max_new_tokens, max_seq_len), block_size)

@@ -11,6 +11,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from .attention_backends import KVLayout
 from .config import ModelConfig
 from .layers import apply_rope, rms_norm, rope_tables, swiglu_mlp
 
@@ -87,16 +88,18 @@ def check_token_ids(config: ModelConfig, ids: Sequence[int], what: str = "prompt
 
 
 def forward(model: Model, tokens: np.ndarray, positions: np.ndarray, attention: AttentionFn,
-            logit_rows: np.ndarray | None = None) -> np.ndarray:
+            logit_rows: np.ndarray | None = None, kv_layout: KVLayout | None = None) -> np.ndarray:
     """Run T tokens (of one or many sequences) through the model.
 
     tokens, positions: [T] ints. `logit_rows` picks the rows that need logits (e.g. the last token of each
     sequence): the LM head is the single largest matmul (V = 49152 columns), so prefill skips it for the rest.
-    Returns logits [len(logit_rows) or T, V] float32.
+    `kv_layout` (lesson 7): where the step's K/V live, given only with the strategy's default attention; it lets
+    the Numba backend run a decode step of up to 4 rows as one kernel that writes the K/V itself, instead of
+    calling `attention` (the NumPy path ignores it). Returns logits [len(logit_rows) or T, V] float32.
     """
     if model.backend == "numba" and model.quant != "none":       # lesson 7: the same steps, fused Numba kernels
         from .kernels.forward import fast_forward
-        return fast_forward(model, tokens, positions, attention, logit_rows)
+        return fast_forward(model, tokens, positions, attention, logit_rows, kv_layout)
     cfg = model.config
     T, N, K, H = len(tokens), cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     cos, sin = model.rope_cos[positions], model.rope_sin[positions]   # [T, H/2]

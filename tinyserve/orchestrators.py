@@ -14,9 +14,9 @@ The trace is seeded: the same prompts, lengths and arrival order at every rate (
 1/rate), so the designs and the rates differ only in what they are meant to differ in. All times are
 time.monotonic() (CLOCK_MONOTONIC on Linux: one clock for all processes).
 
-The hand-over uses only the Engine's public attributes (engine.pool, engine.blocks, engine.running/waiting):
-`export_kv` reads a running sequence's prompt K/V out of the pool, `adopt_prefilled` creates a sequence in another
-engine whose prompt is already computed.
+The hand-over uses only the Engine's public interface: `export_kv` reads a running sequence's prompt K/V out of
+the pool (engine.pool, seq.block_table), and `adopt_prefilled` (Engine.add_prefilled) creates a running sequence in
+another engine whose prompt is already computed.
 """
 from __future__ import annotations
 
@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .engine import Engine
-from .paged import blocks_for, slot_mapping, write_kv
+from .paged import blocks_for
 from .sampling import SamplingParams
-from .sequence import Sequence, Status
+from .sequence import Sequence
 
 # --- the workload ---------------------------------------------------------------------------------------------
 
@@ -172,31 +172,9 @@ def export_kv(engine: Engine, seq: Sequence, num_positions: int) -> tuple[np.nda
 def adopt_prefilled(engine: Engine, prompt: list[int], params: SamplingParams, first_token: int,
                     k: np.ndarray, v: np.ndarray, rng_state: dict | None = None,
                     first_token_time: float | None = None) -> int:
-    """Create a running sequence in `engine` whose prompt K/V (k, v: [L, P, K, H]) were computed elsewhere and
-    whose first token was sampled there. Its next step is a plain decode of `first_token`.
-
-    The caller checks that the pool has blocks_for(P + 1) free blocks (the first decode needs one more position).
-    Returns the engine's request id.
-    """
-    P = len(prompt)
-    if k.shape != v.shape or k.shape[1] != P:
-        raise ValueError(f"K/V for {P} prompt positions expected, got k {k.shape}, v {v.shape}")
-    rid = engine.add_request(prompt, params)           # validates, like any request; then take it out of the queue
-    seq = engine.waiting.pop()
-    assert seq.request_id == rid
-    engine.blocks.allocate(seq, P)                     # a block table covering the P prompt positions
-    slots = slot_mapping(seq.block_table, 0, P, engine.block_size)                  # [P]
-    for layer in range(k.shape[0]):
-        write_kv(engine.pool.k[layer], engine.pool.v[layer], slots, k[layer], v[layer])
-    seq.num_computed_tokens = P
-    seq.output_ids.append(int(first_token))
-    seq.token_times.append(first_token_time if first_token_time is not None else time.perf_counter())
-    if rng_state is not None:                          # continue the sampler's random stream where prefill left it
-        seq.rng.bit_generator.state = rng_state
-    seq.status = Status.RUNNING
-    seq.first_scheduled_time = time.perf_counter()
-    engine.running.append(seq)
-    return rid
+    """Engine.add_prefilled under the name lesson 8 and its tests use: `engine` continues a request whose prompt
+    K/V (k, v: [L, P, K, H]) and first token another engine computed. Returns the engine's request id."""
+    return engine.add_prefilled(prompt, params, first_token, k, v, rng_state, first_token_time)
 
 
 # --- disaggregated: two worker processes ----------------------------------------------------------------------

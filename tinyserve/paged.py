@@ -105,6 +105,12 @@ class KVPool:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
+    def write_prompt(self, block_table, k: np.ndarray, v: np.ndarray) -> None:
+        """K/V computed elsewhere (k, v: [L, P, K, H]) into positions 0 .. P-1 of one sequence's blocks (lesson 8)."""
+        slots = slot_mapping(block_table, 0, k.shape[1], self.block_size)                  # [P]
+        for layer in range(k.shape[0]):
+            write_kv(self.k[layer], self.v[layer], slots, k[layer], v[layer])
+
 
 def slot_mapping(block_table: Sequence[int], start: int, count: int, block_size: int) -> np.ndarray:
     """Flat pool slots of positions start .. start+count-1 of one sequence: [count] int64.

@@ -81,6 +81,16 @@ class Sequence:
             del self.output_ids[-len(self.spec.draft):]
             self.spec.draft, self.spec.draft_probs = [], None
 
+    def resume_prefilled(self, first_token: int, first_token_time: float | None, rng_state: dict | None) -> None:
+        """Lesson 8: this sequence's whole prompt was computed (and its first token sampled) by another engine, and
+        its K/V are already in its blocks: it runs from its first decode."""
+        self.num_computed_tokens, self.status, self.first_scheduled_time = len(self.prompt_ids), Status.RUNNING, \
+            time.perf_counter()
+        self.output_ids.append(int(first_token))
+        self.token_times.append(first_token_time if first_token_time is not None else time.perf_counter())
+        if rng_state is not None:        # continue the sampler's random stream where prefill left it
+            self.rng.bit_generator.state = rng_state
+
     def token_slice(self, start: int, stop: int) -> list[int]:
         """tokens[start:stop] of prompt + output, without building the concatenation."""
         p = len(self.prompt_ids)

@@ -156,75 +156,70 @@ class _Prepared:
     stop: tuple[str, ...]
 
 
-def create_app(engine: Engine, tokenizer, model_name: str, max_waiting: int = 64, kernels=None) -> FastAPI:
-    """The FastAPI app serving `engine` under `model_name`. Its lifespan starts the engine thread and, at
-    shutdown (after uvicorn has drained the connections), cancels whatever is still in. kernels (a jit.Kernels):
-    how the fast path's kernels came; while they compile in the background, the engine moves to them when ready."""
-    if engine.tokenizer is None:
-        engine.tokenizer = tokenizer         # the engine's stop checker decodes with it
-    metrics = Metrics()
-    switch = FastPathSwitch(metrics, kernels) if kernels is not None and kernels.bg is not None else None
-    loop = EngineLoop(engine, max_waiting=max_waiting, observer=switch or metrics)
-    cfg = engine.config
-    # the most positions one request may use: the model's window, and the pool (a request may not need more
-    # blocks than the whole pool, or it could never run)
-    max_context = min(cfg.max_seq_len, engine.blocks.num_blocks * engine.block_size)
-    created = int(time.time())
+class OpenAIService:
+    """What the routes share, and each step of a request's way through the server as a method of its own: the
+    engine thread (`loop`), the tokenizer, the served name and context, the metrics. `create_app` wires these
+    methods to URLs; a test can call `prepare` or `completion_ids` without HTTP."""
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        loop.start()
-        try:
-            yield
-        finally:
-            loop.stop(drain=False)       # uvicorn has let the streams finish (or timed out): cancel the rest
-            snap = loop.snapshot()
-            print(f"tinyserve: stopped ({snap['completed']} completed, {snap['aborted']} cancelled, "
-                  f"{snap['errors']} errors, {snap['rejected']} rejected; {snap['kv_blocks_used']} KV blocks still "
-                  f"held)", file=sys.stderr, flush=True)
+    def __init__(self, engine: Engine, tokenizer, model_name: str, max_waiting: int = 64, kernels=None):
+        if engine.tokenizer is None:
+            engine.tokenizer = tokenizer     # the engine's stop checker decodes with it
+        self.engine, self.tokenizer, self.model_name, self.kernels = engine, tokenizer, model_name, kernels
+        self.metrics = Metrics()
+        self.switch = FastPathSwitch(self.metrics, kernels) if kernels is not None and kernels.bg is not None else None
+        self.loop = EngineLoop(engine, max_waiting=max_waiting, observer=self.switch or self.metrics)
+        self.vocab_size = engine.config.vocab_size
+        # the most positions one request may use: the model's window, and the pool (a request may not need more
+        # blocks than the whole pool, or it could never run)
+        self.max_context = min(engine.config.max_seq_len, engine.blocks.num_blocks * engine.block_size)
+        self.created = int(time.time())
 
-    app = FastAPI(title="tinyserve", lifespan=lifespan)
-    app.state.loop, app.state.metrics, app.state.engine = loop, metrics, engine
-
-    def path() -> dict:
+    def path(self) -> dict:
         """Which path answers now (lesson 7): the default is int8 on numba, as for generate and chat."""
-        if switch is not None:
-            status = switch.status
-        elif kernels is not None:
-            status = {"cache": "loaded from the on-disk cache", "compiled": "compiled at start"}[kernels.how]
+        if self.switch is not None:
+            status = self.switch.status
+        elif self.kernels is not None:
+            status = {"cache": "loaded from the on-disk cache", "compiled": "compiled at start"}[self.kernels.how]
         else:
             status = "none needed (NumPy)"
-        return {"path": describe_backend(engine.model), "kernels": status}
+        return {"path": describe_backend(self.engine.model), "kernels": status}
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, exc: RequestValidationError):
-        err = exc.errors()[0] if exc.errors() else {"msg": "invalid request", "loc": ()}
-        if err.get("type") == "json_invalid":
-            metrics.rejected.labels("invalid").inc()
-            return _error(400, f"the body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}",
-                          code="invalid_json")
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        metrics.rejected.labels("invalid").inc()
-        return _error(400, f"{'.'.join(loc) or 'body'}: {err['msg']}", param=loc[0] if loc else None,
-                      code="invalid_parameter")
+    # --- from a request body to token ids and SamplingParams (BadRequest: 400) ---------------------------------
+    def encode(self, text: str, param: str) -> list[int]:
+        try:
+            return self.tokenizer.encode(text)
+        except ValueError as e:
+            raise BadRequest(str(e), param=param, code="invalid_parameter") from None
 
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException):
-        return _error(exc.status_code, str(exc.detail), type_="invalid_request_error" if exc.status_code < 500
-                      else "server_error")
+    def completion_ids(self, body: CompletionRequest) -> list[int]:
+        """/v1/completions' prompt: one string, a list of one string, or token ids."""
+        if body.echo:
+            raise BadRequest("echo is not supported by tinyserve", param="echo", code="unsupported")
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise BadRequest("one prompt per request (batch them as concurrent requests)", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return self.encode(prompt, "prompt")
+        ids = list(prompt)
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise BadRequest(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param="prompt")
+        return ids
 
-    @app.exception_handler(BadRequest)
-    async def bad_request(request: Request, exc: BadRequest):
-        metrics.rejected.labels("invalid").inc()
-        return _error(400, str(exc), param=exc.param, code=exc.code)
+    def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        return self.encode(self.tokenizer.apply_chat_template(messages), "messages")
 
-    def prepare(body, prompt_ids: list[int], max_tokens: int | None) -> _Prepared:
-        if body.model != model_name:
-            raise BadRequest(f"model {body.model!r} is not served here; this server serves {model_name!r}",
+    def prepare(self, body, prompt_ids: list[int], max_tokens: int | None) -> _Prepared:
+        """Check what the engine would refuse later, with an OpenAI-style reason now."""
+        if body.model != self.model_name:
+            raise BadRequest(f"model {body.model!r} is not served here; this server serves {self.model_name!r}",
                              param="model", code="model_not_found")
         if body.logprobs not in (None, False, 0):
             raise BadRequest("logprobs are not supported by tinyserve", param="logprobs", code="unsupported")
-        n = len(prompt_ids)
+        n, max_context = len(prompt_ids), self.max_context
         if n == 0:
             raise BadRequest("the prompt is empty", param="prompt", code="invalid_parameter")
         if n >= max_context:
@@ -245,51 +240,50 @@ def create_app(engine: Engine, tokenizer, model_name: str, max_waiting: int = 64
             raise BadRequest(str(e), param="stop" if "stop" in str(e) else None, code="invalid_parameter") from None
         return _Prepared(prompt_ids, params, stop)
 
-    def encode(text: str, param: str) -> list[int]:
-        try:
-            return tokenizer.encode(text)
-        except ValueError as e:
-            raise BadRequest(str(e), param=param, code="invalid_parameter") from None
-
-    async def submit(prep: _Prepared) -> RequestHandle | JSONResponse:
+    # --- from SamplingParams to an answer ------------------------------------------------------------------------
+    async def submit(self, prep: _Prepared) -> RequestHandle | JSONResponse:
+        """Hand the request to the engine thread: its handle, or the error response (429 full, 503 stopping)."""
+        loop, rejected = self.loop, self.metrics.rejected
         try:
             handle = loop.submit(prep.ids, prep.params)
         except Rejected as e:
             if not loop.accepting:
-                metrics.rejected.labels("shutting_down").inc()
+                rejected.labels("shutting_down").inc()
                 return _error(503, str(e), type_="server_error", code="shutting_down")
-            metrics.rejected.labels("queue_full").inc()
+            rejected.labels("queue_full").inc()
             return _error(429, str(e), type_="rate_limit_error", code="queue_full")
         first = await handle.queue.get()       # the engine thread's answer: refused, or accepted (no tokens yet)
         if first.refused:
-            metrics.rejected.labels("invalid").inc()
+            rejected.labels("invalid").inc()
             return _error(400, first.error or "refused", param="prompt", code="invalid_parameter")
         return handle
 
-    async def respond(request: Request, body, prep: _Prepared, chat: bool):
-        got = await submit(prep)
+    async def respond(self, request: Request, body, prep: _Prepared, chat: bool):
+        got = await self.submit(prep)
         if isinstance(got, JSONResponse):
             return got
         handle, rid = got, new_id("chatcmpl" if chat else "cmpl")
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(stream(handle, rid, prep, chat, include_usage), media_type="text/event-stream",
+            return StreamingResponse(self.stream(handle, rid, prep, chat, include_usage),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        task = asyncio.ensure_future(collect(handle, prep))
+        task = asyncio.ensure_future(self.collect(handle, prep))
         while not task.done():          # a client that hangs up while waiting for a whole answer is aborted too
             await asyncio.wait({task}, timeout=0.25)
             if not task.done() and await request.is_disconnected():
                 task.cancel()
-                loop.abort(handle)
+                self.loop.abort(handle)
                 return Response(status_code=499)
         text, reason, n_out, error = task.result()
         if error:
             return _error(500, error, type_="server_error", code="engine_error")
         make = chat_response if chat else completion_response
-        return make(rid, model_name, text, reason, len(prep.ids), n_out)
+        return make(rid, self.model_name, text, reason, len(prep.ids), n_out)
 
-    async def collect(handle: RequestHandle, prep: _Prepared):
-        text = TextStream(tokenizer, prep.stop)
+    async def collect(self, handle: RequestHandle, prep: _Prepared):
+        """The whole answer of a non-streamed request: (text, finish reason, output tokens, error or None)."""
+        text = TextStream(self.tokenizer, prep.stop)
         pieces, n_out = [], 0
         try:
             async for ev in handle.events():
@@ -304,21 +298,21 @@ def create_app(engine: Engine, tokenizer, model_name: str, max_waiting: int = 64
                     return "".join(pieces), FINISH_REASONS.get(ev.finish_reason, "stop"), n_out, None
         finally:
             if not handle.done:
-                loop.abort(handle)      # a stop string the engine did not see yet, or this task was cancelled
+                self.loop.abort(handle)  # a stop string the engine did not see yet, or this task was cancelled
         return "".join(pieces), "stop", n_out, None
 
-    async def stream(handle: RequestHandle, rid: str, prep: _Prepared, chat: bool, include_usage: bool):
+    async def stream(self, handle: RequestHandle, rid: str, prep: _Prepared, chat: bool, include_usage: bool):
         """The SSE body. If the client goes away, Starlette stops iterating it: `finally` aborts the request."""
-        t = int(time.time())
-        text = TextStream(tokenizer, prep.stop)
+        t, name = int(time.time()), self.model_name
+        text = TextStream(self.tokenizer, prep.stop)
         n_out = 0
 
         def chunk(piece: str, reason: str | None, role: bool = False) -> str:
             if chat:
                 delta = {"role": "assistant", "content": piece} if role else ({"content": piece} if piece or
                                                                               not reason else {})
-                return sse_event(chat_chunk(rid, model_name, t, delta, reason))
-            return sse_event(completion_chunk(rid, model_name, t, piece, reason))
+                return sse_event(chat_chunk(rid, name, t, delta, reason))
+            return sse_event(completion_chunk(rid, name, t, piece, reason))
 
         try:
             if chat:
@@ -341,59 +335,94 @@ def create_app(engine: Engine, tokenizer, model_name: str, max_waiting: int = 64
                     yield chunk("", reason)
                     if include_usage:
                         yield sse_event({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                                         "created": t, "model": model_name, "choices": [],
+                                         "created": t, "model": name, "choices": [],
                                          "usage": usage(len(prep.ids), n_out)})
                     break
             yield sse_event("[DONE]")
         finally:
             if not handle.done:
-                loop.abort(handle)
+                self.loop.abort(handle)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request, body: CompletionRequest):
-        if body.echo:
-            raise BadRequest("echo is not supported by tinyserve", param="echo", code="unsupported")
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise BadRequest("one prompt per request (batch them as concurrent requests)", param="prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            ids = encode(prompt, "prompt")
-        else:
-            ids = list(prompt)
-            bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
-            if bad:
-                raise BadRequest(f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})", param="prompt")
-        return await respond(request, body, prepare(body, ids, body.max_tokens), chat=False)
+    # --- the routes (create_app maps them to URLs) ---------------------------------------------------------------
+    async def completions(self, request: Request, body: CompletionRequest):
+        return await self.respond(request, body, self.prepare(body, self.completion_ids(body), body.max_tokens),
+                                  chat=False)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request, body: ChatCompletionRequest):
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        ids = encode(tokenizer.apply_chat_template(messages), "messages")
+    async def chat_completions(self, request: Request, body: ChatCompletionRequest):
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await respond(request, body, prepare(body, ids, max_tokens), chat=True)
+        return await self.respond(request, body, self.prepare(body, self.chat_ids(body), max_tokens), chat=True)
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "tinyserve", "max_model_len": max_context,
-                                            "vocab_size": cfg.vocab_size, **path()}]}
+    async def models(self):
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                            "owned_by": "tinyserve", "max_model_len": self.max_context,
+                                            "vocab_size": self.vocab_size, **self.path()}]}
 
-    @app.get("/health")
-    async def health():
+    async def health(self):
+        loop = self.loop
         snap = loop.snapshot()
         ok = loop.alive and loop.accepting
         status = "ok" if ok else ("draining" if loop.alive else "stopped")
         if loop.failure is not None:
             status = f"failed: {type(loop.failure).__name__}: {loop.failure}"
-        return JSONResponse({"status": status, "model": model_name, **path(), **snap},
+        return JSONResponse({"status": status, "model": self.model_name, **self.path(), **snap},
                             status_code=200 if ok else 503)
 
-    @app.get("/metrics")
-    async def prometheus():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    async def prometheus(self):
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+
+# --- errors: every one an OpenAI-style body ------------------------------------------------------------------
+
+async def _invalid(request: Request, exc: RequestValidationError):
+    err = exc.errors()[0] if exc.errors() else {"msg": "invalid request", "loc": ()}
+    request.app.state.metrics.rejected.labels("invalid").inc()
+    if err.get("type") == "json_invalid":
+        return _error(400, f"the body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}",
+                      code="invalid_json")
+    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    return _error(400, f"{'.'.join(loc) or 'body'}: {err['msg']}", param=loc[0] if loc else None,
+                  code="invalid_parameter")
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException):
+    return _error(exc.status_code, str(exc.detail), type_="invalid_request_error" if exc.status_code < 500
+                  else "server_error")
+
+
+async def _bad_request(request: Request, exc: BadRequest):
+    request.app.state.metrics.rejected.labels("invalid").inc()
+    return _error(400, str(exc), param=exc.param, code=exc.code)
+
+
+def create_app(engine: Engine, tokenizer, model_name: str, max_waiting: int = 64, kernels=None) -> FastAPI:
+    """The FastAPI app serving `engine` under `model_name`. Its lifespan starts the engine thread and, at
+    shutdown (after uvicorn has drained the connections), cancels whatever is still in. kernels (a jit.Kernels):
+    how the fast path's kernels came; while they compile in the background, the engine moves to them when ready."""
+    service = OpenAIService(engine, tokenizer, model_name, max_waiting, kernels)
+    loop = service.loop
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loop.start()
+        try:
+            yield
+        finally:
+            loop.stop(drain=False)       # uvicorn has let the streams finish (or timed out): cancel the rest
+            snap = loop.snapshot()
+            print(f"tinyserve: stopped ({snap['completed']} completed, {snap['aborted']} cancelled, "
+                  f"{snap['errors']} errors, {snap['rejected']} rejected; {snap['kv_blocks_used']} KV blocks still "
+                  f"held)", file=sys.stderr, flush=True)
+
+    app = FastAPI(title="tinyserve", lifespan=lifespan)
+    app.state.service, app.state.loop, app.state.metrics, app.state.engine = service, loop, service.metrics, engine
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(BadRequest, _bad_request)
+    app.post("/v1/completions")(service.completions)
+    app.post("/v1/chat/completions")(service.chat_completions)
+    app.get("/v1/models")(service.models)
+    app.get("/health")(service.health)
+    app.get("/metrics")(service.prometheus)
     return app
 
 
@@ -459,9 +488,9 @@ def main(args) -> int:
     import uvicorn
 
     app, name = build(args)
-    print(f"tinyserve: serving {name!r} on http://{args.host}:{args.port} with {describe_backend(app.state.engine.model)} "
-          f"(OpenAI API under /v1; /health and /v1/models say which path answers; /metrics)", file=sys.stderr,
-          flush=True)
+    print(f"tinyserve: serving {name!r} on http://{args.host}:{args.port} with "
+          f"{describe_backend(app.state.engine.model)} (OpenAI API under /v1; /health and /v1/models say which path "
+          f"answers; /metrics)", file=sys.stderr, flush=True)
     # uvicorn handles SIGTERM/SIGINT: stop listening, let the streams in flight finish for up to drain_timeout,
     # then cancel the rest (their finally blocks abort them in the engine) and run the lifespan shutdown, which
     # prints the summary. Then uvicorn re-raises the signal, so the process ends the way its sender expects.

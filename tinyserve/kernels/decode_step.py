@@ -26,8 +26,8 @@ needs every thread's results (kernels/spin.py):
     logits = RMSNorm(x) @ W_head                                  split (the join of prange ends the step)
 
 Which steps. Steps of up to MAX_ROWS rows that all need logits (decode rows, the k + 1 rows of a speculative
-verify), whose attention says where its K/V live (a `KVLayout`, one entry per row: kv_cache.forward_with_cache and
-the Engine attach one when they use the default attention). A verify's rows are one sequence and read each other's
+verify), whose K/V live where a `KVLayout` says (one entry per row: kv_cache.forward_with_cache and the Engine pass
+one to model.forward when they use the default attention). A verify's rows are one sequence and read each other's
 K/V, so every row's K/V is written before any row attends (one barrier more per layer). Its row j gets the logits a
 decode step at that position would get, bit for bit in W8A8 (tests/test_decode_step.py). Anything else (prefill
 chunks, custom attention, more rows) takes the three-call path.

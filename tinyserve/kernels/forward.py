@@ -11,7 +11,7 @@ What it does differently, and why each pays (lesson 7 measures them):
 - The O and down projections add into the residual stream in place (`accumulate=True`): no temporary.
 - Everything runs on Numba's thread pool; NumPy's BLAS (used by the attention reference) is held at one thread
   for the whole forward, so two pools never fight over the 2 cores (perf-notes: that trap costs ~10x).
-- A decode step of up to 4 sequences whose strategy says where its K/V live (`attention.kv_layout`) runs as one
+- A decode step of up to 4 sequences whose strategy says where its K/V live (model.forward's `kv_layout`) runs as one
   call for all layers (kernels/decode_step.py): 1.2-1.5x faster at batch 1 than the three calls per layer.
 """
 from __future__ import annotations
@@ -96,7 +96,8 @@ def prepare(model) -> FastWeights:
                        (model.final_norm, head.w.reshape(head.w.shape[0], -1), head.wsum, head.scale))
 
 
-def fast_forward(model, tokens: np.ndarray, positions: np.ndarray, attention, logit_rows=None) -> np.ndarray:
+def fast_forward(model, tokens: np.ndarray, positions: np.ndarray, attention, logit_rows=None,
+                 kv_layout=None) -> np.ndarray:
     """model.forward for quantised weights on the Numba backend (same arguments, same result up to float order).
 
     A layer is three fused Numba calls (kernels/layer.py) around the strategy's attention; the W8A8 and W8A32
@@ -104,10 +105,9 @@ def fast_forward(model, tokens: np.ndarray, positions: np.ndarray, attention, lo
     if model.fast is None:
         model.fast = prepare(model)
     fw: FastWeights = model.fast
-    layout = getattr(attention, "kv_layout", None)     # set by kv_cache and the Engine for their default attention
-    if decode_step.usable(len(tokens), layout, logit_rows):
-        with single_thread_blas():
-            logits = decode_step.decode_step(model, tokens, layout)
+    if decode_step.usable(len(tokens), kv_layout, logit_rows):   # kv_cache and the Engine pass one with their
+        with single_thread_blas():                                 # default attention
+            logits = decode_step.decode_step(model, tokens, kv_layout)
         if logits is not None:
             return logits
     w8a8 = is_w8a8(fw.mode)
