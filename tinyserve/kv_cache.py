@@ -159,6 +159,18 @@ def cache_attention(cache: KVCache, attend: AttendFn = grouped_attention) -> Att
     return attention
 
 
+def fused_step_layout(model: Model, cache: KVCache, m: int, all_logits: bool,
+                      attend: AttendFn | None) -> KVLayout | None:
+    """Lesson 7: with its default attention on the numba backend, a step of a few rows that all need logits (a
+    decode step, a speculative verify) may run as one kernel that also writes the K/V (kernels/decode_step.py).
+    The kernel reads row j as a sequence of its own whose context ends at j; the cache is one block of max_len
+    positions. None: the step runs layer by layer."""
+    if attend is not None or model.backend != "numba" or not (m == 1 or all_logits):
+        return None
+    return KVLayout(cache.k, cache.v, np.zeros((m, 1), np.int64), cache.max_len,
+                    np.arange(cache.length + 1, cache.length + m + 1))
+
+
 def forward_with_cache(model: Model, cache: KVCache, tokens: Sequence[int], attend: AttendFn | None = None,
                        all_logits: bool = False) -> np.ndarray:
     """Run m new tokens after the cache's history and append their K/V: the one step of prefill and decode.
@@ -175,13 +187,7 @@ def forward_with_cache(model: Model, cache: KVCache, tokens: Sequence[int], atte
     positions = np.arange(cache.length, cache.length + m)   # RoPE positions continue from the history
     rows = None if all_logits else np.array([m - 1])
     attention = cache_attention(cache, attend or attention_for(model))
-    layout = None
-    if attend is None and model.backend == "numba" and (m == 1 or all_logits):
-        # lesson 7: with its default attention, a step of a few rows that all need logits (a decode step, a
-        # speculative verify) may run as one kernel that also writes the K/V; it reads row j as a sequence of its
-        # own, whose context ends at j (the cache is one block of max_len positions)
-        layout = KVLayout(cache.k, cache.v, np.zeros((m, 1), np.int64), cache.max_len,
-                          np.arange(cache.length + 1, cache.length + m + 1))
+    layout = fused_step_layout(model, cache, m, all_logits, attend)
     logits = model_forward(model, tokens, positions, attention, logit_rows=rows, kv_layout=layout)
     cache.length += m  # every layer has appended its block at the same positions
     return logits

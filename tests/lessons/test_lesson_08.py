@@ -178,6 +178,17 @@ def test_predict_load_solves_the_fixed_point_when_step_grows_with_batch(rate, pr
 
 
 @pytest.mark.exercise("predict_load")
+def test_predict_load_default_max_batch_is_64():
+    # t_step = 20 ms flat, no prompt: W = (1.5 + 99) * 20 ms = 2.01 s, so B = 2.01 * rate lands either side of 64
+    below = impl.predict_load(63.5 / 2.01, 0, 100, lambda B: 0.020, 0.0)
+    above = impl.predict_load(64.5 / 2.01, 0, 100, lambda B: 0.020, 0.0)
+    assert below.stable and below.batch == pytest.approx(63.5, rel=1e-4), (
+        f"a fixed point of B = 63.5 is within the default max_batch = 64: stable, batch 63.5 (got {below})")
+    assert not above.stable and above.batch == 64, (
+        f"a fixed point of B = 64.5 exceeds the default max_batch = 64: stable=False, batch = 64 (got {above})")
+
+
+@pytest.mark.exercise("predict_load")
 def test_predict_load_saturates_and_respects_max_batch():
     step = lambda B: 0.010 + 0.002 * B                                    # noqa: E731
     # capacity of this line: rho = rate * 16.5 * 0.002 < 1 -> rate < 30.3/s, and the fixed point must stay <= max_batch
