@@ -79,7 +79,7 @@ def single_thread_blas():
 
     Use it around every engine step when the numba backend is active. OpenBLAS keeps its own pthreads
     spinning after a matmul; Numba's prange then starts its own threads on the same 2 cores, and the two pools
-    take turns evicting each other: a decode step measured ~10x slower (perf-notes). One pool for the hot path.
+    take turns evicting each other: a decode step measured ~10x slower (docs/performance.md). One pool for the hot path.
     Enter it once per step, not once per layer: entering + leaving costs ~20 µs with the controller we keep
     (threadpoolctl's plain `threadpool_limits()` rescans every loaded library: ~0.75 ms each time, measured).
     """
