@@ -185,3 +185,15 @@ def test_float_bits_round_trip():
     for x in (0.0, -0.0, 1.0, -2.5, 3.4e38, 1e-45):
         b, back = both(np.float32(x))
         assert b == np.array([x], np.float32).view(np.int32)[0] and back == np.float32(x)
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 127, 128, 129, 200, 576, 1000, 1536])
+def test_pairwise_sum_adds_a_float32_run_exactly_as_numpy(n):
+    """kernels/layer.py's RMSNorm sums squares with NumPy's own pairwise tree (blocks of 128, 8 running sums) so
+    that the W8A8 fast path stays the NumPy reference bit for bit. From 8 elements on the tree's order shows: on
+    these rows a plain running sum differs from NumPy's at n = 8 and from 127 on (below 8 both add in order)."""
+    from tinyserve.kernels.layer import _pairwise_sum
+    rng = np.random.default_rng(n)
+    a = (rng.standard_normal(n + 3) * rng.uniform(0.01, 100, n + 3)).astype(np.float32)   # non-uniform scales
+    for lo in (0, 3):
+        assert _pairwise_sum(a, lo, n) == np.add.reduce(a[lo:lo + n]), f"n={n}, offset {lo}"

@@ -53,7 +53,7 @@ def _pairwise_sum(a, lo, n):
     """sum(a[lo:lo+n]) exactly as NumPy adds a contiguous float32 run (np.add.reduce): runs of > 128 are split in
     halves (the first a multiple of 8 long) and the two sums added; shorter runs go to _block_sum. NumPy recurses;
     this walks the same tree with an explicit stack (Numba's recursion does not survive inlining into parallel
-    kernels). Tested equal to NumPy on random rows (tests/test_fast_forward.py)."""
+    kernels). Tested equal to NumPy on random rows (tests/test_kernels.py)."""
     f_lo, f_n, f_stage = np.empty(64, np.int64), np.empty(64, np.int64), np.empty(64, np.int64)
     vals = np.empty(64, np.float32)
     f_lo[0], f_n[0], f_stage[0] = lo, n, 0
