@@ -268,6 +268,22 @@ def test_engine_verify_steps_run_fused_with_the_plain_greedy_tokens(tiny_fast, m
     assert any(n > len(prompts) for n in calls), f"fused steps of {sorted(set(calls))} rows: no verify ran fused"
 
 
+def test_speculative_loop_verifies_in_the_fused_step(tiny_fast, monkeypatch):
+    """speculative.generate_stream on a numba model takes kv_cache's default attention, so its verifies of up to 4
+    rows run fused (its default used to be NumPy's grouped attention: every verify took the slow path)."""
+    from tinyserve import speculative
+    from tinyserve.drafters import NgramDrafter
+    model = tiny_fast["int8"]
+    calls = []
+    real = decode_step.decode_step
+    monkeypatch.setattr(decode_step, "decode_step", lambda m, t, lay: calls.append(len(t)) or real(m, t, lay))
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]
+    stats = speculative.SpecStats()
+    out = speculative.generate(model, prompt, params=GREEDY12, drafter=NgramDrafter(), k=3, stats=stats)
+    assert len(out) == 12 and stats.drafted > 0, "the n-gram drafter drafted nothing: nothing was verified"
+    assert any(n > 1 for n in calls), f"fused steps of {sorted(set(calls))} rows: no verify ran fused"
+
+
 def test_threads_that_do_not_meet_fall_back_to_the_three_call_path(tiny_fast, monkeypatch):
     model = tiny_fast["int8"]
     prompt = [5, 17, 99, 3, 42]

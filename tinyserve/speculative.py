@@ -24,7 +24,6 @@ import numpy as np
 
 from .config import check_positive_int, is_int
 from .drafters import Draft, Drafter, NgramDrafter, draw
-from .gqa import grouped_attention
 from .kv_cache import KVCache, forward_with_cache, prefill
 from .kv_sizing import blocks_for, max_kv_positions
 from .model import Model
@@ -282,13 +281,15 @@ def draft_length(k: int, adaptive: AdaptiveK | None, num_out: int, max_new_token
 def generate_stream(model: Model, ids: Sequence[int], max_new_tokens: int | None = None,
                     params: SamplingParams | None = None, tokenizer=None, drafter: Drafter | None = None,
                     k: int = 4, adaptive: bool = False, stats: SpecStats | None = None,
-                    prefill_chunk: int | None = None, attend=grouped_attention,
+                    prefill_chunk: int | None = None, attend=None,
                     verify_costs: Sequence[float] | None = None) -> Iterator[int]:
     """Yield new token ids like kv_cache.generate_stream, several per target forward when drafts are accepted.
 
     drafter: default NgramDrafter(). k: tokens drafted per step (k_max when adaptive; verify_costs, e.g. from
-    measure_verify_costs, then replaces roofline's constant verify cost). stats: filled in as the request runs. Stops exactly where plain decoding stops (EOS, stop string, max tokens, context window), even
-    inside an accepted run: the stopping rule sees every token one by one.
+    measure_verify_costs, then replaces roofline's constant verify cost). stats: filled in as the request runs.
+    attend: None (kv_cache's choice: the backend's attention, and on numba the fused step for verifies of up to 4
+    rows) or an attention function. Stops exactly where plain decoding stops (EOS, stop string, max tokens, context
+    window), even inside an accepted run: the stopping rule sees every token one by one.
     """
     params = params or SamplingParams()
     drafter = drafter if drafter is not None else NgramDrafter()
