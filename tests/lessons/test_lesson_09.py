@@ -27,7 +27,7 @@ V5E = TPU_V5E                      # 16 GB HBM, 8.1e11 B/s, 1.97e14 bf16 FLOP/s
 approx = lambda x: pytest.approx(x, rel=1e-9)  # noqa: E731  float formulas: exact up to rounding
 
 
-def llama13b_like(n_kv_heads=8, **kw):
+def model_18b(n_kv_heads=8, **kw):
     # 64 layers, d_model 4096, d_ff 16384, 32 query heads of dim 256, vocab 32128, tied embeddings
     return impl.ModelShape(64, 4096, 16384, 32, n_kv_heads, 256, 32128, **kw)
 
@@ -35,26 +35,26 @@ def llama13b_like(n_kv_heads=8, **kw):
 # --- ModelShape ------------------------------------------------------------------------------------------------
 
 @pytest.mark.exercise("ModelShape")
-def test_params_of_the_13b_like_model():
+def test_params_of_the_18b_model():
     # per layer: attention 2 * D * H * (N + K) = 2 * 4096 * 256 * 40 = 83,886,080
     #            MLP 3 * D * F = 3 * 4096 * 16384 = 201,326,592
     # 64 layers: 18,253,611,008; + tied embedding 32128 * 4096 = 131,596,288
-    assert llama13b_like().params() == 18_385_207_296
-    assert llama13b_like().active_params() == 18_385_207_296           # dense: every token uses every weight
-    assert llama13b_like(tied_embeddings=False).params() == 18_385_207_296 + 131_596_288
+    assert model_18b().params() == 18_385_207_296
+    assert model_18b().active_params() == 18_385_207_296           # dense: every token uses every weight
+    assert model_18b(tied_embeddings=False).params() == 18_385_207_296 + 131_596_288
 
 
 @pytest.mark.exercise("ModelShape")
-def test_kv_bytes_per_token_of_the_13b_like_model():
-    assert llama13b_like().kv_bytes_per_token(1) == 262_144             # int8: 2 * 64 * 8 * 256
-    assert llama13b_like().kv_bytes_per_token(2) == 524_288             # bf16
-    assert llama13b_like().kv_bytes_per_token() == 524_288, "the default bytes_per_value is 2 (bf16)"
-    assert llama13b_like(n_kv_heads=1).kv_bytes_per_token(1) == 32_768  # one KV head: 8x less
+def test_kv_bytes_per_token_of_the_18b_model():
+    assert model_18b().kv_bytes_per_token(1) == 262_144             # int8: 2 * 64 * 8 * 256
+    assert model_18b().kv_bytes_per_token(2) == 524_288             # bf16
+    assert model_18b().kv_bytes_per_token() == 524_288, "the default bytes_per_value is 2 (bf16)"
+    assert model_18b(n_kv_heads=1).kv_bytes_per_token(1) == 32_768  # one KV head: 8x less
 
 
 @pytest.mark.exercise("ModelShape")
 def test_moe_total_and_active_params():
-    moe = llama13b_like(n_experts=16, experts_per_token=2)
+    moe = model_18b(n_experts=16, experts_per_token=2)
     # 64 * (83,886,080 + 16 * 201,326,592) + 131,596,288
     assert moe.params() == 211_658_735_616
     # 64 * (83,886,080 + 2 * 201,326,592) + 131,596,288
@@ -80,7 +80,7 @@ def test_critical_batch_v5e():
 
 
 @pytest.mark.exercise("decode_step_time")
-def test_time_to_read_the_13b_weights_once():
+def test_time_to_read_the_18b_weights_once():
     # int8 weights over 16 chips: 18,385,207,296 B / (16 * 8.1e11 B/s) = 1.42 ms; batch 1's FLOPs are far less
     params = 18_385_207_296
     assert impl.decode_step_time(V5E, 16, 1, params, 0, 1) == approx(params / (16 * 8.1e11))
@@ -114,7 +114,7 @@ def test_70b_step_time_at_8192_context():
 # --- capacity and latency bounds on the batch ------------------------------------------------------------------
 
 @pytest.mark.exercise("max_batch")
-def test_13b_largest_batch_at_128k_on_16_v5e():
+def test_18b_largest_batch_at_128k_on_16_v5e():
     # free per chip: 16e9 - 18,385,207,296 / 16 = 14,850,924,544 B
     # KV per sequence per chip: 131072 * 262,144 / 16 = 2,147,483,648 B -> 6.9 -> 6 sequences
     assert impl.max_batch(V5E, 16, 131072, 18_385_207_296, 262_144, 1) == 6
