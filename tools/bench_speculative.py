@@ -16,7 +16,6 @@ and the measured one (verify of k + 1 rows and the draft time per token, both ti
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import statistics
 import sys
@@ -86,26 +85,20 @@ def parse_ks(text: str) -> list[int]:
 
 
 def drafter_lineup(model, args) -> dict:
-    """name -> (factory of a fresh drafter, k values to sweep)."""
+    """name -> (factory of a fresh drafter, k values to sweep); a drafter with no k values is left out."""
     lineup = {"ngram": (lambda: NgramDrafter(), parse_ks(args.ks))}
-    L = args.early_exit_layers
-    if parse_ks(args.early_exit_ks):
+    L, ee_ks, int8_ks = args.early_exit_layers, parse_ks(args.early_exit_ks), parse_ks(args.int8_ks)
+    if ee_ks:
         ee = early_exit_model(model, L)
-        lineup[f"early-exit-{L}"] = (lambda: ModelDrafter(ee, name=f"early-exit-{L}", target=model),
-                                     parse_ks(args.early_exit_ks))
-    if not parse_ks(args.int8_ks):
-        pass
-    elif args.target != "fp32":
+        lineup[f"early-exit-{L}"] = (lambda: ModelDrafter(ee, name=f"early-exit-{L}", target=model), ee_ks)
+    if int8_ks and args.target != "fp32":
         print(f"(the target is the {model.quant} model itself: no int8 drafter)")
-    elif "quant" in inspect.signature(ts.load_model).parameters:
+    elif int8_ks:
         int8 = load(args, quant="int8", backend="numba")
         # cost: measured, relative to the float32 target's decode step (the bandwidth ratio would say ~1/4)
         cost = decode_seconds(int8) / decode_seconds(model)
         print(f"int8 draft model (Numba): one decode step costs {cost:.2f} of the float32 target's")
-        lineup["int8"] = (lambda: ModelDrafter(int8, name="int8", target=model, cost=cost),
-                          parse_ks(args.int8_ks))
-    else:
-        print("(int8 weights are not on this branch yet: no int8 drafter in this run)")
+        lineup["int8"] = (lambda: ModelDrafter(int8, name="int8", target=model, cost=cost), int8_ks)
     return lineup
 
 
