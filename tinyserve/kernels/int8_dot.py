@@ -43,12 +43,18 @@ from .simd import _data_pointer
 BLOCK = 16                                                   # outputs per packed block
 _I1, _I8, _I16, _I32 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32)
 
-# Software prefetch of each weight stream 16 steps (1 KiB) ahead, on the first row pass over it. A tile of several
-# rows computes long enough per weight line that the hardware prefetcher falls behind, and the step waits on memory
-# and computes in turn instead of at once. Measured on a 2-core Xeon (fused decode step, W8A8-64, 4 rows): avx2
-# 13.2-13.6 -> 10.5-11.6 ms, avx512vnni 8.6 -> 7.6-7.8 ms; 1 row: 5-15 % faster; 256-4096 B ahead tried, 1 KiB best
-# on avx512vnni and within the noise of the best on avx2.
-PREFETCH = 1024
+# Software prefetch, on the first row pass over a tile: each weight line of the *next* tile (the same position, C
+# blocks further on: the next tile of this thread's share) is asked into L2 while this one computes. A tile's C
+# streams are short (D x 16 bytes each: 9 KiB at D = 576), so the hardware prefetcher meets a fresh set of streams at
+# every tile and starts each cold; one tile ahead, they are in L2 when the tile begins. Into L2, not L1 (locality 2,
+# prefetcht1): a tile ahead is 36-96 KiB, more than L1 holds. Measured on a 2-core AMD EPYC Zen 4 (no other job on
+# it; variants in alternating processes, medians): the fused decode step, W8A8-64, 1 row: avx512vnni 10.0-12.4 ->
+# 8.4 ms, avx2 12.7-13.3 -> 7.8-8.2 ms; 4 rows 12.8-15.0 -> 12.1-13.3 ms (avx2: within the noise); the 121 matmuls of
+# a step called one by one 7.8-11.0 -> 6.1-7.4 ms (BLAS's float32 stream: 28-34 GB/s, ours 19-22). The rule it
+# replaced (each stream 1 KiB ahead, into L1) had measured 10-20 % faster than none on a Xeon (Sapphire Rapids; 4
+# rows, avx512vnni: 8.6 -> 7.7 ms) but was the slowest of four tried on the Zen 4; this one is not yet measured on
+# the Xeon.
+PREFETCH_LOCALITY = 2
 TILE_OFFSET = 128 if isa.NAME in ("avx512vnni", "avxvnni") else 0
 
 
@@ -155,7 +161,8 @@ def _intrinsic_tile(R: int, C: int, name: str):
             i64 = x_off.type
             k = lambda v: ir.Constant(i64, v)                                           # noqa: E731
             st = setup(builder)
-            prefetch = cgutils.get_or_insert_function(        # (address, 0 = read, 3 = keep in every cache, 1 = data)
+            next_tile = builder.mul(w_stride, k(C))           # a weight line -> the same line of the next tile
+            prefetch = cgutils.get_or_insert_function(        # (address, 0 = read, locality, 1 = data)
                 builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch")
             x_rows = [_data_pointer(context, builder, ty[0], x_arr, builder.add(x_off, builder.mul(x_stride, k(r))))
                       for r in range(R)]
@@ -190,9 +197,9 @@ def _intrinsic_tile(R: int, C: int, name: str):
                             i = builder.add(start, loop.index)
                             if r0 == 0:                          # (the later row passes read from cache)
                                 for c in sub_c:
-                                    ahead = builder.gep(w_cols[c], [builder.add(builder.mul(i, k(64)), k(PREFETCH))])
+                                    ahead = builder.gep(w_cols[c], [builder.add(builder.mul(i, k(64)), next_tile)])
                                     builder.call(prefetch, [builder.bitcast(ahead, _I8.as_pointer())]
-                                                 + [ir.Constant(_I32, a) for a in (0, 3, 1)])
+                                                 + [ir.Constant(_I32, a) for a in (0, PREFETCH_LOCALITY, 1)])
                             w_vec = {(c, p): builder.load(builder.bitcast(
                                          builder.gep(w_cols[c], [builder.add(builder.mul(i, k(64)), k(vb * p))]),
                                          ir.VectorType(_I8, vb).as_pointer()), align=1)
