@@ -59,6 +59,10 @@ SCRIPT = textwrap.dedent("""
         out[f"logits_{mode}"] = naive.forward(fast, prompt)
         greedy = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
         out[f"greedy_{mode}"] = np.array(kv_cache.generate(fast, prompt, params=greedy))   # the fused decode step
+    long_prompt = [int(t) for t in rng.integers(3, 250, 40)]        # a prefill long enough for BLAS_FROM_ROWS
+    fast = quant.set_backend(quant.quantize_model(ts.tiny_model(seed=0), "int8"), "int8", "numba")
+    out["prefill40_int8"] = kv_cache.prefill(fast, kv_cache.KVCache.allocate(fast.config, 40), long_prompt)
+    out["prefill40_via_blas"] = np.array(fast.fast.float32 is not None)
     from numba import njit
     from tinyserve.kernels import matmul
     blocks = njit(matmul.w8a8_blocks.py_func)          # compiled afresh (a cached kernel keeps no assembly)
@@ -112,8 +116,15 @@ def test_variant_is_exact_and_agrees_with_this_cpus_own(variant, native, tmp_pat
     for key in (k for k in got if k.startswith("w8a32_") and "_ref_" not in k):
         ref = got[key.replace("w8a32_", "w8a32_ref_", 1)]
         np.testing.assert_allclose(got[key], ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max(), err_msg=key)
+    # W8A32 prefills of many rows go through BLAS where the tiles cannot beat it (kernels/forward.py): within
+    # W8A32's tolerance of the tiles, and only on the variants that rule names
+    from tinyserve.kernels.forward import BLAS_FROM_ROWS
+    assert bool(got["prefill40_via_blas"]) == (40 >= BLAS_FROM_ROWS.get(variant, 41)), (
+        f"{variant}: a 40-row int8 prefill {'did not go' if got['prefill40_via_blas'] else 'went'} through BLAS")
+    np.testing.assert_allclose(got["prefill40_int8"], native["prefill40_int8"], rtol=1e-4,
+                               atol=1e-4 * np.abs(native["prefill40_int8"]).max(), err_msg="40-row int8 prefill")
     for key in got:
-        if key not in ("variant", "asm"):
+        if key not in ("variant", "asm", "prefill40_int8", "prefill40_via_blas"):
             assert np.array_equal(got[key], native[key]), (
                 f"{variant} vs {native['variant']}: {key} differs (max {np.abs(got[key] - native[key]).max()})")
 

@@ -134,6 +134,15 @@ def quantize_model(model: Model, mode: str) -> Model:
                                fast=None)
 
 
+def dequantize_model(model: Model) -> Model:
+    """The float32 model whose weights are a quantised model's, dequantised (int8 x scale): quantize_model undone up
+    to its rounding. Where the int8 kernels cannot beat float32 BLAS (kernels/forward.py: the generic tiles at
+    prefill) the int8 model's forward multiplies these with BLAS; 4 bytes per weight (~540 MB for SmolLM2)."""
+    layers = [dataclasses.replace(w, **{f: getattr(w, f).dequantize() for f in MATRICES}) for w in model.layers]
+    return dataclasses.replace(model, layers=layers, lm_head_q=model.lm_head_q.dequantize(), quant="none",
+                               backend="numpy", fast=None)
+
+
 def check_blocks(model: Model, mode: str) -> None:
     """A clear error now, not deep in a forward, if a matrix's inputs do not split into the mode's blocks."""
     if mode in ACT_BLOCKS:

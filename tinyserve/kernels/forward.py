@@ -21,10 +21,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import decode_step, single_thread_blas
+from . import decode_step, isa, single_thread_blas
 from .layer import (lm_head, lm_head_w8a32, mlp_down, mlp_down_w8a32, post_attention, post_attention_w8a32,
                     pre_attention, pre_attention_w8a32)
-from ..quant import act_blocks, is_w8a8
+from ..model import forward as float32_forward
+from ..quant import act_blocks, dequantize_model, is_w8a8
 from .matmul import block_sums, pack_vnni, pack_w8a32
 
 
@@ -32,6 +33,17 @@ from .matmul import block_sums, pack_vnni, pack_w8a32
 # fused decode step cannot call NumPy and uses fast_exp.exp32; tests/test_decode_step.py puts exp32 here to compare
 # the two paths bit for bit.)
 silu_exp = np.exp
+
+# From this many rows on, a W8A32 forward multiplies float32 copies of the dequantised weights with BLAS instead of
+# running the int8 tiles, on the variants where the tiles cannot beat BLAS at many rows: the `generic` ones (plain
+# loops LLVM vectorises, no byte dot product). Measured on a 2-core AMD EPYC Zen 4 forced to `generic` (nothing else
+# running, 5 interleaved rounds, medians), prefill tokens/s against float32 NumPy (OpenBLAS) at 8 / 16 / 32 / 64 /
+# 512 rows: the tiles 0.66 / 0.58 / 0.54 / 0.53 / 0.79x, this BLAS path 1.11 / 0.72 / 0.68 / 0.84 / 1.06x (below
+# float32 at 16-64 rows, unexplained: the attention is still Numba's, so two thread pools take turns in every
+# layer, a suspect not yet measured). At batch 16 decode (16 rows per step) the tiles are 1.9x float32: they read
+# 4x fewer bytes. The copies (4 bytes per weight) are made on the first such forward. The other variants' tiles
+# beat BLAS at every row count measured (README's tables), so they never take this path.
+BLAS_FROM_ROWS = {"generic": 32}
 
 
 @dataclass(slots=True)
@@ -63,6 +75,7 @@ class FastWeights:
     # wsum, scale), each [L, ...] (packed weights as [L, O/16, bytes per block]); the layers' arrays are views of them
     stacked: tuple
     head: tuple            # (final_norm, lm_head w [V/16, bytes per block], wsum, scale)
+    float32: object | None = None   # quant.dequantize_model(model), made on first use (BLAS_FROM_ROWS)
 
 
 def _pack(mode: str, *qs) -> PackedLinear:
@@ -112,6 +125,10 @@ def fast_forward(model, tokens: np.ndarray, positions: np.ndarray, attention, lo
         if logits is not None:
             return logits
     w8a8 = is_w8a8(fw.mode)
+    if not w8a8 and len(tokens) >= BLAS_FROM_ROWS.get(isa.NAME, len(tokens) + 1):
+        if fw.float32 is None:
+            fw.float32 = dequantize_model(model)
+        return float32_forward(fw.float32, tokens, positions, attention, logit_rows)
     cfg = model.config
     T, N, K, H, F = len(tokens), cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate_size
     eps = np.float32(cfg.norm_eps)
