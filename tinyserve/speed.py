@@ -118,7 +118,7 @@ def format_report(models: dict[str, Model], results: dict[tuple[str, str], Sprea
             step_bytes = bytes_per_decode_step(m) + kv
             bound = b * bandwidth / step_bytes
             r = results[(f"decode B={b}", label)]
-            row.append(f"{r.fmt(1)} {step_bytes / 2**20:4.0f}MiB {100 * r.median / bound:3.0f}%")
+            row.append(f"{r.fmt(1)}, {step_bytes / 2**20:.0f} MiB, {100 * r.median / bound:.0f}%")
         rows.append(row)
     rows += [[f"prefill {n}", *(results[(f"prefill {n}", label)].fmt(1) for label in labels)] for n in prefills]
     lines.append(measure.format_table(rows))
