@@ -1,4 +1,4 @@
-"""Small helpers the lesson notebooks share: where to put figures, and a findings ledger.
+"""Small helpers the lesson notebooks share: where to put figures, a findings ledger, a timer (measure.py's).
 
 `make lesson-N` runs a notebook with TINYSERVE_BUILD=build/lesson-NN; the notebook saves its figures there and
 records its findings (each a number with the conditions it was measured under), which the runner prints.
