@@ -277,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--batches", default="1,4,16", help="decode batch sizes")
     sp.add_argument("--prefills", default="128,512,1024", help="prefill lengths")
     sp.add_argument("--new-tokens", type=int, default=32, help="decode steps per measurement")
-    sp.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median and min..max reported)")
+    sp.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median and min-max reported)")
     sp.add_argument("--weights", default=str(DEFAULT_WEIGHTS_DIR))
     sp.set_defaults(func=cmd_speed)
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import measure
 from .engine import Engine
 from .model import Model
 from .sampling import SamplingParams
@@ -113,11 +114,9 @@ def batch_sweep(model: Model, batch_sizes=(1, 4, 16), prompt_len: int = 32, new_
 
 
 def format_table(results: list[BenchResult]) -> str:
+    """One row per run (BenchResult.row), aligned (measure.format_table)."""
     rows = [r.row() for r in results]
-    cols = list(rows[0])
-    width = {c: max(len(c), *(len(r[c]) for r in rows)) for c in cols}
-    line = lambda r: "  ".join(r[c].rjust(width[c]) if i else r[c].ljust(width[c]) for i, c in enumerate(cols))  # noqa
-    return "\n".join([line({c: c for c in cols}), line({c: "-" * width[c] for c in cols}), *map(line, rows)])
+    return measure.format_table([list(rows[0]), *(list(r.values()) for r in rows)])
 
 
 def main(args) -> int:

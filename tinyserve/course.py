@@ -1,4 +1,4 @@
-"""Small helpers the lesson notebooks share: where to put figures, and a findings ledger.
+"""Small helpers the lesson notebooks share: where to put figures, a findings ledger, a timer (measure.py's).
 
 `make lesson-N` runs a notebook with TINYSERVE_BUILD=build/lesson-NN; the notebook saves its figures there and
 records its findings (each a number with the conditions it was measured under), which the runner prints.
@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
-import time
 from pathlib import Path
 from typing import Callable
+
+from .measure import time_repeated
 
 _ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,15 +35,9 @@ def record(finding: str, lesson: int | None = None, **numbers) -> None:
 
 
 def median_time(fn: Callable[[], object], repeat: int = 5, warmup: int = 1) -> float:
-    """Median wall time of fn() in seconds, after `warmup` untimed calls (machines here are shared and noisy)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """Median wall time of fn() in seconds, after `warmup` untimed calls (machines here are shared and noisy):
+    measure.time_repeated's median, the timer every benchmark of the course uses."""
+    return time_repeated(fn, repeat, warmup).median
 
 
 # --- the learner switch: your exercise functions inside the engine ---------------------------------------------

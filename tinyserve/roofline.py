@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .config import ModelConfig, check_positive_int
+from .measure import time_repeated
 
 # Published shapes of well-known models, for comparison with SmolLM2 (only the fields the formulas use matter).
 LLAMA2_7B = ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, intermediate_size=11008,
@@ -200,11 +201,9 @@ def measure_bandwidth(nbytes: int = 256 * 2**20, repeat: int = 7, kind: str = "r
     matrix's bytes only. kind="copy": np.copyto between two `nbytes` buffers, one thread, counting read + write
     (2 * nbytes); usually above one core's read figure, below the all-core read figure.
     Choose nbytes well above the last-level cache (32 MiB here) or you measure the cache. Shared machines are
-    noisy: the median of a few repeats, and only ratios measured in one run are worth comparing.
+    noisy: the median of a few repeats (measure.time_repeated), and only ratios measured in one run are worth
+    comparing.
     """
-    import statistics
-    import time
-
     import numpy as np
 
     nbytes = check_positive_int("nbytes", nbytes, "measure_bandwidth")
@@ -220,31 +219,19 @@ def measure_bandwidth(nbytes: int = 256 * 2**20, repeat: int = 7, kind: str = "r
         run, moved = (lambda: np.copyto(b, a)), 2 * a.nbytes
     else:
         raise ValueError(f"measure_bandwidth: kind must be 'read' or 'copy', got {kind!r}")
-    run()                                                     # warm-up: page faults, BLAS threads waking up
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    return moved / statistics.median(times)
+    # one warm-up call: page faults, BLAS threads waking up
+    return moved / time_repeated(run, repeat, warmup=1).median
 
 
 def measure_flops(n: int = 1024, repeat: int = 5) -> float:
-    """float32 matmul FLOP/s of this machine (BLAS, all its threads): median of `repeat` [n, n] @ [n, n] products."""
-    import statistics
-    import time
-
+    """float32 matmul FLOP/s of this machine (BLAS, all its threads): median of `repeat` [n, n] @ [n, n] products,
+    after one untimed."""
     import numpy as np
 
     n = check_positive_int("n", n, "measure_flops")
+    repeat = check_positive_int("repeat", repeat, "measure_flops")
     a = np.ones((n, n), np.float32)
-    a @ a
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        a @ a
-        times.append(time.perf_counter() - t0)
-    return 2 * n**3 / statistics.median(times)
+    return 2 * n**3 / time_repeated(lambda: a @ a, repeat, warmup=1).median
 
 
 def this_cpu(bandwidth: float | None = None, flops: float | None = None) -> Chip:

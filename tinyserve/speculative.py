@@ -26,6 +26,7 @@ from .config import check_positive_int, is_int
 from .drafters import Draft, Drafter, NgramDrafter, draw
 from .kv_cache import KVCache, forward_with_cache, prefill
 from .kv_sizing import blocks_for, max_kv_positions
+from .measure import time_repeated
 from .model import Model
 from .paged import BlockAllocator
 from .roofline import speculative_best_k, speculative_tokens_per_step
@@ -249,22 +250,16 @@ def measure_verify_costs(model: Model, k_max: int, history: int = 64, repeat: in
     agrees is a property of this machine: NumPy's BLAS switches from a matrix-vector to a matrix-matrix kernel at
     two rows, which on some CPUs costs several decode steps by itself.
     """
-    import statistics
-    import time
     k_max = check_positive_int("k_max", k_max, "measure_verify_costs")
     ks = sorted({min(k, k_max) for k in grid} | {0, k_max})
     cache = KVCache.allocate(model.config, min(model.config.max_seq_len, history + k_max + 1))
     ids = (np.arange(history + k_max + 1) % (model.config.vocab_size - 3) + 3).tolist()
     forward_with_cache(model, cache, ids[:history])
     seconds = []
-    for k in ks:
-        runs = []
-        for _ in range(repeat + 1):                  # the first run warms up
-            t0 = time.perf_counter()
-            forward_with_cache(model, cache, ids[history:history + k + 1], all_logits=True)
-            runs.append(time.perf_counter() - t0)
-            cache.rewind(k + 1)
-        seconds.append(statistics.median(runs[1:]))
+    for k in ks:                                     # every run sees the same `history`: its k + 1 rows rewound
+        rows = ids[history:history + k + 1]
+        seconds.append(time_repeated(lambda: forward_with_cache(model, cache, rows, all_logits=True), repeat,
+                                     warmup=1, reset=lambda: cache.rewind(len(rows))).median)
     rel = np.interp(np.arange(k_max + 1), ks, np.asarray(seconds) / seconds[0])
     return tuple(float(c) for c in rel)
 

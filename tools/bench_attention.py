@@ -28,6 +28,7 @@ from threadpoolctl import threadpool_info
 from tinyserve.gqa import grouped_attention
 from tinyserve.kernels import check_threading_layer, single_thread_blas
 from tinyserve.kernels.attention import paged_attention_numba
+from tinyserve.measure import time_repeated
 from tinyserve.paged import paged_attention, slot_mapping, write_kv
 
 N, K, H, BS = 9, 3, 64, 16
@@ -35,14 +36,8 @@ CLOCK = time.perf_counter
 
 
 def median_ms(fn, repeats: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = CLOCK()
-        fn()
-        times.append(CLOCK() - t0)
-    return 1e3 * float(np.median(times))
+    """Median milliseconds per call of fn() on CLOCK (--clock: wall or CPU time), after `warmup` untimed calls."""
+    return 1e3 * time_repeated(fn, repeats, warmup, clock=CLOCK).median
 
 
 def make_case(batch: int, ctx: int, m: int, seed: int = 0):

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 import zipfile
@@ -34,11 +33,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools" / "peers"))
+sys.path.insert(0, str(ROOT))
 from protocol import PeerError, Worker  # noqa: E402  (standard library only)
+# the one way every tokens/s here is summarised, and the CPU line and the table printed (tinyserve/measure.py)
+from tinyserve.measure import CPU_FLAGS_OF_NOTE, Spread, cpu_info, format_table as text_table  # noqa: E402,F401
 
 LLAMA, TORCH, TINY = "llama.cpp", "PyTorch", "tinyserve"
 ENGINES = (LLAMA, TORCH, TINY)
-CPU_FLAGS_OF_NOTE = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
 # the goals (issue 22, "Done means"; issue 9 asked 1.0x at B=1): tinyserve / peer on the same machine, same run.
 # Prefill: 1.2x PyTorch where the kernels are AVX-512's, 1.0x on AVX2-class ones (8-32 byte MACs per instruction
 # against BLAS's 16-lane float FMAs, kernels/isa.py)
@@ -101,24 +102,6 @@ class Sample:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds
-
-
-@dataclass(slots=True)
-class Spread:
-    median: float
-    lo: float
-    hi: float
-    n: int
-
-    @classmethod
-    def of(cls, values: list[float]) -> "Spread":
-        if not values:
-            raise ValueError("Spread.of needs at least one value")
-        return cls(statistics.median(values), min(values), max(values), len(values))
-
-    def fmt(self, digits: int = 1, unit: str = "") -> str:
-        m = f"{self.median:.{digits}f}{unit}"
-        return m if self.n == 1 else f"{m} ({self.lo:.{digits}f}-{self.hi:.{digits}f})"
 
 
 @dataclass(slots=True)
@@ -205,18 +188,6 @@ def agreement(ours: list[int], theirs: list[int]) -> int:
     return n
 
 
-def cpu_info(cpuinfo_text: str) -> dict:
-    """Model name and the flags that matter for these kernels, from /proc/cpuinfo's text (first CPU listed)."""
-    model, flags = "unknown", None
-    for line in cpuinfo_text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name" and model == "unknown":
-            model = value.strip()
-        elif key.strip() == "flags" and flags is None:
-            flags = set(value.split())
-    return {"model": model, "flags": [f for f in CPU_FLAGS_OF_NOTE if f in (flags or ())]}
-
-
 def format_table(report: Report, engines: list[str], variant: str = "avx512vnni") -> str:
     """Tokens/s per workload and engine (median and min-max over rounds), then tinyserve / each peer, marked
     against the goals for the kernels `variant`."""
@@ -236,10 +207,7 @@ def format_table(report: Report, engines: list[str], variant: str = "avx512vnni"
             mark = "" if r is None or target[0] != p else (" ok" if r.median >= target[1] else " <")
             row.append(r.fmt(2, "x") + mark if r else "-")
         rows.append(row)
-    width = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(width[i]) if i == 0 else c.rjust(width[i]) for i, c in enumerate(r)) for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in width))
-    return "\n".join(lines)
+    return text_table(rows)
 
 
 def format_targets(report: Report, variant: str) -> str:
@@ -274,34 +242,21 @@ def find_gguf(log=print) -> Path:
 
 
 def tinyserve_decode(model, prompts: list[list[int]], new_tokens: int, **engine_kw) -> dict:
-    """B prompts through one Engine, greedy, EOS ignored (every sequence makes exactly new_tokens tokens).
-    All prompts prefill in the first step (max_batch_tokens covers them); the timed part is the steps in which
-    every scheduled sequence was a plain decode (StepStats.seconds: schedule + forward + sample)."""
-    import tinyserve as ts
+    """speed.decode_run, answered as a worker answers: B prompts through one Engine, greedy, EOS ignored; the timed
+    part is the plain decode steps, B x (new_tokens - 1) tokens, the same count as the peers'."""
+    from tinyserve import speed
 
-    B, P, bs = len(prompts), max(map(len, prompts)), 16
-    engine = ts.Engine(model, num_blocks=B * (-(-(P + new_tokens) // bs) + 1), block_size=bs,
-                       max_batch_tokens=max(256, sum(map(len, prompts))), max_running=B, **engine_kw)
-    params = ts.SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in prompts]
-    engine.run()
-    steps = [s for s in engine.stats if s.num_decode == s.num_seqs == s.num_tokens]
-    tokens = sum(s.num_sampled for s in steps)
-    # the same count as the peers' (B x (new_tokens - 1)): otherwise some step mixed prefill rows into the timing
-    assert tokens == B * (new_tokens - 1), f"decode steps sampled {tokens} tokens, expected {B * (new_tokens - 1)}"
-    return {"tokens": [list(engine.finished[i].output_ids) for i in ids],
-            "decode_seconds": sum(s.seconds for s in steps), "decode_tokens": tokens}
+    rate, tokens = speed.decode_run(model, prompts, new_tokens, **engine_kw)
+    return {"tokens": tokens, "decode_seconds": rate.seconds, "decode_tokens": rate.tokens}
 
 
 def tinyserve_prefill(model, ids: list[int]) -> dict:
-    """kv_cache.prefill on a fresh contiguous KVCache: the prompt in one forward, LM head on the last row only."""
-    import tinyserve as ts
+    """speed.prefill_run, answered as a worker answers: kv_cache.prefill on a fresh contiguous KVCache, the LM head
+    on the last row only."""
+    from tinyserve import speed
 
-    cache = ts.kv_cache.KVCache.allocate(model.config, len(ids))
-    t0 = time.perf_counter()
-    logits = ts.kv_cache.prefill(model, cache, ids)          # [V]
-    token = int(logits.argmax())
-    return {"seconds": time.perf_counter() - t0, "next_token": token}
+    rate, logits = speed.prefill_run(model, ids)             # logits: [V]
+    return {"seconds": rate.seconds, "next_token": int(logits.argmax())}
 
 
 class Tinyserve:
@@ -451,8 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     if problem := weights_problem(weights):
         print(f"bench-peers: {problem}; run `make weights` first", file=sys.stderr)
         return 2
-    with open("/proc/cpuinfo") as f:
-        cpu = {**cpu_info(f.read()), "cores": os.cpu_count()}
+    cpu = {**cpu_info(), "cores": os.cpu_count()}
     print(f"CPU: {cpu['model']}, {cpu['cores']} cores; flags of note: {' '.join(cpu['flags']) or 'none'}")
     from tinyserve.kernels import isa
     cpu["kernels"] = isa.NAME

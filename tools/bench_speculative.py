@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 import tinyserve as ts  # noqa: E402
 from tinyserve import kv_cache, speculative as sp  # noqa: E402
 from tinyserve.drafters import ModelDrafter, NgramDrafter, early_exit_model  # noqa: E402
+from tinyserve.measure import Spread, format_table, time_repeated  # noqa: E402
 from tinyserve.roofline import speculative_tokens_per_step  # noqa: E402
 
 DOC = ("Marie Curie was a physicist and chemist who conducted pioneering research on radioactivity. She was the "
@@ -107,16 +108,11 @@ def load(args, **kw):
 
 
 def decode_seconds(model, history: int = 64, repeat: int = 5) -> float:
-    """Median time of one decode step (one row over `history` cached positions)."""
+    """Median time of one decode step (one row over `history` cached positions), after one untimed."""
     cache = kv_cache.KVCache.allocate(model.config, history + 1)
     kv_cache.forward_with_cache(model, cache, list(range(100, 100 + history)))
-    runs = []
-    for _ in range(repeat + 1):
-        t0 = time.perf_counter()
-        kv_cache.forward_with_cache(model, cache, [5])
-        runs.append(time.perf_counter() - t0)
-        cache.rewind(1)
-    return statistics.median(runs[1:])
+    return time_repeated(lambda: kv_cache.forward_with_cache(model, cache, [5]), repeat, warmup=1,
+                         reset=lambda: cache.rewind(1)).median
 
 
 def main() -> None:
@@ -188,9 +184,8 @@ def main() -> None:
           f"repetition, plain decoding on the same backend.")
     print("plain decode tokens/s (median): " + ", ".join(
         f"{w} {1 / statistics.median(ts_):.2f}" for w, ts_ in base_times.items()))
-    print("\n| workload | drafter | k | α | tokens/step | predicted (roofline) | predicted (measured costs) | "
-          "measured speed-up | decode tokens/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    table = [["workload", "drafter", "k", "α", "tokens/step", "predicted (roofline)", "predicted (measured costs)",
+              "measured speed-up", "decode tokens/s"]]
     results = []
     for (w, name, k, adaptive), r in rows.items():
         a = statistics.median(r["alpha"])
@@ -202,14 +197,13 @@ def main() -> None:
         e = speculative_tokens_per_step(min(a, 1.0), kk)
         pred_roof = e / (1 + kk * lineup[name][0]().cost)
         pred_meas = e / (verify_costs[kk] + kk * c_draft)
-        sp_med = statistics.median(r["speedup"])
         label = f"adaptive ≤{k} (mean {k_eff:.1f})" if adaptive else str(k)
-        print(f"| {w} | {name} | {label} | {a:.2f} | {statistics.median(r['tok_step']):.2f} | {pred_roof:.2f}x | "
-              f"{pred_meas:.2f}x | {sp_med:.2f}x ({min(r['speedup']):.2f}-{max(r['speedup']):.2f}) | "
-              f"{statistics.median(r['tps']):.2f} |")
+        table.append([w, name, label, f"{a:.2f}", f"{statistics.median(r['tok_step']):.2f}", f"{pred_roof:.2f}x",
+                      f"{pred_meas:.2f}x", Spread.of(r["speedup"]).fmt(2, "x"), f"{statistics.median(r['tps']):.2f}"])
         results.append({"workload": w, "drafter": name, "k": k, "adaptive": adaptive, "alpha": a,
                         "predicted_roofline": pred_roof, "predicted_measured": pred_meas, "speedup": r["speedup"],
                         "tokens_per_s": r["tps"], "tokens_per_step": r["tok_step"], "mean_k": k_eff})
+    print("\n" + format_table(table, markdown=True))
     if args.json:
         Path(args.json).write_text(json.dumps({"verify_costs": verify_costs, "base_times": base_times,
                                                "new_tokens": args.new_tokens, "results": results}, indent=1))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -57,6 +56,7 @@ def measure(variant: str | None, modes, args) -> dict:
 def main() -> int:
     sys.path.insert(0, str(ROOT))
     from tinyserve.kernels import isa
+    from tinyserve.measure import Spread, cpu_name, format_table
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--variants", default=",".join(isa.supported()), help="comma-separated (default: every one "
@@ -69,9 +69,7 @@ def main() -> int:
     for v in variants:
         if v not in isa.supported():
             raise SystemExit(f"this CPU cannot run {v!r} (it runs {', '.join(isa.supported())})")
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), "unknown CPU") if Path("/proc/cpuinfo").exists() else "unknown CPU"
-    print(f"CPU: {cpu}; variants: {', '.join(variants)}; {rounds} round(s), interleaved")
+    print(f"CPU: {cpu_name()}; variants: {', '.join(variants)}; {rounds} round(s), interleaved")
     runs: dict[str, list[dict]] = {v: [] for v in ["fp32"] + variants}
     for r in range(rounds):
         for v in runs:
@@ -80,18 +78,17 @@ def main() -> int:
             runs[v].append(res)
             print(f"  round {r + 1}/{rounds}: {v:<11} done ({res['kernels']})", flush=True)
     cells = [f"decode B={b}" for b in args.batches] + [f"prefill {n}" for n in args.prefills]
-    print("\ntokens/s, median (min..max) of the rounds; ratio = median of the per-round ratios to fp32 NumPy\n")
-    print(f"| {'variant / mode':<22} | " + " | ".join(f"{c:<26}" for c in cells) + " |")
-    print("|" + "---|" * (len(cells) + 1))
+    print("\ntokens/s, median (min-max) of the rounds; ratio = median of the per-round ratios to fp32 NumPy\n")
+    rows = [["variant / mode", *cells]]
     for v, results in runs.items():
         for quant in (["none"] if v == "fp32" else QUANTS):
-            row = []
+            row = ["fp32 NumPy (BLAS)" if v == "fp32" else f"{v} {NAMES[quant]}"]
             for c in cells:
                 xs = [res[f"{quant}/{c}"] for res in results]
                 ratios = [x / f[f"none/{c}"] for x, f in zip(xs, runs["fp32"])]
-                row.append(f"{statistics.median(xs):6.1f} ({min(xs):.0f}..{max(xs):.0f}) {statistics.median(ratios):4.2f}x")
-            name = "fp32 NumPy (BLAS)" if v == "fp32" else f"{v} {NAMES[quant]}"
-            print(f"| {name:<22} | " + " | ".join(f"{x:<26}" for x in row) + " |")
+                row.append(f"{Spread.of(xs).fmt(1)} {Spread.of(ratios).median:4.2f}x")
+            rows.append(row)
+    print(format_table(rows, markdown=True))
     return 0
 
 

@@ -6,14 +6,13 @@ calibrated on the shipped calibration text) and W8A8-64 (one activation scale pe
   perplexity on the shipped evaluation text (tests/quant_accuracy.py: the measurements tests/test_quant_accuracy.py
   pins), on the Numba kernels;
 - speed: decode tokens/s at B=1 and B=16 and prefill 512 tokens/s (tinyserve.speed), every mode measured once per
-  round, rounds interleaved; the median and min..max of the rounds.
+  round, rounds interleaved; the median and min-max of the rounds (tinyserve.measure.Spread).
 
     .venv/bin/python tools/quant_table.py [--rounds 3] [--no-speed]
 """
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -45,6 +44,7 @@ def main() -> int:
     import tinyserve as ts
     from tinyserve import quant, speed
     from tinyserve.kernels import isa
+    from tinyserve.measure import Spread, format_table
     from tinyserve.tokenizer import load_tokenizer
     from tests.quant_accuracy import agreement, fp32_logits, perplexity, perplexity_ids
     cpu = speed.cpu_name()
@@ -73,15 +73,13 @@ def main() -> int:
                 speeds[name, cells[2]].append(speed.prefill_tokens_per_s(m, 512))
             print(f"  speed: round {r + 1}/{args.rounds} done", flush=True)
     p0 = acc[ROWS[0][0]][1]
-    print(f"\n{cpu}, {isa.describe()}; tokens/s median (min..max) of {args.rounds} interleaved rounds\n")
-    print("| mode | top-1 vs float32 | max \\|dlogit\\| | perplexity (ratio) | " + " | ".join(cells) + " |")
-    print("|---|---|---|---|" + "---|" * len(cells))
+    print(f"\n{cpu}, {isa.describe()}; tokens/s median (min-max) of {args.rounds} interleaved rounds\n")
+    rows = [["mode", "top-1 vs float32", "max \\|dlogit\\|", "perplexity (ratio)", *cells]]
     for name, _, _ in ROWS:
         a, ppl = acc[name]
-        sp = ["-" if not speeds[name, c] else
-              f"{statistics.median(speeds[name, c]):.0f} ({min(speeds[name, c]):.0f}..{max(speeds[name, c]):.0f})"
-              for c in cells]
-        print(f"| {name} | {a.top1:.1%} | {a.max_logit_err:.2f} | {ppl:.3f} ({ppl / p0:.4f}) | " + " | ".join(sp) + " |")
+        sp = [Spread.of(speeds[name, c]).fmt(0) if speeds[name, c] else "-" for c in cells]
+        rows.append([name, f"{a.top1:.1%}", f"{a.max_logit_err:.2f}", f"{ppl:.3f} ({ppl / p0:.4f})", *sp])
+    print(format_table(rows, markdown=True))
     return 0
 
 
