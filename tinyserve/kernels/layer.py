@@ -154,7 +154,14 @@ def post_attention(x, a, wo, wo_sum, wo_scale, norm_w, eps, wgu, wgu_sum, wgu_sc
     _matmul_w8a8(xu, sx, wgu, wgu_sum, wgu_scale, gu, False)
 
 
-@njit(cache=True, parallel=True)
+# SiLU divides by 1 + e^-g, a different number for every element. Numba's default error model checks every such
+# division for zero (to raise ZeroDivisionError like Python), and that branch keeps LLVM from vectorising the loop:
+# 5 ns per element, 7.6 us for a 1536-wide row, against 1.2 us under NumPy's model (a zero divisor gives inf, as in
+# NumPy; here it cannot be zero). Measured on a 2-core AMD EPYC Zen 3 (avx2); the same float32 divisions, the same bits.
+SWIGLU_KERNEL = dict(cache=True, parallel=True, error_model="numpy")
+
+
+@njit(**SWIGLU_KERNEL)
 def mlp_down(x, gu, e, wd, wd_sum, wd_scale):
     """x += (silu(gate) * up) @ Wdown with e = exp(-gate) from NumPy: silu(g) = g / (1 + e)."""
     T, F = e.shape
@@ -238,7 +245,7 @@ def post_attention_w8a32(x, a, wo, wo_scale, norm_w, eps, wgu, wgu_scale, gu):
     _matmul_w8a32_auto(_rms_norm_rows(x, norm_w, eps), wgu, wgu_scale, gu, False)
 
 
-@njit(cache=True, parallel=True)
+@njit(**SWIGLU_KERNEL)
 def mlp_down_w8a32(x, gu, wd, wd_scale):
     """x += (silu(gate) * up) @ Wdown."""
     T, F = x.shape[0], gu.shape[1] // 2
