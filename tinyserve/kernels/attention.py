@@ -200,37 +200,47 @@ def paged_attention_numba(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarra
 # work item per (sequence, KV head), so each K row is read once for the g query heads that share it.
 
 @njit(cache=True, fastmath={"reassoc", "contract"})
-def decode_attention_item(q, k_rows, v_rows, block_tables, bs, context_lens, b, kh, out):
-    """Sequence b's one new row, the g query heads of KV head kh: out[b, heads] = softmax(q K^T / sqrt(H)) V over
-    its context_lens[b] positions. q, out: [B, N, H]; k_rows, v_rows: the pool as rows addressed by slot
-    [num_blocks * bs, K, H], position j of sequence b at slot block_tables[b, j // bs] * bs + j % bs.
-    One work item of _paged_decode_kernel, and of the fused decode step (kernels/decode_step.py)."""
+def decode_attention_heads(q, k_rows, v_rows, block_tables, bs, context_lens, b, kh, r_lo, r_hi, out):
+    """Sequence b's one new row, query heads r_lo .. r_hi of the g that share KV head kh: out[b, heads] =
+    softmax(q K^T / sqrt(H)) V over its context_lens[b] positions. q, out: [B, N, H]; k_rows, v_rows: the pool as
+    rows addressed by slot [num_blocks * bs, K, H], position j of sequence b at slot block_tables[b, j // bs] * bs +
+    j % bs. Each head's arithmetic is the same whichever others it is computed with (the fused decode step splits a
+    KV head's g query heads between threads: kernels/decode_step.py)."""
     N, H = q.shape[1], q.shape[2]
     K = k_rows.shape[1]
     g = N // K
+    n = r_hi - r_lo
     scale = np.float32(1.0 / math.sqrt(H))
     S = context_lens[b]
-    p = np.empty((g, S), np.float32)                          # scores, then exp(score - max)
-    acc = np.zeros((g, H), np.float32)
+    p = np.empty((n, S), np.float32)                          # scores, then exp(score - max)
+    acc = np.zeros((n, H), np.float32)
     for j in range(S):                                        # 1. scores: dot products ("reassoc": 16 lanes)
         slot = block_tables[b, j // bs] * bs + j % bs
-        for r in range(g):
+        for r in range(n):
             s = np.float32(0.0)
             for d in range(H):
-                s += q[b, kh * g + r, d] * k_rows[slot, kh, d]
+                s += q[b, kh * g + r_lo + r, d] * k_rows[slot, kh, d]
             p[r, j] = s
-    inv = np.empty(g, np.float32)
-    for r in range(g):                                        # 2. softmax, vectorised (fast_exp)
+    inv = np.empty(n, np.float32)
+    for r in range(n):                                        # 2. softmax, vectorised (fast_exp)
         inv[r] = np.float32(1.0) / exp_row(p[r], S, scale, scale * row_max(p[r], S))
-    for j in range(S):                                        # 3. P V: each V row serves the g heads
+    for j in range(S):                                        # 3. P V: each V row serves the n heads
         slot = block_tables[b, j // bs] * bs + j % bs
-        for r in range(g):
+        for r in range(n):
             w = p[r, j]
             for d in range(H):
                 acc[r, d] += w * v_rows[slot, kh, d]
-    for r in range(g):
+    for r in range(n):
         for d in range(H):
-            out[b, kh * g + r, d] = acc[r, d] * inv[r]
+            out[b, kh * g + r_lo + r, d] = acc[r, d] * inv[r]
+
+
+@njit(cache=True)
+def decode_attention_item(q, k_rows, v_rows, block_tables, bs, context_lens, b, kh, out):
+    """decode_attention_heads for all g query heads of KV head kh: one work item of _paged_decode_kernel (each K and
+    V row read once for the g heads that share it)."""
+    decode_attention_heads(q, k_rows, v_rows, block_tables, bs, context_lens, b, kh, 0, q.shape[1] // k_rows.shape[1],
+                           out)
 
 
 @njit(cache=True, parallel=True)

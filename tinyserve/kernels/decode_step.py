@@ -15,7 +15,9 @@ needs every thread's results (kernels/spin.py):
     RMSNorm (+ quantise) of every row                            every thread, for itself (cheaper than a barrier)
     [Q|K|V] = h @ Wqkv                                           thread i: output blocks [i/n, (i+1)/n) of the matrix
     --- barrier ---
-    RoPE, write K/V to the cache slot, attention over the cache  work items (row, KV head), dealt round robin
+    RoPE, write K/V to the cache slot                            work items (row, KV head), dealt round robin
+    --- barrier ---
+    attention over the cache                                     the (row, query head) pairs, split evenly
     --- barrier ---
     x += a @ Wo                                                  output blocks split as above (each x column has
     --- barrier ---                                              one writer)
@@ -27,8 +29,11 @@ needs every thread's results (kernels/spin.py):
 
 Which steps. Steps of up to MAX_ROWS rows that all need logits (decode rows, the k + 1 rows of a speculative
 verify), whose K/V live where a `KVLayout` says (one entry per row: kv_cache.forward_with_cache and the Engine pass
-one to model.forward when they use the default attention). A verify's rows are one sequence and read each other's
-K/V, so every row's K/V is written before any row attends (one barrier more per layer). Its row j gets the logits a
+one to model.forward when they use the default attention). Every row's K/V is written before any row attends:
+a verify's rows are one sequence and read each other's K/V, and a KV head's query heads may be split between
+threads (9 heads on 2 threads: 5 and 4, where whole KV heads would be 2 and 1, a third of the attention idle).
+Each thread asks for the K/V rows its heads will read at the start of the layer (`_prefetch_kv`), so they arrive
+while the Q|K|V matmul runs. Its row j gets the logits a
 decode step at that position would get, bit for bit in W8A8 (tests/test_decode_step.py). Anything else (prefill
 chunks, custom attention, more rows) takes the three-call path.
 
@@ -50,8 +55,9 @@ from numba import njit, prange
 
 from ..attention_backends import KVLayout
 from ..quant import is_w8a8
-from .attention import decode_attention_item
+from .attention import decode_attention_heads
 from .layer import _rms_norm_quant_row, _rms_norm_row, _swiglu_row
+from .simd import prefetch_l2
 from .matmul import BLOCK, COLS, ROWS, _quantize_row, rope_head, w8a8_blocks, w8a32_blocks
 from .spin import FAILED, HAS_CLOCK, SYNC_SIZE, TIMEOUT_CYCLES, barrier
 
@@ -72,6 +78,42 @@ def _norm_rows(w8a8, x, weight, eps, h, xu, sx):
 
 
 @njit(cache=True)
+def _attend_heads(q, k_rows, v_rows, block_tables, bs, context_lens, lo, hi, a):
+    """Attention for the (row, query head) pairs lo .. hi of the T * N, row-major: the runs of them that share a KV
+    head go to decode_attention_heads together (each K/V row read once per run)."""
+    N, g = q.shape[1], q.shape[1] // k_rows.shape[1]
+    h = lo
+    while h < hi:
+        t, kh, r = h // N, h % N // g, h % g
+        r_end = min(g, r + hi - h)
+        decode_attention_heads(q, k_rows, v_rows, block_tables, bs, context_lens, t, kh, r, r_end, a)
+        h += r_end - r
+
+
+@njit(cache=True)
+def _prefetch_kv(k_rows, v_rows, block_tables, bs, context_lens, N, lo, hi):
+    """Ask into L2 the K and V rows that this thread's attention heads lo .. hi will read (every position but the
+    new one, which RoPE writes), before the layer's first matmul: by the attention they have arrived. (The weights
+    stream ~130 MB through the caches every step, so the K/V of the last step are long gone; read on demand they
+    cost the attention ~2x its warm time.)"""
+    K, H = k_rows.shape[1], k_rows.shape[2]
+    g = N // K
+    kf, vf = k_rows.reshape(-1), v_rows.reshape(-1)
+    line = 64 // k_rows.itemsize
+    last = -1                                                   # the (row, KV head) done last
+    for h in range(lo, hi):
+        t, kh = h // N, h % N // g
+        if t * K + kh == last:
+            continue
+        last = t * K + kh
+        for j in range(context_lens[t] - 1):
+            base = ((block_tables[t, j // bs] * bs + j % bs) * K + kh) * H
+            for d in range(0, H, line):
+                prefetch_l2(kf, base + d)
+                prefetch_l2(vf, base + d)
+
+
+@njit(cache=True)
 def _share(w8a8, h, xu, sx, wp, wsum, sw, out, accumulate, tid, n_threads, acc):
     """Thread tid's share of out (+)= input @ W: the output blocks [tid/n, (tid+1)/n) of the matrix."""
     n_blocks = wp.shape[0]
@@ -82,7 +124,7 @@ def _share(w8a8, h, xu, sx, wp, wsum, sw, out, accumulate, tid, n_threads, acc):
         w8a32_blocks(h, wp, sw, out, accumulate, lo, hi, acc)
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")   # SiLU's divisions vectorise (see layer.SWIGLU_KERNEL)
 def _thread_step(tid, n_threads, sync, timeout, w8a8, x, cos, sin, eps, weights, head, k_pool, v_pool,
                  block_tables, bs, context_lens, qkv, q, a, gu, logits):
     """One thread's part of the decode step (see the module docstring); returns early if a barrier fails.
@@ -103,7 +145,9 @@ def _thread_step(tid, n_threads, sync, timeout, w8a8, x, cos, sin, eps, weights,
     sx, so, sd = (np.empty((T, qkv_sum.shape[1]), np.float32), np.empty((T, o_sum.shape[1]), np.float32),
                   np.empty((T, down_sum.shape[1]), np.float32))
     acc = np.empty(ROWS * COLS * BLOCK, np.float32)              # a tile's scratch (both modes' tiles: float32)
+    heads_lo, heads_hi = T * N * tid // n_threads, T * N * (tid + 1) // n_threads   # this thread's attention heads
     for layer in range(L):
+        _prefetch_kv(k_pool[layer], v_pool[layer], block_tables, bs, context_lens, N, heads_lo, heads_hi)
         # [Q|K|V] = RMSNorm(x) @ Wqkv
         _norm_rows(w8a8, x, attn_norm[layer], eps, h, xu, sx)
         _share(w8a8, h, xu, sx, qkv_w[layer], qkv_sum[layer], qkv_scale[layer], qkv, False, tid, n_threads, acc)
@@ -122,8 +166,7 @@ def _thread_step(tid, n_threads, sync, timeout, w8a8, x, cos, sin, eps, weights,
                 v_rows[slot, kh, d] = qkv[t, (N + K + kh) * H + d]
         if not barrier(sync, n_threads, timeout):                   # the rows of a verify step (one sequence)
             return                                                  # read each other's K/V: all written first
-        for item in range(tid, T * K, n_threads):
-            decode_attention_item(q, k_rows, v_rows, block_tables, bs, context_lens, item // K, item % K, a)
+        _attend_heads(q, k_rows, v_rows, block_tables, bs, context_lens, heads_lo, heads_hi, a)
         if not barrier(sync, n_threads, timeout):
             return
         # x += a @ Wo

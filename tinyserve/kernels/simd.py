@@ -6,7 +6,8 @@ A Numba *intrinsic* is a function whose body we write as LLVM IR. Two kinds live
   on AVX2, four q registers on NEON; LLVM splits the vector for the CPU). Each weight load serves R rows (the reuse
   that makes prefill compute-bound instead of memory-bound), each activation broadcast serves C column blocks.
   W8A32 (int8 weights widened on the fly) and attention's Q K^T and P V use it.
-- bit casts between float32 and int32 (fast_exp's 2^k, integer max over float bits).
+- bit casts between float32 and int32 (fast_exp's 2^k, integer max over float bits);
+- `prefetch_l2`: a software prefetch (the fused decode step asks for attention's K/V rows ahead of time).
 The int8 dot product of each instruction set is in kernels/int8_dot.py; which set, in kernels/isa.py.
 
     for i in range(D):                              # one input channel per step
@@ -125,3 +126,17 @@ def bits_float(typingctx, i):
     def codegen(context, builder, signature, args):
         return builder.bitcast(args[0], _F32)
     return types.float32(types.int32), codegen
+
+
+@intrinsic
+def prefetch_l2(typingctx, array, index):
+    """A hint: bring the cache line that holds array.flat[index] (a C-contiguous array) into L2 (x86 prefetcht1,
+    arm64 prfm pldl2keep; nothing where LLVM knows no prefetch). Never faults, whatever the address."""
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        p = builder.bitcast(builder.gep(ary.data, [args[1]]), _I8.as_pointer())
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch")
+        builder.call(fn, [p] + [ir.Constant(_I32, a) for a in (0, 2, 1)])    # read, locality 2 (L2), data
+        return context.get_dummy_value()
+    return types.void(array, types.intp), codegen
