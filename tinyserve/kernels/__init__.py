@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -54,6 +55,7 @@ numba.config.reload_config()                 # (if numba was imported before us,
 
 _threading_checked = False
 _blas_controller: ThreadpoolController | None = None
+_blas_held = threading.local()        # .depth: 1 inside single_thread_blas() on this thread
 
 
 def check_threading_layer() -> str:
@@ -84,7 +86,14 @@ def single_thread_blas():
     (threadpoolctl's plain `threadpool_limits()` rescans every loaded library: ~0.75 ms each time, measured).
     """
     global _blas_controller
+    if getattr(_blas_held, "depth", 0):   # nested in this thread (the engine's step around the forward's): on already
+        yield
+        return
     if _blas_controller is None:      # numpy (and its OpenBLAS) is loaded by now: scan the libraries once
         _blas_controller = ThreadpoolController()
     with _blas_controller.limit(limits=1, user_api="blas"):
-        yield
+        _blas_held.depth = 1
+        try:
+            yield
+        finally:
+            _blas_held.depth = 0
