@@ -214,22 +214,26 @@ def decode_attention_heads(q, k_rows, v_rows, block_tables, bs, context_lens, b,
     S = context_lens[b]
     p = np.empty((n, S), np.float32)                          # scores, then exp(score - max)
     acc = np.zeros((n, H), np.float32)
-    for j in range(S):                                        # 1. scores: dot products ("reassoc": 16 lanes)
-        slot = block_tables[b, j // bs] * bs + j % bs
-        for r in range(n):
-            s = np.float32(0.0)
-            for d in range(H):
-                s += q[b, kh * g + r_lo + r, d] * k_rows[slot, kh, d]
-            p[r, j] = s
+    for j0 in range(0, S, bs):                                # 1. scores: dot products ("reassoc": 16 lanes)
+        first = block_tables[b, j0 // bs] * bs                # (block by block, not j // bs per position: ~15 %
+        for j in range(j0, min(S, j0 + bs)):                  # faster at 64 positions, Zen 3)
+            slot = first + j - j0
+            for r in range(n):
+                s = np.float32(0.0)
+                for d in range(H):
+                    s += q[b, kh * g + r_lo + r, d] * k_rows[slot, kh, d]
+                p[r, j] = s
     inv = np.empty(n, np.float32)
     for r in range(n):                                        # 2. softmax, vectorised (fast_exp)
         inv[r] = np.float32(1.0) / exp_row(p[r], S, scale, scale * row_max(p[r], S))
-    for j in range(S):                                        # 3. P V: each V row serves the n heads
-        slot = block_tables[b, j // bs] * bs + j % bs
-        for r in range(n):
-            w = p[r, j]
-            for d in range(H):
-                acc[r, d] += w * v_rows[slot, kh, d]
+    for j0 in range(0, S, bs):                                # 3. P V: each V row serves the n heads
+        first = block_tables[b, j0 // bs] * bs
+        for j in range(j0, min(S, j0 + bs)):
+            slot = first + j - j0
+            for r in range(n):
+                w = p[r, j]
+                for d in range(H):
+                    acc[r, d] += w * v_rows[slot, kh, d]
     for r in range(n):
         for d in range(H):
             out[b, kh * g + r_lo + r, d] = acc[r, d] * inv[r]

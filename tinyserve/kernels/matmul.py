@@ -15,8 +15,6 @@ the kernels stream the weights once (memory-bound), at prefill (T = hundreds) th
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from numba import njit, prange
 
@@ -98,9 +96,9 @@ def _quantize_row(h, xu_row, sx_row):
             top = max(top, float_bits(h[i]) & np.int32(0x7FFFFFFF))
         amax = bits_float(top)
         s = amax / np.float32(127.0) if amax > 0 else np.float32(1.0)
-        for i in range(b * kb, (b + 1) * kb):
-            q = math.floor(h[i] / s + np.float32(0.5))
-            xu_row[i] = np.uint8(min(max(q, -127), 127) + 128)
+        for i in range(b * kb, (b + 1) * kb):   # clamped as a float, then one conversion (as quant.quantize_rows:
+            q = np.floor(h[i] / s + np.float32(0.5))   # math.floor's int64 and an integer clamp ran 1.5x slower)
+            xu_row[i] = np.uint8(np.int32(min(max(q, np.float32(-127.0)), np.float32(127.0))) + 128)
         sx_row[b] = s
 
 
