@@ -272,7 +272,8 @@ def _settings_and_report(rounds=2):
     return st, bp.Report(st, prompts=bp.make_token_ids(list(range(10, 40)), st))
 
 
-def test_rounds_measure_every_engine_on_every_workload_and_drop_a_failing_one(capsys):
+def test_rounds_measure_every_engine_on_every_workload_and_drop_a_failing_one(capsys, monkeypatch):
+    monkeypatch.setattr(bp, "COOLDOWN_S", 0.0)                 # the fake engines leave no threads spinning
     st, rep = _settings_and_report(rounds=3)
     engines = {"llama.cpp": FakeEngine(100.0, fail_on_call=4), "PyTorch": FakeEngine(50.0),
                "tinyserve": FakeEngine(75.0)}

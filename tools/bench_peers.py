@@ -374,6 +374,12 @@ def greedy_check(engines: dict, report: Report, prompt: list[int], decode) -> di
     return agree
 
 
+# A pause before every measurement: the engine that ran last may keep its threads spinning for a while after its
+# answer (OpenMP workers, llama.cpp's thread pool), on the 2 cores the next engine needs. Each engine follows
+# another in turn, so the pause is fair to all of them.
+COOLDOWN_S = 1.0
+
+
 def run_rounds(engines: dict, report: Report) -> None:
     """R rounds; in each, every workload on every engine, the engine order rotating from round to round."""
     st = report.settings
@@ -385,6 +391,7 @@ def run_rounds(engines: dict, report: Report) -> None:
             for name in order:
                 if name not in engines:                 # dropped earlier in this round
                     continue
+                time.sleep(COOLDOWN_S)
                 try:
                     s = measure(engines[name], key, report.prompts[key], st, rnd, name)
                 except PeerError as e:
