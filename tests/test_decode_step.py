@@ -48,8 +48,8 @@ def tiny_fast():
 
 
 @njit(cache=True)
-def _exp32_array(x):
-    out = np.empty_like(x)
+def _exp32_array(x, out=None):
+    out = np.empty_like(x) if out is None else out
     for i in range(x.size):
         out.flat[i] = exp32(x.flat[i])
     return out
