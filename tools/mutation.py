@@ -8,7 +8,8 @@
 
 The mutants are made by cosmic-ray's mutation operators (cosmic_ray.mutating.mutate_code, one operator occurrence
 per mutant) applied to the reference function or class behind each exercise (the REFERENCE table of
-tests/lessons/test_lesson_NN.py, the same one the learner switch reads). Each mutant is written into a patch file and
+tests/lessons/test_lesson_NN.py, the same one the learner switch reads; for a reference that only wraps a helper, the
+helper: DELEGATES). Each mutant is written into a patch file and
 judged exactly as a kept wrong answer is (tools/check.py, TINYSERVE_IMPL=patch): that exercise's checks, in a
 process of its own (forked, so the imports are paid once), with a timeout. cosmic-ray's own runner is not used: it
 rewrites whole modules in place and runs the tests against the reference, not through the learner switch.
@@ -150,6 +151,13 @@ class Mutant:
         return (self.exercise, self.before, self.after, self.occurrence)
 
 
+# A reference that only wraps a helper of its own module (kv_cache.generate is list(generate_stream(...))): the
+# helper holds what the exercise asks the learner to write, so the helper is mutated, and each patch defines the
+# mutated helper and then the reference's own wrapper, which calls it
+DELEGATES = {"tinyserve.kv_cache:generate": "generate_stream",
+             "tinyserve.block_hash_cache:block_hashes": "chain_hashes"}
+
+
 @dataclass
 class Target:
     exercise: str
@@ -157,18 +165,27 @@ class Target:
     name: str
     path: Path
     first_line: int
-    source: str          # the definition, decorators included
+    source: str          # the definition that is mutated, decorators included
+    wrapper: str = ""    # DELEGATES: the reference's own definition, appended unchanged after the mutated helper
 
 
-def target(exercise: str, ref: str) -> Target:
-    obj = _resolve(ref)
-    module = obj.__module__
+def _definition(obj) -> tuple[Path, int, str]:
     path = Path(inspect.getsourcefile(obj))
     lines = path.read_text().splitlines(keepends=True)
     node = next(n for n in ast.parse("".join(lines)).body
                 if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == obj.__name__)
     start = min([node.lineno] + [d.lineno for d in node.decorator_list])
-    return Target(exercise, module, obj.__name__, path, start, "".join(lines[start - 1:node.end_lineno]))
+    return path, start, "".join(lines[start - 1:node.end_lineno])
+
+
+def target(exercise: str, ref: str) -> Target:
+    obj = _resolve(ref)
+    wrapper = ""
+    if ref in DELEGATES:
+        wrapper = _definition(obj)[2]
+        obj = getattr(importlib.import_module(obj.__module__), DELEGATES[ref])
+    path, start, source = _definition(obj)
+    return Target(exercise, obj.__module__, obj.__name__, path, start, source, wrapper)
 
 
 def _resolve(ref: str):
@@ -255,7 +272,7 @@ def patch_file(t: Target, source: str, folder: Path) -> Path:
     future = "from __future__ import annotations\n" if "from __future__ import annotations" in t.path.read_text() else ""
     text = (f"{future}import importlib as _importlib\n"
             f"globals().update({{_k: _v for _k, _v in vars(_importlib.import_module({t.module!r})).items()"
-            f" if not _k.startswith('__')}})\n\n{source}")
+            f" if not _k.startswith('__')}})\n\n{source}" + (f"\n\n{t.wrapper}" if t.wrapper else ""))
     path = folder / f"mutant_{os.getpid()}_{time.monotonic_ns()}.py"
     path.write_text(text)
     return path
@@ -358,6 +375,10 @@ def run_exercise(lesson: int, exercise: str, ref: str, folder: Path, eq: dict, s
         return score
     timeout = max(30.0, 5 * base + 10)
     ms = mutants(t)
+    if not ms:          # nothing to judge is not a score: a wrapper around the real work, say (DELEGATES)
+        print(f"  ERROR {exercise}: {t.name} gave no mutants (if it only wraps a helper, name that in DELEGATES)")
+        score.counts["error"] = 1
+        return score
     if sample is not None and len(ms) > sample:   # an even spread over the definition, the same on every run
         ms = [ms[round(i * (len(ms) - 1) / (sample - 1))] for i in range(sample)] if sample > 1 else ms[:1]
     for m in ms:

@@ -32,6 +32,19 @@ def test_the_mutants_are_the_reference_changed_in_one_place():
     assert len({m.key for m in ms}) == len(ms), "no mutant twice"
 
 
+def test_every_exercise_gives_mutants(tmp_path):
+    """A reference with nothing to mutate would score 100 % on no evidence: one that only wraps a helper names it
+    in DELEGATES, and then the helper is mutated and the patch calls it through the reference's own wrapper."""
+    from tinyserve.course import course_lessons, exercise_table
+    empty = [name for lesson in course_lessons() for name, ref in exercise_table(lesson).items()
+             if not mutation.mutants(mutation.target(name, ref))]
+    assert not empty, f"these exercises' references give no mutants: {empty}"
+    t = mutation.target("generate", "tinyserve.kv_cache:generate")
+    assert t.name == "generate_stream" and "def generate(" in t.wrapper
+    text = mutation.patch_file(t, t.source, tmp_path).read_text()
+    assert text.index("def generate_stream(") < text.index("def generate(")
+
+
 @pytest.mark.slow
 def test_a_small_exercise_kills_its_mutants_through_the_learner_switch():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
