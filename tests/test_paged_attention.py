@@ -201,3 +201,15 @@ def test_slot_mapping_and_write_kv_errors():
         write_kv(pool, pool.copy(), np.array([0, 1]), np.zeros((1, 1, 2), np.float32), np.zeros((1, 1, 2), np.float32))
     with pytest.raises(ValueError, match="unknown attention backend"):
         get_paged_attention("cuda")
+
+
+def test_batch_attention_extra_seconds_times_b_calls_against_one(tiny):
+    """Lessons 8 and 9's third step-time term: one sequence is the same call both ways (exactly 0), more sequences
+    give a finite time, and a batch of no sequences or no context is refused in words."""
+    from tinyserve.attention_backends import batch_attention_extra_seconds
+    assert batch_attention_extra_seconds(tiny.config, 1, context=20) == 0.0
+    extra = batch_attention_extra_seconds(tiny.config, 4, context=20, repeat=3)
+    assert np.isfinite(extra) and abs(extra) < 1.0
+    for bad in ({"n_seqs": 0, "context": 20}, {"n_seqs": 2, "context": 0}):
+        with pytest.raises(ValueError, match="batch_attention_extra_seconds"):
+            batch_attention_extra_seconds(tiny.config, **bad)

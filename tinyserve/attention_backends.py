@@ -93,3 +93,29 @@ def check_block_tables(block_tables, context_lens, query_starts, num_rows: int, 
                          f"(needs {nblocks[b]} valid ids in [0, {nb}))")
 
 
+
+
+def batch_attention_extra_seconds(config, n_seqs: int, context: int, backend: str = "numpy", block_size: int = 16,
+                                  repeat: int = 50) -> float:
+    """Lessons 8 and 9: what a decode step of n_seqs sequences spends in attention beyond one sequence's forward of
+    n_seqs rows (speculative.measure_verify_costs). The batch calls attention once per sequence and layer, each
+    over its own block table; the one sequence, once per layer. Both timed on this backend's unchecked attention
+    (the Engine's), at `context` positions, their difference times the layers. The K/V are zeros: the time does
+    not depend on the values."""
+    from .config import check_positive_int
+    from .measure import time_repeated
+    n_seqs = check_positive_int("n_seqs", n_seqs, "batch_attention_extra_seconds")
+    context = check_positive_int("context", context, "batch_attention_extra_seconds")
+    if n_seqs == 1:
+        return 0.0                                           # the very same call
+    attend = get_paged_attention(backend, checked=False)
+    per_seq = blocks_for(context, block_size)
+    pool = np.zeros((n_seqs * per_seq, block_size, config.n_kv_heads, config.head_dim), np.float32)
+    rng = np.random.default_rng(0)
+
+    def one_layer(seqs: int, rows: int) -> float:
+        q = rng.standard_normal((seqs * rows, config.n_heads, config.head_dim)).astype(np.float32)
+        args = (q, pool, pool, np.arange(seqs * per_seq, dtype=np.int64).reshape(seqs, per_seq),
+                np.full(seqs, context, np.int64), np.arange(0, seqs * rows + 1, rows, dtype=np.int64))
+        return time_repeated(lambda: attend(*args), repeat, warmup=5).median
+    return config.n_layers * (one_layer(n_seqs, 1) - one_layer(1, n_seqs))

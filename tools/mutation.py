@@ -183,7 +183,7 @@ def target(exercise: str, ref: str) -> Target:
     wrapper = ""
     if ref in DELEGATES:
         wrapper = _definition(obj)[2]
-        obj = getattr(importlib.import_module(obj.__module__), DELEGATES[ref])
+        obj = _resolve(f"{obj.__module__}:{DELEGATES[ref]}")
     path, start, source = _definition(obj)
     return Target(exercise, obj.__module__, obj.__name__, path, start, source, wrapper)
 
