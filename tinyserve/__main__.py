@@ -223,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     k = sub.add_parser("compile", help="compile one path's Numba kernels into the on-disk cache (the first run does "
                                        "it in the background by itself)")
-    k.add_argument("--quant", default="auto", choices=["auto", "int8", "w8a8", "w8a8-64"])
+    k.add_argument("--quant", default="auto", choices=["auto", "int8", "w8a8", "w8a8-64", "w4a8"])
     k.add_argument("--workload", default="kv", choices=["kv", "engine"],
                    help="kv: generate's kernels; engine: also the paged attention of chat, serve and bench")
     k.add_argument("--start", action="store_true", help="start it in the background and return (nothing if warm)")

@@ -11,17 +11,18 @@ import argparse
 from .weights import DEFAULT_WEIGHTS_DIR
 
 # --- lesson 7: the backend and the quantisation --------------------------------------------------------------------
-QUANTS = ("auto", "none", "int8", "w8a8", "w8a8-64")
+QUANTS = ("auto", "none", "int8", "w8a8", "w8a8-64", "w4a8")
 
 
 def add_backend_options(p: argparse.ArgumentParser) -> None:
-    # auto by default: the fastest mode within int8's accuracy bounds on this CPU (quant.default_quant): W8A8-64
-    # where the kernels have a byte dot product (1.3-1.5x int8 on an AVX-512 VNNI Xeon, at 0.5 % perplexity),
-    # else int8; lesson 7's "outliers" table measures every mode
+    # auto by default: the fastest mode within int8's accuracy bounds on this CPU (quant.default_quant): W4A8 for
+    # weights that are Q4_1 already (SmolLM2's: the model's own weights, 4.5 bits each), else W8A8-64 where the
+    # kernels have a byte dot product, else int8; lesson 7's "outliers" table measures every mode
     p.add_argument("--quant", default="auto", choices=QUANTS,
                    help="quantisation (lesson 7; default auto: the fastest accurate mode on this CPU; int8: int8 "
                         "weights, float32 activations; w8a8-64: int8 activations too, one scale per 64 values; "
-                        "w8a8: one scale per token, faster, less accurate; none = float32, the reference)")
+                        "w8a8: one scale per token, faster, less accurate; w4a8: the GGUF's own 4-bit weights (Q4_1), "
+                        "int8 activations; none = float32, the reference)")
     p.add_argument("--backend", default="numba", choices=["numpy", "numba"],
                    help="numba: the fused kernels (default); numpy: the readable reference")
 
@@ -49,7 +50,8 @@ def load_for_cli(args):
 def describe_backend(model) -> str:
     """Which path runs (lesson 7): the fast one is the default, `--quant none --backend numpy` the reference."""
     what = {"none": "float32", "int8": "int8 weights (W8A32)", "w8a8": "int8 weights and activations (W8A8)",
-            "w8a8-64": "int8 weights and activations, a scale per 64 (W8A8-64)"}
+            "w8a8-64": "int8 weights and activations, a scale per 64 (W8A8-64)",
+            "w4a8": "the GGUF's 4-bit weights (Q4_1) and int8 activations (W4A8)"}
     if model.backend != "numba":
         return f"{what[model.quant]}, {model.backend} backend"
     from .kernels import isa                   # which instruction set the kernels were built for (lesson 7)

@@ -77,8 +77,8 @@ def warm_up(quant: str, workload: str = "kv", log=None) -> float:
     from .sampling import SamplingParams
     from .weights import tiny_model
 
-    if quant not in ("int8", "w8a8", "w8a8-64") or workload not in WORKLOADS:
-        raise ValueError(f"warm_up: quant must be int8, w8a8 or w8a8-64 and workload one of {WORKLOADS}, got "
+    if quant not in ("int8", "w8a8", "w8a8-64", "w4a8") or workload not in WORKLOADS:
+        raise ValueError(f"warm_up: quant must be int8, w8a8, w8a8-64 or w4a8 and workload one of {WORKLOADS}, got "
                          f"{quant!r}, {workload!r}")
     # a tiny model whose matrices' inputs split into blocks of 64 (w8a8-64); the kernels compile for types, not sizes
     model = set_backend(tiny_model(seed=0, dim=128, intermediate_size=192), quant, "numba")

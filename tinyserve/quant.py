@@ -38,12 +38,15 @@ import numpy as np
 
 from .model import LayerWeights, Model
 
-QUANT_MODES = ("none", "int8", "w8a8", "w8a8-64")
-ACT_BLOCKS = {"w8a8": None, "w8a8-64": 64}   # the W8A8 modes: activation values per scale (None: the whole row)
+Q4_GROUP = 32      # w4a8: inputs per Q4_1 block (one scale d and one minimum m), and activation values per scale
+
+QUANT_MODES = ("none", "int8", "w8a8", "w8a8-64", "w4a8")
+# the modes with int8 activations: activation values per scale (None: the whole row)
+ACT_BLOCKS = {"w8a8": None, "w8a8-64": 64, "w4a8": Q4_GROUP}
 
 
 def is_w8a8(mode: str) -> bool:
-    """Are the activations quantised too (an int8 x int8 product)?"""
+    """Are the activations quantised to int8 too (an integer product: W8A8, and W4A8's 4-bit x 8-bit)?"""
     return mode in ACT_BLOCKS
 
 
@@ -120,6 +123,73 @@ def matmul_reference(x: np.ndarray, q: QuantizedLinear) -> np.ndarray:
     return y * q.scale
 
 
+# --- W4A8: the layers' weights as the GGUF ships them (Q4_1), int8 activations -------------------------------------
+#
+# SmolLM2's only offline copy stores every layer matrix as Q4_1 (weights.py): per run of 32 inputs of an output
+# channel, 32 nibbles q in 0..15 and two float16, d and m, with w = d * q + m. The float32 weights are those values
+# exactly, so `quantize_q4_1` (llama.cpp's rule: m = min, d = (max - min) / 15 rounded to float16, q = round((w -
+# m) / d)) gets back the very blocks, and w4a8 computes with the model's own weights at 4.5 bits each: ~66 MB for
+# the layers where int8 reads ~106 MB. Only the activations are rounded (int8 per run of 32, as w8a8-64 per 64):
+#     y[t, o] = sum_b float32(sum_{i in b} xq[t, i] q[i, o]) * (d[b, o] sx[t, b]) + m[b, o] * (sx[t, b] sum_{i in b} xq[t, i])
+# each block's dot product an exact integer, the blocks added in float32 in order: kernels/int4_dot.py's tile
+# reproduces it bit for bit. The LM head (a Q8_0 table in the GGUF) stays int8 per channel, activations per 32.
+
+@dataclass
+class Q4Linear:
+    """A [D_in, O] weight matrix as Q4_1 blocks of 32 inputs: W[i, o] = d[i // 32, o] * q[i, o] + m[i // 32, o]."""
+    q: np.ndarray        # [D_in, O] uint8, 0..15
+    d: np.ndarray        # [D_in / 32, O] float32 (float16 values)
+    m: np.ndarray        # [D_in / 32, O] float32 (float16 values)
+    mode: str = "w4a8"
+
+    __array_ufunc__ = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape
+
+    @property
+    def nbytes(self) -> int:              # as the kernels hold it: two nibbles a byte, d and m as float16
+        return self.q.size // 2 + (self.d.size + self.m.size) * 2
+
+    def __rmatmul__(self, x: np.ndarray) -> np.ndarray:
+        return matmul_reference_w4a8(x, self)
+
+    def dequantize(self) -> np.ndarray:
+        D, O = self.q.shape
+        b = self.q.reshape(D // Q4_GROUP, Q4_GROUP, O).astype(np.float32)
+        return (self.d[:, None] * b + self.m[:, None]).reshape(D, O)
+
+
+def quantize_q4_1(w: np.ndarray) -> Q4Linear:
+    """[D_in, O] float32 -> Q4Linear by llama.cpp's Q4_1 rule; exact (dequantize() == w) on weights that are Q4_1
+    already, as SmolLM2's layers are."""
+    D, O = w.shape
+    if D % Q4_GROUP:
+        raise ValueError(f"w4a8: {D} inputs do not split into blocks of {Q4_GROUP}")
+    b = np.ascontiguousarray(w, np.float32).reshape(D // Q4_GROUP, Q4_GROUP, O)
+    lo, hi = b.min(axis=1), b.max(axis=1)
+    d = ((hi - lo) / np.float32(15)).astype(np.float16).astype(np.float32)
+    m = lo.astype(np.float16).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(d[:, None] > 0, np.rint((b - m[:, None]) / d[:, None]), 0)
+    return Q4Linear(np.clip(q, 0, 15).astype(np.uint8).reshape(D, O), d, m)
+
+
+def matmul_reference_w4a8(x: np.ndarray, q: Q4Linear) -> np.ndarray:
+    """x [T, D_in] float32 @ q -> [T, O] float32: the readable definition kernels/int4_dot.py is tested against."""
+    T, D = x.shape
+    nb = D // Q4_GROUP
+    xq, sx = quantize_blocks(x, nb)                                                  # sx [T, nb]
+    xs = sx * xq.reshape(T, nb, Q4_GROUP).sum(axis=2, dtype=np.int32).astype(np.float32)
+    y = np.zeros((T, q.q.shape[1]), np.float32)
+    for j in range(nb):
+        blk = slice(j * Q4_GROUP, (j + 1) * Q4_GROUP)
+        dot = (xq[:, blk].astype(np.float64) @ q.q[blk].astype(np.float64)).astype(np.int32).astype(np.float32)
+        y = y + (dot * (q.d[j] * sx[:, j:j + 1]) + q.m[j] * xs[:, j:j + 1])
+    return y
+
+
 def quantize_model(model: Model, mode: str) -> Model:
     """The same model with every matmul weight quantised (attention, MLP and the tied LM head); the embedding
     lookup table and the norms stay float32 (a lookup reads T rows, not the whole table)."""
@@ -128,8 +198,8 @@ def quantize_model(model: Model, mode: str) -> Model:
     if mode == "none":
         return model
     check_blocks(model, mode)
-    layers = [dataclasses.replace(w, **{f: quantize_weight(getattr(w, f), mode) for f in MATRICES})
-              for w in model.layers]
+    layer_q = quantize_q4_1 if mode == "w4a8" else lambda w: quantize_weight(w, mode)
+    layers = [dataclasses.replace(w, **{f: layer_q(getattr(w, f)) for f in MATRICES}) for w in model.layers]
     return dataclasses.replace(model, layers=layers, lm_head_q=quantize_weight(model.embed.T, mode), quant=mode,
                                fast=None)
 
@@ -155,6 +225,9 @@ def check_blocks(model: Model, mode: str) -> None:
 
 def with_mode(model: Model, mode: str) -> Model:
     """A quantised model switched between "int8", "w8a8" and "w8a8-64" (same int8 weights, other activations)."""
+    if "w4a8" in (mode, model.quant):
+        raise ValueError(f"a {model.quant} model cannot become {mode}: w4a8 holds other weights (4-bit) than the int8 "
+                         f"modes; load the float32 weights again with quant={mode!r}")
     check_blocks(model, mode)
     layers = [dataclasses.replace(w, **{f: dataclasses.replace(getattr(w, f), mode=mode) for f in MATRICES})
               for w in model.layers]
@@ -269,7 +342,7 @@ def load_or_quantize(model: Model, weights_dir: str | Path | None, mode: str) ->
     if mode == "none":
         return model
     check_blocks(model, mode)
-    if weights_dir is None:
+    if weights_dir is None or mode == "w4a8":          # (w4a8 reads its blocks back from the float32 weights: ~2 s)
         return quantize_model(model, mode)
     from safetensors.numpy import load_file, save_file
     d = Path(weights_dir)
@@ -303,24 +376,39 @@ def load_or_quantize(model: Model, weights_dir: str | Path | None, mode: str) ->
 BACKENDS = ("numpy", "numba")
 
 
+def is_q4_1(model: Model) -> bool:
+    """Are every layer matrix's weights Q4_1 blocks already (quantize_q4_1 gives them back exactly)? SmolLM2's are
+    (weights.py: the GGUF's layers are Q4_1); a random or a float16 model's are not. ~1 s for SmolLM2."""
+    return all(np.array_equal(quantize_q4_1(getattr(w, f)).dequantize(), getattr(w, f))
+               for w in model.layers for f in MATRICES)
+
+
 def default_quant(model: Model | None = None, backend: str = "numba") -> str:
     """quant="auto" (the CLI's default): the fastest mode whose accuracy stays within int8's bounds (top-1 >= 95 %,
-    perplexity <= 1.02x float32: tests/test_quant_accuracy.py pins them for int8 and w8a8-64; per-token w8a8 misses
-    them). On the numba backend that is w8a8-64 wherever the kernels multiply bytes with a dot-product instruction
-    (kernels/isa.py: vpdpbusd, vpmaddubsw + vpmaddwd, sdot), where it measured faster than int8 at batch 1, 16 and
-    prefill 512 (lesson 7's tables); int8 on the `generic` kernels (plain loops: W8A8 measured slower than int8
-    there) or for a model whose matrices' inputs do not split into blocks of 64. On the numpy backend, float32: the
-    NumPy int8 paths are readable references, slower than BLAS."""
+    perplexity <= 1.02x float32: tests/test_quant_accuracy.py pins them for int8, w8a8-64 and w4a8; per-token w8a8
+    misses them). On the numba backend:
+    - w4a8 for a model whose layers are Q4_1 already (is_q4_1; SmolLM2, the model of the course, when model is
+      None): it computes with the model's own weights, and reads the fewest bytes (~95 MB a decode step where
+      w8a8-64 reads ~135): measured faster than w8a8-64 at batch 1, 16 and prefill 512 on AVX2 (README);
+    - else w8a8-64 wherever the kernels multiply bytes with a dot-product instruction (kernels/isa.py: vpdpbusd,
+      vpmaddubsw + vpmaddwd, sdot), where it measured faster than int8 at batch 1, 16 and prefill 512 (lesson 7);
+    - int8 on the `generic` kernels (plain loops: W8A8 measured slower than int8 there) or for a model whose
+      matrices' inputs do not split into blocks of 64.
+    On the numpy backend, float32: the NumPy int8 paths are readable references, slower than BLAS."""
     if backend != "numba":
         return "none"
     from .kernels import isa
     if isa.NAME == "generic":
         return "int8"
-    if model is not None:
-        try:
-            check_blocks(model, "w8a8-64")
-        except ValueError:
-            return "int8"
+    if model is None or model.quant == "w4a8":
+        return "w4a8"
+    try:
+        check_blocks(model, "w4a8")
+        if model.quant == "none" and is_q4_1(model):
+            return "w4a8"
+        check_blocks(model, "w8a8-64")
+    except ValueError:
+        return "int8"
     return "w8a8-64"
 
 

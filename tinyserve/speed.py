@@ -29,7 +29,7 @@ from .roofline import kv_bytes_per_token, measure_bandwidth
 from .sampling import SamplingParams
 
 BACKENDS = {"fp32-NumPy": ("none", "numpy"), "int8-Numba": ("int8", "numba"), "W8A8-Numba": ("w8a8", "numba"),
-            "W8A8-64-Numba": ("w8a8-64", "numba")}
+            "W8A8-64-Numba": ("w8a8-64", "numba"), "W4A8-Numba": ("w4a8", "numba")}
 
 
 def cpu_name() -> str:

@@ -321,7 +321,7 @@ _TENSOR_SUFFIX = {
 def load_model(weights_dir: str | Path = DEFAULT_WEIGHTS_DIR, quant: str = "none", backend: str = "numpy") -> Model:
     """Config + float32 weights from a converted folder. Matrices are stored [in, out] so that y = x @ W.
 
-    quant="int8" | "w8a8" | "w8a8-64" quantises the matmul weights (lesson 7; cached on disk beside the float32 ones)
+    quant="int8" | "w8a8" | "w8a8-64" | "w4a8" quantises the matmul weights (lesson 7; int8 cached on disk beside the float32 ones)
     and backend="numba" runs them with the fused Numba kernels ("auto": the fastest accurate mode on this CPU,
     quant.default_quant); the defaults give the float32 NumPy reference."""
     from .quant import set_backend

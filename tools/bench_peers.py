@@ -133,7 +133,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prefill-len", type=int, default=None, help="prompt tokens in the prefill workload (512)")
     ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {', '.join(ENGINES)}")
     # the defaults are the CLI's (`generate`, `chat`, `bench`): the fast path a user runs, not load_model's reference
-    ap.add_argument("--quant", default="auto", choices=["auto", "none", "int8", "w8a8", "w8a8-64"],
+    ap.add_argument("--quant", default="auto", choices=["auto", "none", "int8", "w8a8", "w8a8-64", "w4a8"],
                     help="ts.load_model(quant=...)")
     ap.add_argument("--backend", default="numba", choices=["numpy", "numba"],
                     help="ts.load_model and ts.Engine (backend=...)")

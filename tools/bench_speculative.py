@@ -122,7 +122,7 @@ def main() -> None:
     ap.add_argument("--ks", default="1,2,4,8,16,32", help="k values for the n-gram drafter")
     ap.add_argument("--early-exit-ks", default="1,2", help="k values for the early-exit drafter (it costs more)")
     ap.add_argument("--int8-ks", default="2,4", help="k values for the int8 drafter")
-    ap.add_argument("--target", default="fp32", choices=["fp32", "auto", "int8", "w8a8", "w8a8-64"],
+    ap.add_argument("--target", default="fp32", choices=["fp32", "auto", "int8", "w8a8", "w8a8-64", "w4a8"],
                     help="the target model: float32 NumPy (default), or lesson 7's quantised weights on the Numba "
                          "backend (auto: the CLI's default mode on this CPU)")
     ap.add_argument("--adaptive-k-max", type=int, default=32)

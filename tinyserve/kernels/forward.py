@@ -25,8 +25,8 @@ from . import decode_step, isa, single_thread_blas
 from .layer import (lm_head, lm_head_w8a32, mlp_down, mlp_down_w8a32, post_attention, post_attention_w8a32,
                     pre_attention, pre_attention_w8a32)
 from ..model import forward as float32_forward
-from ..quant import act_blocks, dequantize_model, is_w8a8
-from .matmul import block_sums, pack_vnni, pack_w8a32
+from ..quant import Q4_GROUP, Q4Linear, act_blocks, dequantize_model, is_w8a8
+from .matmul import block_sums, pack_vnni, pack_w4a8, pack_w8a32
 
 
 # SiLU's exp on the three-call W8A8 path: NumPy's own, so that the result is the NumPy reference's bit for bit. (The
@@ -68,7 +68,7 @@ class PackedLayer:
 
 @dataclass(slots=True)
 class FastWeights:
-    mode: str              # "int8" | "w8a8" | "w8a8-64"
+    mode: str              # "int8" | "w8a8" | "w8a8-64" | "w4a8"
     layers: list[PackedLayer]
     lm_head: PackedLinear  # [D, V]
     # the same arrays stacked over the L layers, for the fused decode step (kernels/decode_step.py), whose one call
@@ -81,6 +81,10 @@ class FastWeights:
 
 def _pack(mode: str, *qs) -> PackedLinear:
     """QuantizedLinears side by side (same input) -> one packed matrix: a fused projection."""
+    if isinstance(qs[0], Q4Linear):                     # w4a8's layers: [O/16, D_in/32, 320] (3-d: the kernels'
+        cat = lambda f: np.concatenate([getattr(q, f) for q in qs], axis=1)        # noqa: E731   sign of W4A8)
+        return PackedLinear(pack_w4a8(cat("q"), cat("d"), cat("m")), np.zeros((qs[0].q.shape[0] // Q4_GROUP, 0),
+                                                                             np.int32), np.zeros(0, np.float32))
     wq = np.concatenate([q.wq for q in qs], axis=1)                                  # [D_in, sum O]
     scale = np.concatenate([q.scale for q in qs])
     if not is_w8a8(mode):
@@ -91,7 +95,7 @@ def _pack(mode: str, *qs) -> PackedLinear:
 def _stack(linears: list[PackedLinear]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One matrix of every layer -> (w [L, O/16, bytes per block], wsum [L, nb, O], scale [L, O]); each layer's
     PackedLinear then keeps views into the stack (no second copy of the weights)."""
-    w = np.stack([p.w.reshape(p.w.shape[0], -1) for p in linears])
+    w = np.stack([p.w if p.w.ndim == 3 else p.w.reshape(p.w.shape[0], -1) for p in linears])
     wsum, scale = np.stack([p.wsum for p in linears]), np.stack([p.scale for p in linears])
     for i, p in enumerate(linears):
         p.w, p.wsum, p.scale = w[i].reshape(p.w.shape), wsum[i], scale[i]

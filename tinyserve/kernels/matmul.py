@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from .int4_dot import GROUP, GROUP_BYTES, make_w4a8_tile
 from .int8_dot import TILE_OFFSET, make_int8_tile
 from .simd import bits_float, float_bits, make_fma_microkernel
 
@@ -193,9 +194,14 @@ def matmul_w8a8_body(xu, sx, wp, wsum, sw, out, accumulate):
 
 @njit(cache=True)
 def w8a8_blocks(xu, sx, wp, wsum, sw, out, accumulate, b_lo, b_hi, acc):
-    """The W8A8 matmul restricted to output blocks b_lo .. b_hi (every row), on the calling thread: one thread's
-    share of a matmul in kernels/decode_step.py. A function call, not inlined: the decode step has 5 matmuls per
+    """The W8A8 (or, for pack_w4a8's weights, W4A8) matmul restricted to output blocks b_lo .. b_hi (every row), on
+    the calling thread: one thread's share of a matmul in kernels/decode_step.py. A function call, not inlined: the decode step has 5 matmuls per
     mode, and inlining the tiles into each made its first compile take ~70 s."""
+    if wp.ndim == 3:                                 # W4A8 weights (pack_w4a8; Numba keeps one branch)
+        xs = np.empty_like(sx)
+        _activation_sums(xu, sx, xs)
+        w4a8_blocks(xu, sx, xs, wp, out, accumulate, b_lo, b_hi, acc)
+        return
     T, D = xu.shape
     xf, wf = xu.ravel(), wp.ravel()
     for b0 in range(b_lo, b_hi, COLS):
@@ -205,7 +211,15 @@ def w8a8_blocks(xu, sx, wp, wsum, sw, out, accumulate, b_lo, b_hi, acc):
 
 @njit(cache=True, parallel=True)
 def _matmul_w8a8(xu, sx, wp, wsum, sw, out, accumulate):
-    matmul_w8a8_body(xu, sx, wp, wsum, sw, out, accumulate)
+    """The int8-activation matmul of layer.py's kernels: W8A8, or W4A8 for weights packed by pack_w4a8 (3-d: Numba
+    compiles only the branch of the weights' type, so the callers need no second version)."""
+    if wp.ndim == 3:
+        xs = np.empty_like(sx)
+        for t in prange(xu.shape[0]):
+            block_sums_row(xu[t], sx[t], xs[t])
+        matmul_w4a8_body(xu, sx, xs, wp, out, accumulate)
+    else:
+        matmul_w8a8_body(xu, sx, wp, wsum, sw, out, accumulate)
 
 
 def matmul_w8a8(xu: np.ndarray, sx: np.ndarray, wp: np.ndarray, wsum: np.ndarray, sw: np.ndarray,
@@ -352,4 +366,113 @@ def matmul_w8a32(x: np.ndarray, wp: np.ndarray, sw: np.ndarray, out: np.ndarray 
     if out is None:
         out = np.empty((x.shape[0], wp.shape[0] * BLOCK), np.float32)
     _matmul_w8a32_auto(x, wp, sw, out, accumulate)
+    return out
+
+
+# --- W4A8 --------------------------------------------------------------------------------------------------------
+# 4-bit weights as the GGUF ships them (Q4_1: w = d * q + m per run of 32 inputs), int8 activations per run of 32:
+# the tile is kernels/int4_dot.py's; the rest mirrors W8A8 above.
+
+_q4_RC, _q4_1C, _q4_11 = make_w4a8_tile(ROWS, COLS), make_w4a8_tile(1, COLS), make_w4a8_tile(1, 1)
+
+
+def pack_w4a8(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """q [D, O] uint8 (0..15), d and m [D/32, O] (float16 values) -> [O/16, D/32, 320] uint8: per block of 16
+    outputs and run of 32 inputs, d[16] and m[16] as float16, then the 8 4-input steps of pack_vnni's layout two to
+    a byte (step 2j in the low nibble, 2j + 1 in the high one)."""
+    D, O = q.shape
+    if D % GROUP or O % BLOCK:
+        raise ValueError(f"pack_w4a8 needs D % {GROUP} == 0 and O % {BLOCK} == 0, got a [{D}, {O}] matrix")
+    steps = pack_vnni(q.astype(np.int8)).view(np.uint8).reshape(O // BLOCK, D // GROUP, GROUP // 4, 4 * BLOCK)
+    nibbles = steps[:, :, 0::2] | (steps[:, :, 1::2] << 4)                      # [O/16, D/32, 4, 64]
+    half = lambda a: np.ascontiguousarray(                                       # noqa: E731
+        a.astype(np.float16).reshape(D // GROUP, O // BLOCK, BLOCK).transpose(1, 0, 2)).view(np.uint8)
+    packed = np.concatenate([half(d), half(m), nibbles.reshape(O // BLOCK, D // GROUP, -1)], axis=2)
+    return np.ascontiguousarray(packed)             # 3-d: what tells the matmuls W4A8 weights from W8A8 ones
+
+
+@njit(cache=True, inline="always")
+def block_sums_row(xu_row, sx_row, xs_row):
+    """xs_row[b] = sx_row[b] * (the sum of row's int8 values over block b): the term Q4_1's minimum multiplies."""
+    kb = xu_row.shape[0] // sx_row.shape[0]
+    for b in range(sx_row.shape[0]):
+        s = np.int32(0)
+        for i in range(b * kb, (b + 1) * kb):
+            s += np.int32(xu_row[i]) - 128
+        xs_row[b] = sx_row[b] * np.float32(s)
+
+
+@njit(cache=True, inline="always")
+def w4a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc):
+    """One work item of the W4A8 matmul: rows r0 .. r0+nr (nr <= ROWS) x packed blocks b0 .. b0+nc (nc <= COLS);
+    sx, xs [T, D/32]; acc: float32 scratch [ROWS * COLS * 16]."""
+    nb = D // GROUP
+    step = nb * GROUP_BYTES                          # bytes of one packed block (of 16 outputs)
+    CB = COLS * BLOCK
+    sf, xsf = sx.ravel(), xs.ravel()
+    if nr == ROWS and nc == COLS:
+        _q4_RC(xf, r0 * D, D, wf, b0 * step, step, nb, sf, xsf, r0 * nb, nb, acc, 0, CB)
+    elif nc == COLS:
+        for r in range(nr):
+            _q4_1C(xf, (r0 + r) * D, D, wf, b0 * step, step, nb, sf, xsf, (r0 + r) * nb, nb, acc, r * CB, CB)
+    else:
+        for r in range(nr):
+            for c in range(nc):
+                _q4_11(xf, (r0 + r) * D, D, wf, (b0 + c) * step, step, nb, sf, xsf, (r0 + r) * nb, nb, acc,
+                       r * CB + c * BLOCK, CB)
+    for r in range(nr):
+        for j in range(nc * BLOCK):
+            o = b0 * BLOCK + j
+            if accumulate:
+                out[r0 + r, o] += acc[r * CB + j]
+            else:
+                out[r0 + r, o] = acc[r * CB + j]
+
+
+@njit(cache=True, inline="always")
+def matmul_w4a8_body(xu, sx, xs, wp, out, accumulate):
+    """The W4A8 matmul's parallel loop (the same work split as matmul_w8a8_body)."""
+    T, D = xu.shape
+    n_blocks = wp.shape[0]
+    row_tiles = (T + ROWS - 1) // ROWS
+    col_groups = (n_blocks + COLS - 1) // COLS
+    xf, wf = xu.ravel(), wp.ravel()
+    for item in prange(row_tiles * col_groups):
+        g, rt = item // row_tiles, item % row_tiles
+        r0, b0 = rt * ROWS, g * COLS
+        acc = np.empty(ROWS * COLS * BLOCK, np.float32)
+        w4a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, min(ROWS, T - r0), b0, min(COLS, n_blocks - b0), acc)
+
+
+@njit(cache=True)
+def w4a8_blocks(xu, sx, xs, wp, out, accumulate, b_lo, b_hi, acc):
+    """The W4A8 matmul restricted to output blocks b_lo .. b_hi (every row), on the calling thread."""
+    T, D = xu.shape
+    xf, wf = xu.ravel(), wp.ravel()
+    for b0 in range(b_lo, b_hi, COLS):
+        for r0 in range(0, T, ROWS):
+            w4a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, min(ROWS, T - r0), b0, min(COLS, b_hi - b0), acc)
+
+
+@njit(cache=True, parallel=True)
+def _matmul_w4a8(xu, sx, xs, wp, out, accumulate):
+    matmul_w4a8_body(xu, sx, xs, wp, out, accumulate)
+
+
+@njit(cache=True)
+def _activation_sums(xu, sx, xs):
+    for t in range(xu.shape[0]):
+        block_sums_row(xu[t], sx[t], xs[t])
+
+
+def matmul_w4a8(xu: np.ndarray, sx: np.ndarray, wp: np.ndarray, out: np.ndarray | None = None,
+                accumulate: bool = False) -> np.ndarray:
+    """xu [T, D] uint8 (+128), sx [T, D/32] (one scale per block of 32 inputs), wp = pack_w4a8(q, d, m) -> [T, O]."""
+    T, D = xu.shape
+    if out is None:
+        out = np.empty((T, wp.shape[0] * BLOCK), np.float32)
+    sx = np.ascontiguousarray(sx, np.float32).reshape(T, D // GROUP)
+    xs = np.empty_like(sx)
+    _activation_sums(xu, sx, xs)
+    _matmul_w4a8(xu, sx, xs, wp, out, accumulate)
     return out

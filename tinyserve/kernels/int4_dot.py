@@ -1,0 +1,230 @@
+"""The W4A8 tile: 4-bit weights exactly as the GGUF ships them (Q4_1), times int8 activations, per instruction set.
+
+SmolLM2's layers come as Q4_1: for each run of 32 inputs of an output channel, 32 nibbles q (0..15) and two float16,
+a scale d and a minimum m, so that w = d * q + m. The float32 model (weights.py) is those values, exactly; the int8
+modes round them again (to 127 steps of a per-channel scale) and read 8 bits per weight where 4.5 carry it. At
+batch 1 a decode step reads every weight once, so bytes are time: 4-bit layers make a step read ~95 MB instead of
+~135 MB (tinyserve.quant: bytes_per_decode_step).
+
+Per block b of 32 inputs, output o (x: activations quantised per block of 32, xq = int8, scale sx[b]):
+
+    dot[b, o] = sum_{i in b} xq[i] * q[i, o]                                          exact, in integers
+    out[o]    = (((0 + t[0, o]) + t[1, o]) + ...),  t[b, o] = float32(dot[b, o]) * (d[b, o] * sx[b])
+                                                                 + m[b, o] * xs[b]     xs[b] = sx[b] * sum_{i in b} xq[i]
+
+the float32 operations of quant.matmul_reference's W4A8 branch in its order, so the tile is bit-identical to it on
+every instruction set. The nibbles are unsigned, the activations signed: exactly what the byte multiply-adds take,
+no offset and no sign trick (compare kernels/int8_dot.py):
+
+    avx512vnni, avxvnni   vpdpbusd(acc, q, x): u8 x s8, 4 products into each 32-bit lane
+    avx2                  vpmaddubsw(q, x): u8 x s8, pairs into 16 bits: at most 2 x 15 x 128 = 3840, so the 8 steps
+                          of a block (30720) add in 16 bits (vpaddw) and one vpmaddwd per block widens them: ~2 ops
+                          per 32 multiply-adds where int8's sign trick takes 4
+    neon                  sdot(acc, q, x): s8 x s8 (a nibble is a small signed byte too)
+    generic               plain vector IR: bytes widened to int32, multiplied, added
+
+Layout (kernels.matmul.pack_w4a8): for each block of 16 outputs, per input block of 32, 320 bytes: d[16] and m[16]
+as float16 (64 bytes), then 4 pairs of 4-input steps, 64 bytes a pair: byte 4l + k holds step 2j's q[4(2j) + k, l] in
+its low nibble and step 2j+1's in its high one (pack_vnni's byte order, two steps per byte). The float16 scales
+become float32 with integer operations (magnitude << 13, times 2^112, sign put back: exact for every finite float16,
+subnormals included), the same on every CPU.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from . import isa
+from .simd import _data_pointer
+
+BLOCK = 16                      # outputs per packed block
+GROUP = 32                      # inputs per Q4_1 block (one d, one m)
+SCALE_BYTES = 2 * BLOCK * 2     # d[16] and m[16] as float16
+GROUP_BYTES = SCALE_BYTES + GROUP * BLOCK // 2   # 320 bytes per (output block, input block)
+_I1, _I8, _I16, _I32 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32)
+_F32 = ir.FloatType()
+
+
+def _fn(builder, name, ret, args):
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
+
+
+def _step(name: str, vb: int):
+    """(acc type, setup, step(builder, st, acc, q, x) -> acc, finish(builder, st, acc) -> int32 lanes) for one 4-input
+    step of one vb-byte part of a block: q the nibbles as bytes (0..15), x the signed activation bytes."""
+    nl = vb // 4
+    bytes_t, lanes_t = ir.VectorType(_I8, vb), ir.VectorType(_I32, nl)
+    if name in ("avx512vnni", "avxvnni"):
+        intr = "llvm.x86.avx512.vpdpbusd.512" if vb == 64 else "llvm.x86.avx512.vpdpbusd.256"
+
+        def setup(builder):
+            return _fn(builder, intr, lanes_t, [lanes_t, lanes_t, lanes_t])
+
+        def step(builder, st, acc, q, x):
+            return builder.call(st, [acc, builder.bitcast(q, lanes_t), builder.bitcast(x, lanes_t)])
+        return lanes_t, setup, step, lambda builder, st, acc: acc
+    if name == "avx2":
+        s16_t = ir.VectorType(_I16, vb // 2)
+
+        def setup(builder):
+            return (_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", s16_t, [bytes_t, bytes_t]),
+                    _fn(builder, "llvm.x86.avx2.pmadd.wd", lanes_t, [s16_t, s16_t]),
+                    ir.Constant(s16_t, [ir.Constant(_I16, 1)] * (vb // 2)))
+
+        def step(builder, st, acc, q, x):
+            return builder.add(acc, builder.call(st[0], [q, x]))        # 16-bit pair sums, no saturation (above)
+
+        def finish(builder, st, acc):
+            return builder.call(st[1], [acc, st[2]])                    # the pairs of each lane into 32 bits
+        return s16_t, setup, step, finish
+    if name == "neon":
+        def setup(builder):
+            return _fn(builder, "llvm.aarch64.neon.sdot.v4i32.v16i8", lanes_t, [lanes_t, bytes_t, bytes_t])
+
+        def step(builder, st, acc, q, x):
+            return builder.call(st, [acc, q, x])
+        return lanes_t, setup, step, lambda builder, st, acc: acc
+    if name == "generic":
+        wide_t = ir.VectorType(_I32, vb)
+
+        def step(builder, st, acc, q, x):
+            return builder.add(acc, builder.mul(builder.zext(q, wide_t), builder.sext(x, wide_t)))
+
+        def finish(builder, st, acc):                                   # the 4 products of each lane, added
+            k = [builder.shuffle_vector(acc, ir.Constant(wide_t, None),
+                                        ir.Constant(lanes_t, [4 * lane + j for lane in range(nl)])) for j in range(4)]
+            return builder.add(builder.add(k[0], k[1]), builder.add(k[2], k[3]))
+        return wide_t, lambda builder: None, step, finish
+    raise ValueError(f"no W4A8 tile for {name!r}")
+
+
+def _half_to_float(builder, h, nl, native: bool):
+    """<nl x i16> float16 bits -> <nl x float>, exact for every finite value: one instruction where the CPU converts
+    float16 (x86's F16C, which every AVX2 CPU has; arm64's fcvtl), else integer operations (generic)."""
+    i32_t, f_t = ir.VectorType(_I32, nl), ir.VectorType(_F32, nl)
+    if native:
+        return builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), nl)), f_t)
+    c = lambda v: ir.Constant(i32_t, [ir.Constant(_I32, v)] * nl)      # noqa: E731
+    w = builder.zext(h, i32_t)
+    mag = builder.bitcast(builder.shl(builder.and_(w, c(0x7FFF)), c(13)), f_t)     # exponent 15 too low ...
+    mag = builder.fmul(mag, ir.Constant(f_t, [ir.Constant(_F32, 2.0 ** 112)] * nl))  # ... made good (exact)
+    sign = builder.shl(builder.and_(w, c(0x8000)), c(16))
+    return builder.bitcast(builder.or_(builder.bitcast(mag, i32_t), sign), f_t)
+
+
+def _plan(R: int, C: int, v: int) -> tuple[int, int]:
+    """The largest sub-tile (r, c) whose v*r*c accumulators + 2r broadcasts + 3 fit the register file (ties: the
+    squarer one)."""
+    regs = isa.KERNELS.registers
+    fits = [(r, c) for r in range(1, R + 1) for c in range(1, C + 1) if v * r * c + 2 * r + 3 <= regs]
+    return max(fits or [(1, 1)], key=lambda rc: (rc[0] * rc[1], -abs(rc[0] - rc[1])))
+
+
+def make_w4a8_tile(R: int, C: int, name: str | None = None):
+    """An R x C W4A8 tile: tile(x, x_off, x_stride, w, w_off, w_stride, nb, sx, xs, s_off, s_stride, out, o_off,
+    o_stride). x: uint8 activations (int8 + 128; row r at byte x_off + r*x_stride), w: pack_w4a8's bytes (block c
+    at w_off + c*w_stride), nb input blocks of 32, sx / xs: float32 [rows, nb] (row r at s_off + r*s_stride), out:
+    float32 (row r, output block c at o_off + r*o_stride + 16c), overwritten."""
+    name = isa.NAME if name is None else name
+    vb = isa.VARIANTS[name].vector_bytes
+    parts, nl = 64 // vb, vb // 4
+    bytes_t, lanes_t, float_t = ir.VectorType(_I8, vb), ir.VectorType(_I32, nl), ir.VectorType(_F32, nl)
+    half_t = ir.VectorType(_I16, nl)
+    acc_t, setup, step, finish = _step(name, vb)
+    # live registers: the accumulators, 2 activation broadcasts per row, one weight vector and its nibbles, the mask
+    rs, cs = (1, 1) if name == "generic" else _plan(R, C, isa.vectors_per_block() if name == isa.NAME else 64 // vb)
+
+    @intrinsic
+    def tile(typingctx, x, x_off, x_stride, w, w_off, w_stride, nb, sx, xs, s_off, s_stride, out, o_off, o_stride):
+        sig = types.void(x, x_off, x_stride, w, w_off, w_stride, nb, sx, xs, s_off, s_stride, out, o_off, o_stride)
+
+        def codegen(context, builder, signature, args):
+            (x_arr, x_off, x_stride, w_arr, w_off, w_stride, nb, sx_arr, xs_arr, s_off, s_stride, out_arr, o_off,
+             o_stride) = args
+            ty = signature.args
+            i64 = x_off.type
+            k = lambda v: ir.Constant(i64, v)                                           # noqa: E731
+            st = setup(builder)
+            low = ir.Constant(bytes_t, [ir.Constant(_I8, 0x0F)] * vb)
+            four = ir.Constant(bytes_t, [ir.Constant(_I8, 4)] * vb)
+            flip = ir.Constant(bytes_t, [ir.Constant(_I8, -128)] * vb)
+            prefetch = _fn(builder, "llvm.prefetch", ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32])
+            next_tile = builder.mul(w_stride, k(C))             # a weight line -> the same line of the next tile
+            x_rows = [_data_pointer(context, builder, ty[0], x_arr, builder.add(x_off, builder.mul(x_stride, k(r))))
+                      for r in range(R)]
+            w_cols = [_data_pointer(context, builder, ty[3], w_arr, builder.add(w_off, builder.mul(w_stride, k(c))))
+                      for c in range(C)]
+            sx_base = cgutils.create_struct_proxy(ty[7])(context, builder, sx_arr).data
+            xs_base = cgutils.create_struct_proxy(ty[8])(context, builder, xs_arr).data
+            out_base = cgutils.create_struct_proxy(ty[11])(context, builder, out_arr).data
+            s_rows = [builder.add(s_off, builder.mul(s_stride, k(r))) for r in range(R)]
+            out_rows = [builder.gep(out_base, [builder.add(o_off, builder.mul(o_stride, k(r)))]) for r in range(R)]
+
+            def bcast(value):                                   # one float in every lane
+                one = builder.insert_element(ir.Constant(float_t, None), value, ir.Constant(_I32, 0))
+                return builder.shuffle_vector(one, ir.Constant(float_t, None), ir.Constant(lanes_t, None))
+
+            for c0 in range(0, C, cs):                          # one pass over the input per sub-tile
+                for r0 in range(0, R, rs):
+                    sub_r, sub_c = range(r0, min(R, r0 + rs)), range(c0, min(C, c0 + cs))
+
+                    def one_block(b, first: bool):
+                        base = builder.mul(b, k(GROUP_BYTES))
+                        if r0 == 0:                             # the next tile's lines of this block, into L2
+                            for c in sub_c:
+                                for line in range(0, GROUP_BYTES, 64):
+                                    ahead = builder.gep(w_cols[c], [builder.add(base, builder.add(next_tile, k(line)))])
+                                    builder.call(prefetch, [ahead] + [ir.Constant(_I32, a) for a in (0, 2, 1)])
+                        zero = ir.Constant(acc_t, [ir.Constant(acc_t.element, 0)] * acc_t.count)
+                        acc = {(r, c, p): zero for r in sub_r for c in sub_c for p in range(parts)}
+                        for j in range(GROUP // 8):             # 4 pairs of 4-input steps, unrolled
+                            xv = {}                             # each row's 4 bytes of steps 2j and 2j + 1
+                            for r in sub_r:
+                                for half in (0, 1):
+                                    i = builder.add(builder.mul(b, k(GROUP // 4)), k(2 * j + half))
+                                    x4 = builder.load(builder.bitcast(builder.gep(x_rows[r], [builder.mul(i, k(4))]),
+                                                                      _I32.as_pointer()), align=1)
+                                    one = builder.insert_element(ir.Constant(lanes_t, None), x4, ir.Constant(_I32, 0))
+                                    xb = builder.bitcast(builder.shuffle_vector(one, ir.Constant(lanes_t, None),
+                                                                                ir.Constant(lanes_t, None)), bytes_t)
+                                    xv[r, half] = builder.xor(xb, flip)     # uint8 + 128 -> the signed int8
+                            for c in sub_c:                     # one weight vector at a time: unpacked, used, gone
+                                for p in range(parts):
+                                    off = builder.add(base, k(SCALE_BYTES + 64 * j + vb * p))
+                                    v = builder.load(builder.bitcast(builder.gep(w_cols[c], [off]),
+                                                                     bytes_t.as_pointer()), align=1)
+                                    for half, qv in ((0, builder.and_(v, low)),
+                                                     (1, builder.and_(builder.lshr(v, four), low))):
+                                        for r in sub_r:
+                                            acc[r, c, p] = step(builder, st, acc[r, c, p], qv, xv[r, half])
+                        for c in sub_c:                                     # the block's scales, as float32
+                            dm = {}
+                            for p in range(parts):
+                                for which in (0, 1):                        # d, then m
+                                    off = builder.add(base, k(which * 2 * BLOCK + 2 * nl * p))
+                                    h = builder.load(builder.bitcast(builder.gep(w_cols[c], [off]),
+                                                                     half_t.as_pointer()), align=1)
+                                    dm[p, which] = _half_to_float(builder, h, nl, name != "generic")
+                            for r in sub_r:
+                                s_at = builder.add(s_rows[r], b)
+                                sxv = bcast(builder.load(builder.gep(sx_base, [s_at])))
+                                xsv = bcast(builder.load(builder.gep(xs_base, [s_at])))
+                                for p in range(parts):
+                                    dot = builder.sitofp(finish(builder, st, acc[r, c, p]), float_t)
+                                    t = builder.fadd(builder.fmul(dot, builder.fmul(dm[p, 0], sxv)),
+                                                     builder.fmul(dm[p, 1], xsv))
+                                    ptr = builder.bitcast(builder.gep(out_rows[r], [k(BLOCK * c + nl * p)]),
+                                                          float_t.as_pointer())
+                                    before = ir.Constant(float_t, [0.0] * nl) if first else builder.load(ptr, align=4)
+                                    builder.store(builder.fadd(before, t), ptr, align=4)
+
+                    one_block(k(0), True)
+                    with cgutils.for_range(builder, nb, start=k(1)) as blocks:   # the others, in order
+                        one_block(blocks.index, False)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return tile
