@@ -41,16 +41,16 @@ def test_generate_json_chat(smol_tok):
 
 @pytest.mark.real
 def test_generate_default_is_the_fast_path(smol_tok):
-    """Without options, generate runs the fast path (quant.default_quant on the Numba kernels: w8a8-64 where the
-    kernels have a byte dot product, else int8) and still answers correctly; its token-level agreement with float32
-    is measured in tests/test_quant_accuracy.py, not assumed here."""
+    """Without options, generate runs the fast path (quant.default_quant on the Numba kernels: w4a8 for SmolLM2,
+    whose layers are Q4_1, where the kernels have a byte dot product, else int8) and still answers correctly; its
+    token-level agreement with float32 is measured in tests/test_quant_accuracy.py, not assumed here."""
     from tinyserve import quant
     p = REF["prompts"]["chat"]
     r = run_cli("--json", "--chat", "--max-new-tokens", "16", "--weights", WEIGHTS, p["messages"][0]["content"])
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert (out["quant"], out["backend"]) == (quant.default_quant(), "numba")
-    assert out["quant"] in ("int8", "w8a8-64")
+    assert out["quant"] in ("int8", "w4a8")
     assert "Paris" in out["text"] and out["output_ids"][-1] == smol_tok.eos_id
 
 

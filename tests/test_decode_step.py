@@ -41,7 +41,7 @@ def tiny_fast():
     """mode -> the tiny model quantised, on the numba backend; for w8a8-64 a tiny model whose matrices' inputs
     split into blocks of 64 (D = 128: 2 blocks, F = 192: 3; the default tiny model's F = 160 does not)."""
     out = {}
-    for mode in ("int8", "w8a8", "w8a8-64"):
+    for mode in ("int8", "w8a8", "w8a8-64", "w4a8"):
         base = ts.tiny_model(seed=0, **({"dim": 128, "intermediate_size": 192} if mode == "w8a8-64" else {}))
         out[mode] = quant.set_backend(quant.quantize_model(base, mode), mode, "numba")
     return out
@@ -191,7 +191,7 @@ def test_fused_step_equals_three_calls_on_paged_blocks(tiny_fast, B, bs, seed, c
             np.testing.assert_allclose(v, v3, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("mode", ["int8", "w8a8", "w8a8-64"])
+@pytest.mark.parametrize("mode", ["int8", "w8a8", "w8a8-64", "w4a8"])
 def test_kv_cache_decode_takes_the_fused_step(tiny_fast, mode, monkeypatch):
     model = tiny_fast[mode]
     prompt = [5, 17, 99, 3, 42, 250, 7, 7, 128]
@@ -215,7 +215,7 @@ def test_kv_cache_decode_takes_the_fused_step(tiny_fast, mode, monkeypatch):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("mode", ["int8", "w8a8", "w8a8-64"])
+@pytest.mark.parametrize("mode", ["int8", "w8a8", "w8a8-64", "w4a8"])
 def test_engine_decode_steps_run_fused_with_the_same_tokens(tiny_fast, mode, monkeypatch):
     model = tiny_fast[mode]
     prompts = [[5, 17, 99, 3], [3, 1, 4, 1, 5, 9, 2, 6], [250], [8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8]]
@@ -229,7 +229,7 @@ def test_engine_decode_steps_run_fused_with_the_same_tokens(tiny_fast, mode, mon
         assert got == Engine(model, num_blocks=40, block_size=4).generate(prompts, GREEDY12)
 
 
-@pytest.mark.parametrize("mode", ["int8", "w8a8", "w8a8-64"])
+@pytest.mark.parametrize("mode", ["int8", "w8a8", "w8a8-64", "w4a8"])
 def test_verify_rows_run_fused_and_equal_decode_steps(tiny_fast, mode, monkeypatch):
     """A speculative verify (k + 1 rows of one sequence, every row's logits) runs as one fused step whose rows read
     each other's K/V; row j gets exactly what a decode step at that position gets (the same per-row code)."""
@@ -250,7 +250,7 @@ def test_verify_rows_run_fused_and_equal_decode_steps(tiny_fast, mode, monkeypat
     np.testing.assert_array_equal(cache.v[:, :cache.length], v_steps)
 
 
-@pytest.mark.parametrize("mode", ["int8", "w8a8-64"])
+@pytest.mark.parametrize("mode", ["int8", "w8a8-64", "w4a8"])
 def test_engine_verify_steps_run_fused_with_the_plain_greedy_tokens(tiny_fast, mode, monkeypatch):
     """The Engine's verify steps (one sequence's k + 1 rows, here beside other sequences' decode rows) take the
     fused step when they fit, and speculation still decodes plain decoding's greedy tokens."""

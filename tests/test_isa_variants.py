@@ -3,8 +3,9 @@
 A variant is chosen once per process (TINYSERVE_KERNELS), so each runs in a process of its own, compiled for
 exactly its features (an AVX-512 machine runs the avx2 tiles with AVX-512 switched off) and cached in its own
 folder. What must hold on every variant:
-- W8A8 matmuls (a scale per row, and per 64 activations) are bit-identical to the NumPy reference (integer sums; the
-  tile's activation offset is undone exactly), at shapes that exercise full tiles, one-row tiles and ragged edges;
+- W8A8 matmuls (a scale per row, and per 64 activations) and W4A8 ones (Q4_1 weights, a scale per 32) are
+  bit-identical to the NumPy reference (integer sums; the tile's activation offset is undone exactly), at shapes
+  that exercise full tiles, one-row tiles and ragged edges;
 - W8A32 matmuls are within the stated tolerance of the reference, and bit-identical to this process's variant:
   a tile split into sub-tiles (AVX2's 16 registers) sums each output in the same order;
 - the whole model (prefill kernels, the fused decode step, the LM head) gives the same logits and the same greedy
@@ -30,7 +31,8 @@ SCRIPT = textwrap.dedent("""
     import tinyserve as ts
     from tinyserve import kv_cache, naive, quant
     from tinyserve.kernels import isa
-    from tinyserve.kernels.matmul import block_sums, matmul_w8a8, matmul_w8a32, pack_vnni, pack_w8a32, quantize_rows
+    from tinyserve.kernels.matmul import (block_sums, matmul_w4a8, matmul_w8a8, matmul_w8a32, pack_vnni, pack_w4a8,
+                                          pack_w8a32, quantize_rows)
     from tinyserve.sampling import SamplingParams
 
     out = {"variant": np.array(isa.NAME)}
@@ -50,10 +52,16 @@ SCRIPT = textwrap.dedent("""
             out[f"w8a8_b64_{T}_{D}_{O}"] = matmul_w8a8(xu, sx, pack_vnni(q.wq), block_sums(q.wq, nb), q.scale)
             out[f"w8a8_ref_b64_{T}_{D}_{O}"] = quant.matmul_reference(x, quant.QuantizedLinear(q.wq, q.scale,
                                                                                               "w8a8-64"))
+        if D % 32 == 0:                                                  # w4a8: Q4_1 weights, a scale per 32
+            q4 = quant.quantize_q4_1(rng.standard_normal((D, O)).astype(np.float32))
+            xu, sx = np.empty(x.shape, np.uint8), np.empty((T, D // 32), np.float32)
+            quantize_rows(x, xu, sx)
+            out[f"w4a8_{T}_{D}_{O}"] = matmul_w4a8(xu, sx, pack_w4a8(q4.q, q4.d, q4.m))
+            out[f"w4a8_ref_{T}_{D}_{O}"] = quant.matmul_reference_w4a8(x, q4)
         out[f"w8a32_{T}_{D}_{O}"] = matmul_w8a32(x, pack_w8a32(q.wq), q.scale)
         out[f"w8a32_ref_{T}_{D}_{O}"] = quant.matmul_reference(x, quant.QuantizedLinear(q.wq, q.scale, "int8"))
     prompt = [5, 17, 99, 3, 42, 250, 7, 7, 128]
-    for mode in ("int8", "w8a8", "w8a8-64"):
+    for mode in ("int8", "w8a8", "w8a8-64", "w4a8"):
         tiny = ts.tiny_model(seed=0, **({"dim": 128, "intermediate_size": 192} if mode == "w8a8-64" else {}))
         fast = quant.set_backend(quant.quantize_model(tiny, mode), mode, "numba")
         out[f"logits_{mode}"] = naive.forward(fast, prompt)
@@ -113,6 +121,9 @@ def test_variant_is_exact_and_agrees_with_this_cpus_own(variant, native, tmp_pat
     for key in (k for k in got if k.startswith("w8a8_") and "_ref_" not in k):
         ref = got[key.replace("w8a8_", "w8a8_ref_", 1)]
         assert np.array_equal(got[key], ref), f"{variant}: W8A8 {key} not bit-exact: max {np.abs(got[key] - ref).max()}"
+    for key in (k for k in got if k.startswith("w4a8_") and "_ref_" not in k):
+        ref = got[key.replace("w4a8_", "w4a8_ref_", 1)]
+        assert np.array_equal(got[key], ref), f"{variant}: W4A8 {key} not bit-exact: max {np.abs(got[key] - ref).max()}"
     for key in (k for k in got if k.startswith("w8a32_") and "_ref_" not in k):
         ref = got[key.replace("w8a32_", "w8a32_ref_", 1)]
         np.testing.assert_allclose(got[key], ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max(), err_msg=key)

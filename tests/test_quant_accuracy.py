@@ -30,6 +30,8 @@ pytestmark = pytest.mark.real
 #   w8a8                                  86.9 %   8.33           1.058   (9.878)                 0.78
 #   w8a8 after SmoothQuant (alpha 0.5)    90.6 %   5.42           1.020   (9.529)                 -
 #   w8a8-64 (a scale per 64 activations)  95.8 %   3.32           1.0050  (9.385)                 0.79
+#   w4a8 (the GGUF's Q4_1 weights, exact;  97.8 %   2.54           1.0072  (9.406)                 0.21
+#         int8 activations per 32)
 # (widest flip: the largest float32 top-1/top-2 margin at a position where quantisation changed the top-1)
 # W8A8 costs visibly more: one scale per token is set by that token's largest activation, typically 10-17x the
 # row's RMS in SmolLM2, so a typical entry keeps only ~7-12 int8 levels (measured; lesson 7's README).
@@ -41,7 +43,19 @@ BOUNDS = {
     "w8a8": dict(top1=0.80, max_logit_err=12.0, ppl_ratio=1.10, flip_margin=1.5),
 }
 BOUNDS["w8a8-64"] = BOUNDS["int8"]
+# w4a8 likewise: it is the default for SmolLM2 (its layers are Q4_1 already, so only the activations are rounded)
+BOUNDS["w4a8"] = BOUNDS["int8"]
 MODES = list(BOUNDS)
+
+
+def test_smollm2s_layers_are_q4_1_so_w4a8_holds_them_exactly(smol):
+    """weights.py dequantised the GGUF's Q4_1 layers to float32; quantize_q4_1 gets the very blocks back, so w4a8
+    computes with the model's own weights (and quant="auto" picks it, where the kernels have a byte dot product)."""
+    from tinyserve.kernels import isa
+    assert quant.is_q4_1(smol)
+    w = smol.layers[7].w_gate
+    np.testing.assert_array_equal(quant.quantize_q4_1(w).dequantize(), w)
+    assert quant.default_quant(smol) == ("int8" if isa.NAME == "generic" else "w4a8")
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +138,7 @@ def test_smoothquant_keeps_the_function_and_helps_w8a8_per_token(smol, smol_tok,
     """SmoothQuant (quant.smooth_model, calibrated on the shipped calibration text, not the evaluation text) moves
     the activations' outliers into the weights: in float32 the model is the same function (only rounding differs),
     and W8A8 per token loses less perplexity (measured 1.058 -> 1.020). Not enough for int8's bounds on SmolLM2,
-    which is why the default is w8a8-64 (lesson 7, "outliers")."""
+    which is why the int8 default is w8a8-64 (lesson 7, "outliers")."""
     from .quant_accuracy import reference_prompts
     maxima = quant.activation_maxima(smol, quant.calibration_ids(smol_tok))
     smoothed = quant.smooth_model(smol, maxima)

@@ -5,7 +5,7 @@ divided by the bytes of the weights. int8 instead of float32 reads 4x fewer byte
 
     W[:, o] ~ wq[:, o] * scale[o]        scale[o] = max_i |W[i, o]| / 127,  wq = round(W / scale) in [-127, 127]
 
-Three modes (`quantize_model(model, mode)`):
+Four int8 modes (`quantize_model(model, mode)`), and a 4-bit one:
 - "int8" (W8A32, weight-only): y = (x @ wq) * scale, activations stay float32.
 - "w8a8": the activations are quantised too, one scale per row (token), at run time ("dynamic"):
       x[t, :] ~ xq[t, :] * sx[t],  sx[t] = max_i |x[t, i]| / 127
@@ -19,7 +19,11 @@ Three modes (`quantize_model(model, mode)`):
       y[t, o] = (sum_b float32(sum_{i in b} xq[t, i] * wq[i, o]) * sx[t, b]) * scale[o]
   (lesson 7, "outliers": accuracy and speed of the three, and of SmoothQuant, which moves the outliers into the
   weights instead: `smooth_model`.)
-Why the weights keep one scale per output channel, not per group of 32/64 inputs: it costs little accuracy on
+- "w4a8": the layers' weights as SmolLM2's GGUF ships them, Q4_1 (4-bit, a scale and a minimum per 32 inputs),
+  recovered exactly from the float32 weights (`quantize_q4_1`), times int8 activations per 32: the model's own
+  weights at 4.5 bits each, so a decode step reads ~95 MB instead of int8's ~135 (see "W4A8" below). The default
+  (`default_quant`) for weights that are Q4_1 already.
+Why the int8 weights keep one scale per output channel, not per group of 32/64 inputs: it costs little accuracy on
 SmolLM2 (lesson 7 measures both), and one weight scale per output keeps each block's sum an integer dot product.
 
 A `QuantizedLinear` stands where a float32 matrix stood: `x @ layer.wq` in model.forward works unchanged (NumPy

@@ -1,7 +1,7 @@
 """A whole decode step in one Numba call: every layer, attention included, two threads meeting at spin barriers.
 
-Why. At batch 1 a decode step should cost what it takes to read the weights once (135 MB of int8: ~4-5 ms at this
-machine's ~30 GB/s). The three fused calls per layer (kernels/layer.py) stream each matrix at full speed, yet the
+Why. At batch 1 a decode step should cost what it takes to read the weights once (135 MB of int8, ~95 MB in
+W4A8: ~3-5 ms at this machine's ~30 GB/s). The three fused calls per layer (kernels/layer.py) stream each matrix at full speed, yet the
 step took ~9 ms: 120 parallel loops start and join (~3 µs each), Python runs between them, and while one thread
 does the serial bits (a norm, RoPE, attention, a Python call) the memory system idles, so every matrix starts its
 stream cold. Measured on the same weights (lesson 7): the 121 matmuls of a step, called one by one, 4.5 ms; the same

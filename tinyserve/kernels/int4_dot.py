@@ -114,10 +114,9 @@ def _half_to_float(builder, h, nl, native: bool):
     return builder.bitcast(builder.or_(builder.bitcast(mag, i32_t), sign), f_t)
 
 
-def _plan(R: int, C: int, v: int) -> tuple[int, int]:
-    """The largest sub-tile (r, c) whose v*r*c accumulators + 2r broadcasts + 3 fit the register file (ties: the
-    squarer one)."""
-    regs = isa.KERNELS.registers
+def _plan(R: int, C: int, v: int, regs: int) -> tuple[int, int]:
+    """The largest sub-tile (r, c) whose v*r*c accumulators (v registers a block of 16 outputs) + 2r activation
+    broadcasts + 3 (a weight vector, its nibbles, the mask) fit the `regs` registers; ties: the squarer one."""
     fits = [(r, c) for r in range(1, R + 1) for c in range(1, C + 1) if v * r * c + 2 * r + 3 <= regs]
     return max(fits or [(1, 1)], key=lambda rc: (rc[0] * rc[1], -abs(rc[0] - rc[1])))
 
@@ -134,7 +133,7 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None):
     half_t = ir.VectorType(_I16, nl)
     acc_t, setup, step, finish = _step(name, vb)
     # live registers: the accumulators, 2 activation broadcasts per row, one weight vector and its nibbles, the mask
-    rs, cs = (1, 1) if name == "generic" else _plan(R, C, isa.vectors_per_block() if name == isa.NAME else 64 // vb)
+    rs, cs = (1, 1) if name == "generic" else _plan(R, C, 64 // vb, isa.VARIANTS[name].registers)
 
     @intrinsic
     def tile(typingctx, x, x_off, x_stride, w, w_off, w_stride, nb, sx, xs, s_off, s_stride, out, o_off, o_stride):

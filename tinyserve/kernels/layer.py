@@ -1,4 +1,4 @@
-"""A W8A8 LLaMA layer in three Numba calls (plus attention, and NumPy's exp for SiLU).
+"""A W8A8 (or W4A8) LLaMA layer in three Numba calls (plus attention, and NumPy's exp for SiLU).
 
 At decode a layer is ~10 small steps (norm, quantise, matmul, RoPE, ...), each a few microseconds of work; called
 one by one from Python they cost more in call overhead than in arithmetic (~5 ms of a ~15 ms step, measured with
@@ -14,7 +14,9 @@ Bit-identical to the NumPy W8A8 reference (tinyserve.quant through model.forward
 the elementwise steps are the reference's float32 operations in the reference's order, RMSNorm's mean of squares
 is NumPy's own pairwise summation (`_pairwise_sum`), and SiLU's exp is NumPy's (its SIMD exp differs from libm's
 in the last bit now and then, and a last-bit difference before rounding to int8 can become a whole int8 step).
-The row-wise steps run serially at decode (one row) and in parallel at prefill.
+The row-wise steps run serially at decode (one row) and in parallel at prefill. The same functions run W4A8
+(quant.py's 4-bit mode): its weights arrive packed 3-d, and the matmul they call (matmul._matmul_w8a8) compiles
+its W4A8 branch for them.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """int8 matmuls in Numba: y[T, O] = x[T, D] @ W (W int8 with one float scale per output channel).
 
-Two kernels, one per quantisation mode of tinyserve.quant:
+Three kernels, one per kind of quantisation in tinyserve.quant:
 - `matmul_w8a8`: the activations are quantised too (int8 per row, by `quantize_rows` or fused into
   the fused layer of kernels/layer.py), so the dot products are integer: the int8 tile of this CPU's instruction
   set (kernels/int8_dot.py: vpdpbusd, vpmaddubsw + vpmaddwd, sdot or plain loops) over weights packed by
@@ -8,6 +8,9 @@ Two kernels, one per quantisation mode of tinyserve.quant:
   same float32 scaling in the same order).
 - `matmul_w8a32`: weight-only; each int8 weight is widened to float32 and multiplied with the float32 activation.
   Float sums in a different order than BLAS: matches the NumPy reference to ~1e-6 relative (tests/test_quant.py).
+- `matmul_w4a8`: Q4_1 weights (4 bits, a scale and a minimum per 32 inputs; `pack_w4a8`) times int8 activations
+  per 32, the tile of kernels/int4_dot.py; bit-identical to quant.matmul_reference_w4a8. layer.py's and the fused
+  decode step's int8-activation matmuls (`_matmul_w8a8`, `w8a8_blocks`) run it for weights packed that way (3-d).
 
 Both parallelise over work items of (a tile of rows, a group of 64 output channels), so one weight group is read
 from memory once per tile of rows and stays in cache while the other rows' tiles reuse it: at decode (T = 1..16)
