@@ -273,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_bench)
 
     sp = sub.add_parser("speed", help="tokens/s per backend against the memory roofline (lesson 7; tinyserve/speed.py)")
-    sp.add_argument("--backends", default="fp32-NumPy,int8-Numba,W8A8-Numba,W8A8-64-Numba")
+    sp.add_argument("--backends", default="fp32-NumPy,int8-Numba,W8A8-Numba,W8A8-64-Numba,W4A8-Numba")
     sp.add_argument("--batches", default="1,4,16", help="decode batch sizes")
     sp.add_argument("--prefills", default="128,512,1024", help="prefill lengths")
     sp.add_argument("--new-tokens", type=int, default=32, help="decode steps per measurement")

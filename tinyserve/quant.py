@@ -134,7 +134,8 @@ def matmul_reference(x: np.ndarray, q: QuantizedLinear) -> np.ndarray:
 # exactly, so `quantize_q4_1` (llama.cpp's rule: m = min, d = (max - min) / 15 rounded to float16, q = round((w -
 # m) / d)) gets back the very blocks, and w4a8 computes with the model's own weights at 4.5 bits each: ~66 MB for
 # the layers where int8 reads ~106 MB. Only the activations are rounded (int8 per run of 32, as w8a8-64 per 64):
-#     y[t, o] = sum_b float32(sum_{i in b} xq[t, i] q[i, o]) * (d[b, o] sx[t, b]) + m[b, o] * (sx[t, b] sum_{i in b} xq[t, i])
+#     y[t, o] = sum_b float32(sum_{i in b} xq[t, i] q[i, o]) * (d[b, o] sx[t, b]) + m[b, o] * xs[t, b]
+#     xs[t, b] = sx[t, b] * sum_{i in b} xq[t, i]
 # each block's dot product an exact integer, the blocks added in float32 in order: kernels/int4_dot.py's tile
 # reproduces it bit for bit. The LM head (a Q8_0 table in the GGUF) stays int8 per channel, activations per 32.
 

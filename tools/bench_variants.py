@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-QUANTS = ["int8", "w8a8", "w8a8-64"]          # the Numba modes measured per variant (quant.QUANT_MODES)
-NAMES = {"int8": "int8", "w8a8": "W8A8", "w8a8-64": "W8A8-64"}
+QUANTS = ["int8", "w8a8", "w8a8-64", "w4a8"]  # the Numba modes measured per variant (quant.QUANT_MODES)
+NAMES = {"int8": "int8", "w8a8": "W8A8", "w8a8-64": "W8A8-64", "w4a8": "W4A8"}
 
 WORKER = """
 import json, sys

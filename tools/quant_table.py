@@ -1,7 +1,8 @@
 """W8A8's accuracy against its speed, one table (lesson 7, "outliers"; `make bench-quant`).
 
 For float32, int8 (W8A32), W8A8 with one activation scale per token, W8A8 after SmoothQuant (quant.smooth_model,
-calibrated on the shipped calibration text) and W8A8-64 (one activation scale per 64 inputs):
+calibrated on the shipped calibration text), W8A8-64 (one activation scale per 64 inputs) and W4A8 (the GGUF's own
+Q4_1 weights, int8 activations per 32):
 - accuracy, teacher-forced against float32 on the reference-fixture prompts (top-1 agreement, max |dlogit|) and
   perplexity on the shipped evaluation text (tests/quant_accuracy.py: the measurements tests/test_quant_accuracy.py
   pins), on the Numba kernels;
@@ -26,6 +27,7 @@ ROWS = [  # (row name, quant mode, smoothed?)
     ("W8A8, per token", "w8a8", False),
     ("W8A8, SmoothQuant", "w8a8", True),
     ("W8A8-64", "w8a8-64", False),
+    ("W4A8 (Q4_1 weights)", "w4a8", False),
 ]
 
 

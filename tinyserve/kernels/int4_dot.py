@@ -9,8 +9,8 @@ batch 1 a decode step reads every weight once, so bytes are time: 4-bit layers m
 Per block b of 32 inputs, output o (x: activations quantised per block of 32, xq = int8, scale sx[b]):
 
     dot[b, o] = sum_{i in b} xq[i] * q[i, o]                                          exact, in integers
-    out[o]    = (((0 + t[0, o]) + t[1, o]) + ...),  t[b, o] = float32(dot[b, o]) * (d[b, o] * sx[b])
-                                                                 + m[b, o] * xs[b]     xs[b] = sx[b] * sum_{i in b} xq[i]
+    out[o]    = (((0 + t[0, o]) + t[1, o]) + ...)
+    t[b, o]   = float32(dot[b, o]) * (d[b, o] * sx[b]) + m[b, o] * xs[b],     xs[b] = sx[b] * sum_{i in b} xq[i]
 
 the float32 operations of quant.matmul_reference's W4A8 branch in its order, so the tile is bit-identical to it on
 every instruction set. The nibbles are unsigned, the activations signed: exactly what the byte multiply-adds take,
@@ -37,6 +37,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import isa
+from .int8_dot import add_to_out, for_each_block
 from .simd import _data_pointer
 
 BLOCK = 16                      # outputs per packed block
@@ -214,14 +215,9 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None):
                                     dot = builder.sitofp(finish(builder, st, acc[r, c, p]), float_t)
                                     t = builder.fadd(builder.fmul(dot, builder.fmul(dm[p, 0], sxv)),
                                                      builder.fmul(dm[p, 1], xsv))
-                                    ptr = builder.bitcast(builder.gep(out_rows[r], [k(BLOCK * c + nl * p)]),
-                                                          float_t.as_pointer())
-                                    before = ir.Constant(float_t, [0.0] * nl) if first else builder.load(ptr, align=4)
-                                    builder.store(builder.fadd(before, t), ptr, align=4)
+                                    add_to_out(builder, out_rows[r], k(BLOCK * c + nl * p), t, first)
 
-                    one_block(k(0), True)
-                    with cgutils.for_range(builder, nb, start=k(1)) as blocks:   # the others, in order
-                        one_block(blocks.index, False)
+                    for_each_block(builder, nb, one_block)
             return context.get_dummy_value()
 
         return sig, codegen

@@ -58,6 +58,20 @@ PREFETCH_LOCALITY = 2
 TILE_OFFSET = 128 if isa.NAME in ("avx512vnni", "avxvnni") else 0
 
 
+def add_to_out(builder, row, offset, value, first: bool) -> None:
+    """row[offset : offset + lanes] += value, a float vector (the first block stores it: the scratch is not read)."""
+    ptr = builder.bitcast(builder.gep(row, [offset]), value.type.as_pointer())
+    before = ir.Constant(value.type, [0.0] * value.type.count) if first else builder.load(ptr, align=4)
+    builder.store(builder.fadd(before, value), ptr, align=4)
+
+
+def for_each_block(builder, nb, one_block) -> None:
+    """one_block(b, first) for b = 0 .. nb - 1, in order (the blocks' float sums are added in block order)."""
+    one_block(ir.Constant(nb.type, 0), True)
+    with cgutils.for_range(builder, nb, start=ir.Constant(nb.type, 1)) as blocks:
+        one_block(blocks.index, False)
+
+
 def _isa_step(name: str, vb: int):
     """(extra registers, setup(builder) -> state, step(builder, state, x_vec, w_vec, acc_value) -> acc_value,
     per_row(builder, state, x_vec) -> row operand) for one 64-byte step of one part (vb bytes) of a block."""
@@ -225,14 +239,9 @@ def _intrinsic_tile(R: int, C: int, name: str):
                                 for p in range(parts):
                                     part = builder.fmul(builder.sitofp(finish(builder, builder.load(acc[r, c, p])),
                                                                        float_t), sv)
-                                    q = builder.bitcast(builder.gep(out_rows[r], [k(BLOCK * c + nl * p)]),
-                                                        float_t.as_pointer())
-                                    before = ir.Constant(float_t, [0.0] * nl) if first else builder.load(q, align=4)
-                                    builder.store(builder.fadd(before, part), q, align=4)
+                                    add_to_out(builder, out_rows[r], k(BLOCK * c + nl * p), part, first)
 
-                    one_block(k(0), True)
-                    with cgutils.for_range(builder, nb, start=k(1)) as blocks:   # the others, in order
-                        one_block(blocks.index, False)
+                    for_each_block(builder, nb, one_block)
             return context.get_dummy_value()
 
         return sig, codegen

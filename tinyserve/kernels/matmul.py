@@ -198,8 +198,8 @@ def matmul_w8a8_body(xu, sx, wp, wsum, sw, out, accumulate):
 @njit(cache=True)
 def w8a8_blocks(xu, sx, wp, wsum, sw, out, accumulate, b_lo, b_hi, acc):
     """The W8A8 (or, for pack_w4a8's weights, W4A8) matmul restricted to output blocks b_lo .. b_hi (every row), on
-    the calling thread: one thread's share of a matmul in kernels/decode_step.py. A function call, not inlined: the decode step has 5 matmuls per
-    mode, and inlining the tiles into each made its first compile take ~70 s."""
+    the calling thread: one thread's share of a matmul in kernels/decode_step.py. A function call, not inlined: the
+    decode step has 5 matmuls per mode, and inlining the tiles into each made its first compile take ~70 s."""
     if wp.ndim == 3:                                 # W4A8 weights (pack_w4a8; Numba keeps one branch)
         xs = np.empty_like(sx)
         _activation_sums(xu, sx, xs)
