@@ -170,7 +170,7 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None):
                 for r0 in range(0, R, rs):
                     sub_r, sub_c = range(r0, min(R, r0 + rs)), range(c0, min(C, c0 + cs))
 
-                    def one_block(b, first: bool):
+                    def one_block(b, first):                    # input block b (first: b == 0, an i1)
                         base = builder.mul(b, k(GROUP_BYTES))
                         if r0 == 0:                             # the next tile's lines of this block, into L2
                             for c in sub_c:

@@ -58,18 +58,19 @@ PREFETCH_LOCALITY = 2
 TILE_OFFSET = 128 if isa.NAME in ("avx512vnni", "avxvnni") else 0
 
 
-def add_to_out(builder, row, offset, value, first: bool) -> None:
-    """row[offset : offset + lanes] += value, a float vector (the first block stores it: the scratch is not read)."""
+def add_to_out(builder, row, offset, value, first) -> None:
+    """row[offset : offset + lanes] += value, a float vector; where `first` (an i1: block 0) it is stored onto 0
+    instead (the scratch's old contents are loaded, then not used)."""
     ptr = builder.bitcast(builder.gep(row, [offset]), value.type.as_pointer())
-    before = ir.Constant(value.type, [0.0] * value.type.count) if first else builder.load(ptr, align=4)
+    before = builder.select(first, ir.Constant(value.type, [0.0] * value.type.count), builder.load(ptr, align=4))
     builder.store(builder.fadd(before, value), ptr, align=4)
 
 
 def for_each_block(builder, nb, one_block) -> None:
-    """one_block(b, first) for b = 0 .. nb - 1, in order (the blocks' float sums are added in block order)."""
-    one_block(ir.Constant(nb.type, 0), True)
-    with cgutils.for_range(builder, nb, start=ir.Constant(nb.type, 1)) as blocks:
-        one_block(blocks.index, False)
+    """one_block(b, first) for b = 0 .. nb - 1, in order (the blocks' float sums are added in block order); first
+    is b == 0 as an i1. One loop, its body emitted once: a tile's code (and its compile time) is not doubled."""
+    with cgutils.for_range(builder, nb) as blocks:
+        one_block(blocks.index, builder.icmp_unsigned("==", blocks.index, ir.Constant(nb.type, 0)))
 
 
 def _isa_step(name: str, vb: int):
@@ -193,7 +194,7 @@ def _intrinsic_tile(R: int, C: int, name: str):
                     acc = {(r, c, p): cgutils.alloca_once(builder, acc_t)
                            for r in sub_r for c in sub_c for p in range(parts)}
 
-                    def one_block(b, first: bool):              # activation block b (first: out is not read)
+                    def one_block(b, first):                    # activation block b (first: b == 0, an i1)
                         for (r, c, p), a in acc.items():        # the int sums start at -TILE_OFFSET * wsum
                             builder.store(ir.Constant(acc_t, None), a)
                         if TILE_OFFSET:
