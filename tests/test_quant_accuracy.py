@@ -55,7 +55,8 @@ def test_smollm2s_layers_are_q4_1_so_w4a8_holds_them_exactly(smol):
     assert quant.is_q4_1(smol)
     w = smol.layers[7].w_gate
     np.testing.assert_array_equal(quant.quantize_q4_1(w).dequantize(), w)
-    assert quant.default_quant(smol) == ("int8" if isa.NAME == "generic" else "w4a8")
+    assert quant.default_quant(smol) == ("w4a8" if isa.NAME in quant.W4A8_DEFAULT_ON else
+                                         "int8" if isa.NAME == "generic" else "w8a8-64")
 
 
 @pytest.fixture(scope="module")

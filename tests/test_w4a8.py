@@ -151,9 +151,10 @@ def test_w4a8_cannot_become_an_int8_mode(tiny_w4a8):
 
 def test_auto_picks_w4a8_only_for_q4_1_weights(tiny_w4a8):
     from tinyserve.kernels import isa
-    if isa.NAME == "generic":
-        pytest.skip("the generic kernels default to int8 (quant.default_quant)")
     assert quant.is_q4_1(tiny_w4a8) and not quant.is_q4_1(ts.tiny_model(seed=0))
+    if isa.NAME not in quant.W4A8_DEFAULT_ON:                            # not measured faster there (yet)
+        assert "w4a8" not in (quant.default_quant(tiny_w4a8), quant.default_quant())
+        return
     assert quant.default_quant(tiny_w4a8) == "w4a8"
     assert quant.default_quant(ts.tiny_model(seed=0)) != "w4a8"          # random weights: 4 bits would round them
     assert quant.default_quant() == "w4a8"                               # SmolLM2 (its layers are Q4_1)

@@ -22,7 +22,7 @@ Four int8 modes (`quantize_model(model, mode)`), and a 4-bit one:
 - "w4a8": the layers' weights as SmolLM2's GGUF ships them, Q4_1 (4-bit, a scale and a minimum per 32 inputs),
   recovered exactly from the float32 weights (`quantize_q4_1`), times int8 activations per 32: the model's own
   weights at 4.5 bits each, so a decode step reads ~95 MB instead of int8's ~135 (see "W4A8" below). The default
-  (`default_quant`) for weights that are Q4_1 already.
+  (`default_quant`) for weights that are Q4_1 already, on the instruction sets where it measured fastest.
 Why the int8 weights keep one scale per output channel, not per group of 32/64 inputs: it costs little accuracy on
 SmolLM2 (lesson 7 measures both), and one weight scale per output keeps each block's sum an integer dot product.
 
@@ -388,13 +388,22 @@ def is_q4_1(model: Model) -> bool:
                for w in model.layers for f in MATRICES)
 
 
+# Where quant="auto" picks w4a8 for Q4_1 weights: the variants it measured faster than w8a8-64 on at batch 1,
+# batch 16 and prefill 512 (README: a 2-core Zen 3, avx2). Elsewhere it is predicted to lose at prefill: a byte dot
+# product of one instruction per 64 multiply-adds (vpdpbusd zmm) makes W8A8-64's dot ~16 instructions per 1024
+# multiply-adds of a row, W4A8's the same 16 plus a float epilogue per 32 inputs (~16 more), so W4A8 would prefill
+# at ~0.5-0.6x W8A8-64 there; not measured yet.
+W4A8_DEFAULT_ON = ("avx2",)
+
+
 def default_quant(model: Model | None = None, backend: str = "numba") -> str:
     """quant="auto" (the CLI's default): the fastest mode whose accuracy stays within int8's bounds (top-1 >= 95 %,
     perplexity <= 1.02x float32: tests/test_quant_accuracy.py pins them for int8, w8a8-64 and w4a8; per-token w8a8
     misses them). On the numba backend:
     - w4a8 for a model whose layers are Q4_1 already (is_q4_1; SmolLM2, the model of the course, when model is
-      None): it computes with the model's own weights, and reads the fewest bytes (~95 MB a decode step where
-      w8a8-64 reads ~135): measured faster than w8a8-64 at batch 1, 16 and prefill 512 on AVX2 (README);
+      None), on the variants of W4A8_DEFAULT_ON: it computes with the model's own weights, and reads the fewest
+      bytes (~95 MB a decode step where w8a8-64 reads ~135): measured faster than w8a8-64 at batch 1 and prefill
+      512 and level at batch 16 on AVX2 (README);
     - else w8a8-64 wherever the kernels multiply bytes with a dot-product instruction (kernels/isa.py: vpdpbusd,
       vpmaddubsw + vpmaddwd, sdot), where it measured faster than int8 at batch 1, 16 and prefill 512 (lesson 7);
     - int8 on the `generic` kernels (plain loops: W8A8 measured slower than int8 there) or for a model whose
@@ -405,11 +414,14 @@ def default_quant(model: Model | None = None, backend: str = "numba") -> str:
     from .kernels import isa
     if isa.NAME == "generic":
         return "int8"
-    if model is None or model.quant == "w4a8":
+    if model is not None and model.quant == "w4a8":
         return "w4a8"
+    q4 = isa.NAME in W4A8_DEFAULT_ON
+    if model is None:
+        return "w4a8" if q4 else "w8a8-64"
     try:
         check_blocks(model, "w4a8")
-        if model.quant == "none" and is_q4_1(model):
+        if q4 and model.quant == "none" and is_q4_1(model):
             return "w4a8"
         check_blocks(model, "w8a8-64")
     except ValueError:
