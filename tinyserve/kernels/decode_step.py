@@ -1,11 +1,11 @@
 """A whole decode step in one Numba call: every layer, attention included, two threads meeting at spin barriers.
 
-Why. At batch 1 a decode step should cost what it takes to read the weights once (135 MB of int8, ~95 MB in
-W4A8: ~3-5 ms at this machine's ~30 GB/s). The three fused calls per layer (kernels/layer.py) stream each matrix at full speed, yet the
-step took ~9 ms: 120 parallel loops start and join (~3 µs each), Python runs between them, and while one thread
-does the serial bits (a norm, RoPE, attention, a Python call) the memory system idles, so every matrix starts its
-stream cold. Measured on the same weights (lesson 7): the 121 matmuls of a step, called one by one, 4.5 ms; the same
-matmuls in one call whose threads meet at barriers, 3.7 ms; the three-call layers, 5.3 ms.
+Why. At batch 1 a decode step should cost what it takes to read the weights once (135 MB of int8, ~95 MB in W4A8:
+~3-5 ms at this machine's ~30 GB/s). The three fused calls per layer (kernels/layer.py) stream each matrix at full
+speed, yet the step took ~9 ms: 120 parallel loops start and join (~3 µs each), Python runs between them, and while
+one thread does the serial bits (a norm, RoPE, attention, a Python call) the memory system idles, so every matrix
+starts its stream cold. Measured on the same weights (lesson 7): the 121 matmuls of a step, called one by one, 4.5
+ms; the same matmuls in one call whose threads meet at barriers, 3.7 ms; the three-call layers, 5.3 ms.
 
 How. `_decode_step_kernel` starts n threads once (`prange(n)`, one iteration per thread under OpenMP); each runs
 `_thread_step`: the whole forward, doing its share of each step and waiting for the others where the next step
@@ -61,10 +61,12 @@ from .simd import prefetch_l2
 from .matmul import BLOCK, COLS, ROWS, _quantize_row, rope_head, w8a8_blocks, w8a32_blocks
 from .spin import FAILED, HAS_CLOCK, SYNC_SIZE, TIMEOUT_CYCLES, barrier
 
-# rows per fused step: one weight tile serves them all (matmul.ROWS). From 5 to 16 rows the fused step measured no
-# faster than the three calls (2-core Xeon, avx2 and avx512vnni kernels): every thread norms and quantises every row
-# for itself, and that share grows with the rows
-MAX_ROWS = ROWS
+# rows per fused step: two weight tiles' worth (matmul.ROWS = 4 rows a tile), so that a speculative verify of k <= 7
+# drafts (k + 1 rows) runs fused like the decode steps it is compared with. The fused step's lead shrinks with the rows:
+# every thread norms and quantises every row for itself. Three calls / fused, 2-core Zen 3 (avx2), 11 interleaved
+# rounds, medians: W4A8 1.20x at 4 rows, 1.19x at 5, 1.16x at 8, 1.10x at 9, 1.00x at 16; W8A8-64 1.22 / 1.23 /
+# 1.16 / 1.16 / 1.06x. (A 2-core Xeon, earlier kernels, measured it no faster from 5 rows on: there the limit was 4.)
+MAX_ROWS = 2 * ROWS
 
 
 @njit(cache=True)

@@ -11,7 +11,7 @@ What it does differently, and why each pays (lesson 7 measures them):
 - The O and down projections add into the residual stream in place (`accumulate=True`): no temporary.
 - Everything runs on Numba's thread pool; NumPy's BLAS (used by the attention reference) is held at one thread
   for the whole forward, so two pools never fight over the 2 cores (docs/performance.md: that trap costs ~10x).
-- A step of up to 4 rows that all need logits (decodes of up to 4 sequences, or a speculative verify) whose strategy
+- A step of up to 8 rows that all need logits (decodes of up to 8 sequences, or a speculative verify) whose strategy
   says where its K/V live (model.forward's `kv_layout`) runs as one call for all layers (kernels/decode_step.py):
   1.2-1.5x faster at batch 1 than the three calls per layer.
 """
