@@ -23,8 +23,9 @@ from hypothesis import strategies as st
 from numba import njit, prange
 
 import tinyserve as ts
-from tinyserve import kv_cache, quant
+from tinyserve import kv_cache, quant, speculative
 from tinyserve.attention_backends import KVLayout
+from tinyserve.drafters import NgramDrafter
 from tinyserve.engine import Engine
 from tinyserve.kernels import decode_step, forward as fast
 from tinyserve.kernels.attention import paged_attention_numba_unchecked
@@ -350,3 +351,23 @@ def test_usable_only_for_steps_it_can_run(tiny_fast, rows):
     big = decode_step.MAX_ROWS + 1
     assert not decode_step.usable(big, KVLayout(cache.k, cache.v, np.zeros((big, 1), np.int64), 8,
                                                 np.full(big, 3)), None)
+
+
+@pytest.mark.parametrize("mode", ["w8a8-64", "w4a8"])
+def test_a_speculative_verify_of_up_to_max_rows_runs_fused(tiny_fast, mode, monkeypatch):
+    """The k + 1 rows of a verify (k + 1 <= MAX_ROWS) run as one fused step, whose every row is the decode step's at
+    that position: with the three-call path's exp made the fused step's, speculative greedy decoding gives plain
+    greedy decoding's tokens exactly."""
+    model = tiny_fast[mode]
+    calls = []
+    real = decode_step.decode_step
+    monkeypatch.setattr(decode_step, "decode_step", lambda m, t, lay: calls.append(len(t)) or real(m, t, lay))
+    monkeypatch.setattr(fast, "silu_exp", _exp32_array)
+    prompt = [5, 17, 99, 3, 42, 250, 7, 7, 128, 60] * 3          # the n-gram drafter finds the pattern: full drafts
+    k = decode_step.MAX_ROWS - 1
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_new_tokens=16)
+    want = kv_cache.generate(model, prompt, params=params)
+    calls.clear()
+    got = speculative.generate(model, prompt, params=params, drafter=NgramDrafter(), k=k)
+    assert got == want
+    assert max(calls) == k + 1, f"verify steps of {sorted(set(calls))} rows ran fused; expected one of {k + 1}"
