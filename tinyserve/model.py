@@ -94,7 +94,7 @@ def forward(model: Model, tokens: np.ndarray, positions: np.ndarray, attention: 
     tokens, positions: [T] ints. `logit_rows` picks the rows that need logits (e.g. the last token of each
     sequence): the LM head is the single largest matmul (V = 49152 columns), so prefill skips it for the rest.
     `kv_layout` (lesson 7): where the step's K/V live, given only with the strategy's default attention; it lets
-    the Numba backend run a decode step of up to 4 rows as one kernel that writes the K/V itself, instead of
+    the Numba backend run a decode step of up to 8 rows as one kernel that writes the K/V itself, instead of
     calling `attention` (the NumPy path ignores it). Returns logits [len(logit_rows) or T, V] float32.
     """
     if model.backend == "numba" and model.quant != "none":       # lesson 7: the same steps, fused Numba kernels
