@@ -283,8 +283,9 @@ def generate_stream(model: Model, ids: Sequence[int], max_new_tokens: int | None
     drafter: default NgramDrafter(). k: tokens drafted per step (k_max when adaptive; verify_costs, e.g. from
     measure_verify_costs, then replaces roofline's constant verify cost). stats: filled in as the request runs.
     attend: None (kv_cache's choice: the backend's attention, and on numba the fused step for verifies of up to 8
-    rows, kernels/decode_step.MAX_ROWS) or an attention function. Stops exactly where plain decoding stops (EOS, stop string, max tokens, context
-    window), even inside an accepted run: the stopping rule sees every token one by one.
+    rows, kernels/decode_step.MAX_ROWS) or an attention function. Stops exactly where plain decoding stops (EOS,
+    stop string, max tokens, context window), even inside an accepted run: the stopping rule sees every token one by
+    one.
     """
     params = params or SamplingParams()
     drafter = drafter if drafter is not None else NgramDrafter()
