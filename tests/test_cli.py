@@ -43,8 +43,8 @@ def test_generate_json_chat(smol_tok):
 def test_generate_default_is_the_fast_path(smol_tok):
     """Without options, generate runs the fast path (quant.default_quant on the Numba kernels: w4a8 for SmolLM2,
     whose layers are Q4_1, on avx2 (quant.W4A8_DEFAULT_ON), w8a8-64 on the other variants with a byte dot product,
-    else int8) and still answers correctly; its
-    token-level agreement with float32 is measured in tests/test_quant_accuracy.py, not assumed here.
+    else int8) and still answers correctly; its token-level agreement with float32 is measured in
+    tests/test_quant_accuracy.py, not assumed here.
 
     The question is one float32 answers with a clear margin at every token ("The capital of Japan is Tokyo.": at
     least 0.97 logits between its top two choices, 2.54 at the first token). The fixture's chat prompt (France)
