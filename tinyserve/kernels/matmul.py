@@ -94,15 +94,16 @@ def _quantize_row(h, xu_row, sx_row):
     q = floor(h / s + 0.5), all float32."""
     nb = sx_row.shape[0]
     kb = h.shape[0] // nb
-    for b in range(nb):
+    for b in range(nb):     # (each loop over range(kb), indexed lo + i: as range(b * kb, (b + 1) * kb) the two
+        lo = b * kb         # loops ran 4x slower, 0.45 against 0.12 ms for [512, 576] (Zen 3, 2 threads), same bits)
         top = np.int32(0)                    # max |h[i]| over the bits with the sign cleared: an integer max
-        for i in range(b * kb, (b + 1) * kb):   # vectorises, a float one does not (fast_exp.row_max; no NaN here)
-            top = max(top, float_bits(h[i]) & np.int32(0x7FFFFFFF))
+        for i in range(kb):                  # vectorises, a float one does not (fast_exp.row_max; no NaN here)
+            top = max(top, float_bits(h[lo + i]) & np.int32(0x7FFFFFFF))
         amax = bits_float(top)
         s = amax / np.float32(127.0) if amax > 0 else np.float32(1.0)
-        for i in range(b * kb, (b + 1) * kb):   # clamped as a float, then one conversion (as quant.quantize_rows:
-            q = np.floor(h[i] / s + np.float32(0.5))   # math.floor's int64 and an integer clamp ran 1.5x slower)
-            xu_row[i] = np.uint8(np.int32(min(max(q, np.float32(-127.0)), np.float32(127.0))) + 128)
+        for i in range(kb):                  # clamped as a float, then one conversion (as quant.quantize_rows:
+            q = np.floor(h[lo + i] / s + np.float32(0.5))   # math.floor's int64 and an integer clamp ran 1.5x slower)
+            xu_row[lo + i] = np.uint8(np.int32(min(max(q, np.float32(-127.0)), np.float32(127.0))) + 128)
         sx_row[b] = s
 
 
@@ -399,9 +400,9 @@ def block_sums_row(xu_row, sx_row, xs_row):
     """xs_row[b] = sx_row[b] * (the sum of row's int8 values over block b): the term Q4_1's minimum multiplies."""
     kb = xu_row.shape[0] // sx_row.shape[0]
     for b in range(sx_row.shape[0]):
-        s = np.int32(0)
-        for i in range(b * kb, (b + 1) * kb):
-            s += np.int32(xu_row[i]) - 128
+        lo, s = b * kb, np.int32(0)
+        for i in range(kb):                          # (indexed lo + i, as in _quantize_row)
+            s += np.int32(xu_row[lo + i]) - 128
         xs_row[b] = sx_row[b] * np.float32(s)
 
 
