@@ -159,7 +159,10 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None):
             st = setup(builder)
             low = ir.Constant(bytes_t, [ir.Constant(_I8, 0x0F)] * vb)
             four = ir.Constant(bytes_t, [ir.Constant(_I8, 4)] * vb)
-            flip = ir.Constant(bytes_t, [ir.Constant(_I8, -128)] * vb)
+            # the sign bit of each of 4 bytes, flipped on the 32-bit word before it is broadcast: flipped after
+            # (a <64 x i8> xor feeding vpdpbusd.512), LLVM 22's code generator never returns (tinyserve's first
+            # compile on an AVX-512 VNNI Xeon hung for >10 min in the fused step; avxvnni's 256-bit form did not)
+            flip = ir.Constant(_I32, 0x80808080 - (1 << 32))
             prefetch = _fn(builder, "llvm.prefetch", ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32])
             next_tile = builder.mul(w_stride, k(C))             # a weight line -> the same line of the next tile
             x_rows = [_data_pointer(context, builder, ty[0], x_arr, builder.add(x_off, builder.mul(x_stride, k(r))))
@@ -200,10 +203,10 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None):
                                                                                                k(half)))
                                     x4 = builder.load(builder.bitcast(builder.gep(x_rows[r], [builder.mul(i, k(4))]),
                                                                       _I32.as_pointer()), align=1)
+                                    x4 = builder.xor(x4, flip)  # uint8 + 128 -> the signed int8, before the broadcast
                                     one = builder.insert_element(ir.Constant(lanes_t, None), x4, ir.Constant(_I32, 0))
-                                    xb = builder.bitcast(builder.shuffle_vector(one, ir.Constant(lanes_t, None),
-                                                                                ir.Constant(lanes_t, None)), bytes_t)
-                                    xv[r, half] = builder.xor(xb, flip)     # uint8 + 128 -> the signed int8
+                                    xv[r, half] = builder.bitcast(builder.shuffle_vector(
+                                        one, ir.Constant(lanes_t, None), ir.Constant(lanes_t, None)), bytes_t)
                             for c in sub_c:                     # one weight vector at a time: unpacked, used, gone
                                 for p in range(parts):
                                     off = builder.add(base, builder.add(builder.mul(j, k(64)),
