@@ -42,7 +42,7 @@ def test_generate_json_chat(smol_tok):
 @pytest.mark.real
 def test_generate_default_is_the_fast_path(smol_tok):
     """Without options, generate runs the fast path (quant.default_quant on the Numba kernels: w4a8 for SmolLM2,
-    whose layers are Q4_1, on avx2 (quant.W4A8_DEFAULT_ON), w8a8-64 on the other variants with a byte dot product,
+    whose layers are Q4_1, on the variants of quant.W4A8_DEFAULT_ON, w8a8-64 on the others with a byte dot product,
     else int8) and still answers correctly; its token-level agreement with float32 is measured in
     tests/test_quant_accuracy.py, not assumed here.
 
