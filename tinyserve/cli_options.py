@@ -17,7 +17,8 @@ QUANTS = ("auto", "none", "int8", "w8a8", "w8a8-64", "w4a8")
 def add_backend_options(p: argparse.ArgumentParser) -> None:
     # auto by default: the fastest mode within int8's accuracy bounds on this CPU (quant.default_quant): W4A8 for
     # weights that are Q4_1 already (SmolLM2's: the model's own weights, 4.5 bits each) on the x86 variants, where it
-    # measured fastest at decode, else W8A8-64 where the kernels have a byte dot product, else int8; lesson 7's tables measure them
+    # measured fastest at decode, else W8A8-64 where the kernels have a byte dot product, else int8; lesson 7's
+    # tables measure them
     p.add_argument("--quant", default="auto", choices=QUANTS,
                    help="quantisation (lesson 7; default auto: the fastest accurate mode on this CPU; int8: int8 "
                         "weights, float32 activations; w8a8-64: int8 activations too, one scale per 64 values; "
