@@ -189,3 +189,40 @@ def test_subtiles_fit_the_register_file(registers, v, R, C, extra, want):
     r, c = isa.plan_subtiles(R, C, extra, registers, v)
     assert (r, c) == want
     assert v * r * c + (v * c if r > 1 else 1) + extra <= registers
+
+
+COMPILE_TILES = textwrap.dedent("""
+    import numpy as np
+    from numba import njit
+    from tinyserve.kernels import int4_dot
+    from tinyserve.kernels.matmul import COLS, ROWS
+    nb = 18                                          # 576 inputs, 18 blocks of 32
+    for R, C in ((ROWS, COLS), (1, 1)):
+        tile = int4_dot.make_w4a8_tile(R, C)
+
+        @njit                                        # not cached: every run compiles the tile again
+        def run(x, w, sx, xs, out):
+            tile(x, 0, nb * 32, w, 0, nb * int4_dot.GROUP_BYTES, nb, sx, xs, 0, nb, out, 0, 16 * C)
+        out = np.ones(R * 16 * C, np.float32)
+        run(np.full(R * nb * 32, 128, np.uint8), np.zeros(C * nb * int4_dot.GROUP_BYTES + 4096, np.uint8),
+            np.ones(R * nb, np.float32), np.ones(R * nb, np.float32), out)
+        assert not out.any()                         # zero activations and weights: every output is 0
+    print("done")
+""")
+
+
+@pytest.mark.parametrize("variant", isa.ORDER)
+def test_the_w4a8_tile_compiles_in_seconds(variant):
+    """The W4A8 tile's code generation returns: with the activations' sign bits flipped after the broadcast (a
+    <64 x i8> xor feeding vpdpbusd.512), LLVM 22 never finished compiling it on an AVX-512 VNNI Xeon (the fused
+    step, which holds it, hung every first run there). ~1 s a variant; 120 s is a hang, not a slow machine."""
+    if variant not in isa.supported():
+        pytest.skip(f"this CPU cannot run {variant} (it runs {', '.join(isa.supported())})")
+    env = {**os.environ, "TINYSERVE_KERNELS": variant}
+    env.pop("TINYSERVE_PORTABLE_KERNELS", None)
+    try:
+        r = subprocess.run([sys.executable, "-c", COMPILE_TILES], env=env, capture_output=True, text=True,
+                           timeout=120, cwd=Path(__file__).resolve().parent.parent)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{variant}: the W4A8 tile did not compile in 120 s (LLVM's code generator hung)")
+    assert r.returncode == 0 and "done" in r.stdout, r.stderr[-3000:]
