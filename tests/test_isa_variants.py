@@ -9,7 +9,8 @@ folder. What must hold on every variant:
 - W8A32 matmuls are within the stated tolerance of the reference, and bit-identical to this process's variant:
   a tile split into sub-tiles (AVX2's 16 registers) sums each output in the same order;
 - the whole model (prefill kernels, the fused decode step, the LM head) gives the same logits and the same greedy
-  tokens in every mode as this process's variant.
+  tokens in every mode as this process's variant;
+- the W4A8 tile compiles in seconds (LLVM 22 once hung on it for good: int4_dot's sign-bit xor).
 Variants this CPU cannot run are skipped with the reason (an arm64 build never sees the x86 ones).
 """
 from __future__ import annotations
