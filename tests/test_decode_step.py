@@ -4,8 +4,8 @@ What must hold:
 - the spin barrier keeps the threads in step: no thread reads a phase's results before every thread wrote them;
 - one fused step = one three-call step on the same cache (paged blocks and the contiguous KVCache): the logits and
   the K/V written into the cache. W8A32 runs the very same code per element (matmul tiles, norms, SiLU on exp32,
-  the decode attention item): equal to ~1e-6. W8A8's three-call path takes SiLU's exp from NumPy (to be the NumPy
-  reference bit for bit) where the fused step uses fast_exp.exp32; given exp32 there too, the two are bit-identical;
+  the decode attention item): equal to ~1e-6. W8A8 (and W4A8): bit-identical, both computing SiLU with
+  fast_exp.exp32 (forward.silu_exp = None); with NumPy's exp there instead (np.exp: the NumPy reference's bits), close;
 - the strategies really take it: kv_cache decode and the Engine's decode-only steps (greedy tokens as before), and
   speculative verify steps, whose rows read each other's K/V: row j equals a decode step at that position;
 - threads that do not meet (here: a step told it has 2 threads while Numba runs 1) give up at the deadline, warn
@@ -29,7 +29,6 @@ from tinyserve.drafters import NgramDrafter
 from tinyserve.engine import Engine
 from tinyserve.kernels import decode_step, forward as fast
 from tinyserve.kernels.attention import paged_attention_numba_unchecked
-from tinyserve.kernels.fast_exp import exp32
 from tinyserve.kernels.spin import FAILED, SPIN_CYCLES, SYNC_SIZE, atomic_load, atomic_store, barrier, cycle_counter
 from tinyserve.paged import write_kv_unchecked
 from tinyserve.sampling import SamplingParams
@@ -45,14 +44,6 @@ def tiny_fast():
     for mode in ("int8", "w8a8", "w8a8-64", "w4a8"):
         base = ts.tiny_model(seed=0, **({"dim": 128, "intermediate_size": 192} if mode == "w8a8-64" else {}))
         out[mode] = quant.set_backend(quant.quantize_model(base, mode), mode, "numba")
-    return out
-
-
-@njit(cache=True)
-def _exp32_array(x, out=None):
-    out = np.empty_like(x) if out is None else out
-    for i in range(x.size):
-        out.flat[i] = exp32(x.flat[i])
     return out
 
 
@@ -176,16 +167,15 @@ def test_fused_step_equals_three_calls_on_paged_blocks(tiny_fast, B, bs, seed, c
         k3, v3 = k.copy(), v.copy()
         want = _paged_step(model, k3, v3, tables, lens, tokens, fused=False)
         if quant.is_w8a8(mode):
-            with pytest.MonkeyPatch.context() as mp:      # the one difference: SiLU's exp
-                mp.setattr(fast, "silu_exp", _exp32_array)
-                k32, v32 = k.copy(), v.copy()
-                want_exp32 = _paged_step(model, k32, v32, tables, lens, tokens, fused=False)
+            with pytest.MonkeyPatch.context() as mp:      # the three-call path with NumPy's exp (the reference's)
+                mp.setattr(fast, "silu_exp", np.exp)
+                want_np = _paged_step(model, k.copy(), v.copy(), tables, lens, tokens, fused=False)
         got = _paged_step(model, k, v, tables, lens, tokens, fused=True)
         if quant.is_w8a8(mode):
-            assert np.array_equal(got, want_exp32), f"max diff {np.abs(got - want_exp32).max():.3g}"
-            assert np.array_equal(k, k32) and np.array_equal(v, v32)
+            assert np.array_equal(got, want), f"max diff {np.abs(got - want).max():.3g}"
+            assert np.array_equal(k, k3) and np.array_equal(v, v3)
             # NumPy's exp vs exp32 (<= 2e-7 relative) can move an activation across an int8 rounding boundary
-            np.testing.assert_allclose(got, want, atol=0.05 * np.abs(want).max())
+            np.testing.assert_allclose(got, want_np, atol=0.05 * np.abs(want_np).max())
         else:
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
             np.testing.assert_allclose(k, k3, rtol=1e-5, atol=1e-6)
@@ -199,8 +189,6 @@ def test_kv_cache_decode_takes_the_fused_step(tiny_fast, mode, monkeypatch):
     calls = []
     real = decode_step.decode_step
     monkeypatch.setattr(decode_step, "decode_step", lambda *a: calls.append(1) or real(*a))
-    if quant.is_w8a8(mode):
-        monkeypatch.setattr(fast, "silu_exp", _exp32_array)
     runs = {}
     for fused in (True, False):
         with contextlib.nullcontext() if fused else decode_step.three_call_path():
@@ -223,7 +211,6 @@ def test_engine_decode_steps_run_fused_with_the_same_tokens(tiny_fast, mode, mon
     calls = []
     real = decode_step.decode_step
     monkeypatch.setattr(decode_step, "decode_step", lambda m, t, lay: calls.append(len(t)) or real(m, t, lay))
-    monkeypatch.setattr(fast, "silu_exp", _exp32_array)       # W8A8: the three-call path computes SiLU as fused
     got = Engine(model, num_blocks=40, block_size=4).generate(prompts, GREEDY12)
     assert calls and max(calls) == 4, f"fused steps of {sorted(set(calls))} rows; expected batches of up to 4"
     with decode_step.three_call_path():
@@ -356,13 +343,12 @@ def test_usable_only_for_steps_it_can_run(tiny_fast, rows):
 @pytest.mark.parametrize("mode", ["w8a8-64", "w4a8"])
 def test_a_speculative_verify_of_up_to_max_rows_runs_fused(tiny_fast, mode, monkeypatch):
     """The k + 1 rows of a verify (k + 1 <= MAX_ROWS) run as one fused step, whose every row is the decode step's at
-    that position: with the three-call path's exp made the fused step's, speculative greedy decoding gives plain
-    greedy decoding's tokens exactly."""
+    that position: with the three-call path computing SiLU's exp as the fused step does (the default), speculative
+    greedy decoding gives plain greedy decoding's tokens exactly."""
     model = tiny_fast[mode]
     calls = []
     real = decode_step.decode_step
     monkeypatch.setattr(decode_step, "decode_step", lambda m, t, lay: calls.append(len(t)) or real(m, t, lay))
-    monkeypatch.setattr(fast, "silu_exp", _exp32_array)
     prompt = [5, 17, 99, 3, 42, 250, 7, 7, 128, 60] * 3          # the n-gram drafter finds the pattern: full drafts
     k = decode_step.MAX_ROWS - 1
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_new_tokens=16)

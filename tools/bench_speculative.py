@@ -159,8 +159,9 @@ def main() -> None:
                 out, t = decode_time(sp.generate_stream(
                     model, ids, args.new_tokens, greedy, drafter=drafter, k=k, adaptive=adaptive, stats=stats,
                     verify_costs=verify_costs if adaptive else None), stats)
-                # float32: the same tokens, always. W8A8: verify's k + 1 rows and plain decoding's fused one-row step
-                # add in other orders (~1e-7), which can tip a near tie: count such runs instead of stopping
+                # float32: the same tokens, always. W8A8: the prompt's last token is prefill's last row in plain
+                # decoding and the first verify's first row here; the two attention kernels add in other orders
+                # (~1e-7), which can tip an activation's int8 rounding and then a near tie: count such runs
                 if out != expected and model.quant in ("none", "int8"):
                     raise AssertionError(f"{name} k={k}: greedy speculative output differs from plain decoding")
                 differs += out != expected

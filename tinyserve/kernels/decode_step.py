@@ -38,11 +38,10 @@ decode step at that position would get, bit for bit in W8A8 (tests/test_decode_s
 chunks, custom attention, more rows) takes the three-call path.
 
 Same numbers? The matmuls, norms and attention are the three-call path's own code (kernels/matmul.py, layer.py,
-attention.py: decode_attention_item); SiLU uses fast_exp.exp32, where the three-call W8A8 path calls NumPy's exp to
-stay bit-identical to the NumPy reference. So W8A32 agrees with the three-call path to ~1e-6, and W8A8 bit for bit
-given the same exp (tests/test_decode_step.py). With NumPy's exp on the other side, W8A8 drifts the way any float
-difference makes it drift (an activation tipped into the next int8 step), and is as accurate as the reference
-(tests/test_quant_accuracy.py).
+attention.py: decode_attention_item), and SiLU uses fast_exp.exp32 on both. So W8A32 agrees with the three-call path
+to ~1e-6, and W8A8 bit for bit (tests/test_decode_step.py). With NumPy's exp on the three-call side (forward.silu_exp
+= np.exp, which makes it the NumPy reference's bits), W8A8 drifts the way any float difference makes it drift (an
+activation tipped into the next int8 step), and is as accurate as the reference (tests/test_quant_accuracy.py).
 """
 from __future__ import annotations
 

@@ -29,11 +29,15 @@ from ..quant import Q4_GROUP, Q4Linear, act_blocks, dequantize_model, is_w8a8
 from .matmul import block_sums, pack_vnni, pack_w4a8, pack_w8a32
 
 
-# SiLU's exp on the three-call W8A8 path: NumPy's own, so that the result is the NumPy reference's bit for bit. (The
-# fused decode step cannot call NumPy and uses fast_exp.exp32; tests/test_decode_step.py puts exp32 here to compare
-# the two paths bit for bit.) Called as silu_exp(x, out=x), into a buffer the forward keeps for all layers: a fresh
-# [T, F] array per layer cost ~0.5 ms of a 1.4 ms exp at 512 rows (Zen 3), a single thread while the cores idle.
-silu_exp = np.exp
+# SiLU's exp on the three-call W8A8 path. None (the default): fast_exp.exp32 inside mlp_down, the fused decode step's
+# own, so a prompt's rows and a decode step's row compute SiLU alike (and greedy speculative decoding, whose first
+# verify row is the prompt's last token, decodes plain decoding's tokens). np.exp: NumPy's, which makes the path the
+# NumPy W8A8 reference bit for bit (tests/test_quant.py and others set it to prove that; the reference's SiLU is
+# np.exp, and a last-bit difference before rounding to int8 can move an activation a whole int8 step). Why not NumPy
+# by default: on a 2-core Zen 3 it was 67-86 ms of a 512-token prefill (~6 %) on one thread while the other idled,
+# the cost that kept W8A8-64 level with int8 there; exp32 runs in the kernel's parallel row loop. Called as
+# silu_exp(x, out=x), into a buffer the forward keeps for all layers.
+silu_exp = None
 
 # From this many rows on, a W8A32 forward multiplies float32 copies of the dequantised weights with BLAS instead of
 # running the int8 tiles, on the variants where the tiles cannot beat BLAS at many rows: the `generic` ones (plain
@@ -120,7 +124,7 @@ def fast_forward(model, tokens: np.ndarray, positions: np.ndarray, attention, lo
     """model.forward for quantised weights on the Numba backend (same arguments, same result up to float order).
 
     A layer is three fused Numba calls (kernels/layer.py) around the strategy's attention; the W8A8 and W8A32
-    kernels differ in their arguments (W8A8 also needs each matrix's column sums, and NumPy's exp for SiLU)."""
+    kernels differ in their arguments (W8A8 also needs each matrix's column sums)."""
     if model.fast is None:
         model.fast = prepare(model)
     fw: FastWeights = model.fast
@@ -152,8 +156,9 @@ def fast_forward(model, tokens: np.ndarray, positions: np.ndarray, attention, lo
             if w8a8:    # x += a @ Wo; gu = norm(x) @ [gate|up]; x += silu(gate) * up @ Wdown
                 post_attention(x, a, w.o.w, w.o.wsum, w.o.scale, w.mlp_norm, eps, w.gate_up.w, w.gate_up.wsum,
                                w.gate_up.scale, gu)
-                silu_exp(np.negative(gu[:, :F], out=e), out=e)                      # NumPy's exp, as layers.silu
-                mlp_down(x, gu, e, w.down.w, w.down.wsum, w.down.scale)
+                if silu_exp is not None:                                            # NumPy's exp, as layers.silu
+                    silu_exp(np.negative(gu[:, :F], out=e), out=e)
+                mlp_down(x, gu, e, silu_exp is None, w.down.w, w.down.wsum, w.down.scale)
             else:
                 post_attention_w8a32(x, a, w.o.w, w.o.scale, w.mlp_norm, eps, w.gate_up.w, w.gate_up.scale, gu)
                 mlp_down_w8a32(x, gu, w.down.w, w.down.scale)

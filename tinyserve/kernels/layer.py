@@ -1,4 +1,4 @@
-"""A W8A8 (or W4A8) LLaMA layer in three Numba calls (plus attention, and NumPy's exp for SiLU).
+"""A W8A8 (or W4A8) LLaMA layer in three Numba calls (plus attention).
 
 At decode a layer is ~10 small steps (norm, quantise, matmul, RoPE, ...), each a few microseconds of work; called
 one by one from Python they cost more in call overhead than in arithmetic (~5 ms of a ~15 ms step, measured with
@@ -7,13 +7,13 @@ one thread). Here each run of steps between two things Numba cannot do for us be
     pre_attention   RMSNorm -> quantise -> [Q|K|V] matmul -> RoPE             x -> q, k, v
     (attention: the strategy's function: KV cache, paged blocks, ...)
     post_attention  quantise(a) -> x += a @ Wo -> RMSNorm -> quantise -> [gate|up] matmul      -> gu
-    (NumPy: e = exp(-gate), see below)
-    mlp_down        silu(gate) * up -> quantise -> x += act @ Wdown
+    mlp_down        e = exp(-gate) -> silu(gate) * up -> quantise -> x += act @ Wdown
 
 Bit-identical to the NumPy W8A8 reference (tinyserve.quant through model.forward): the integer matmuls are exact,
 the elementwise steps are the reference's float32 operations in the reference's order, RMSNorm's mean of squares
-is NumPy's own pairwise summation (`_pairwise_sum`), and SiLU's exp is NumPy's (its SIMD exp differs from libm's
-in the last bit now and then, and a last-bit difference before rounding to int8 can become a whole int8 step).
+is NumPy's own pairwise summation (`_pairwise_sum`), and SiLU's exp is NumPy's when kernels.forward.silu_exp = np.exp
+(a last-bit difference before rounding to int8 can become a whole int8 step). By default mlp_down computes it with
+fast_exp.exp32, as the fused decode step does (forward.py says why).
 The row-wise steps run serially at decode (one row) and in parallel at prefill. The same functions run W4A8
 (quant.py's 4-bit mode): its weights arrive packed 3-d, and the matmul they call (matmul._matmul_w8a8) compiles
 its W4A8 branch for them.
@@ -163,16 +163,28 @@ def post_attention(x, a, wo, wo_sum, wo_scale, norm_w, eps, wgu, wgu_sum, wgu_sc
 SWIGLU_KERNEL = dict(cache=True, parallel=True, error_model="numpy")
 
 
+@njit(cache=True, inline="always")
+def _neg_exp_row(gu, t, e):
+    """e[t] = exp32(-gate) for row t: the fused decode step's SiLU exp (kernels/decode_step.py), element for element."""
+    for i in range(e.shape[1]):
+        e[t, i] = exp32(-gu[t, i])
+
+
 @njit(**SWIGLU_KERNEL)
-def mlp_down(x, gu, e, wd, wd_sum, wd_scale):
-    """x += (silu(gate) * up) @ Wdown with e = exp(-gate) from NumPy: silu(g) = g / (1 + e)."""
+def mlp_down(x, gu, e, exp_here, wd, wd_sum, wd_scale):
+    """x += (silu(gate) * up) @ Wdown, silu(g) = g / (1 + e) with e = exp(-gate): computed here with fast_exp.exp32
+    when exp_here (the default, forward.silu_exp = None), else given (NumPy's exp: the reference's bits)."""
     T, F = e.shape
     au, sa = np.empty((T, F), np.uint8), np.empty((T, wd_sum.shape[0]), np.float32)
     if T >= PARALLEL_ROWS:
         for t in prange(T):
+            if exp_here:
+                _neg_exp_row(gu, t, e)
             _swiglu_quant_row(gu, e, t, au, sa)
     else:
         for t in range(T):
+            if exp_here:
+                _neg_exp_row(gu, t, e)
             _swiglu_quant_row(gu, e, t, au, sa)
     _matmul_w8a8(au, sa, wd, wd_sum, wd_scale, x, True)
 
