@@ -81,6 +81,8 @@ def test_cpu_info_reads_the_first_cpu_and_falls_back_on_this_machine():
     text = "model name\t: Xeon\nflags\t\t: fpu avx2 amx_int8\n\nmodel name\t: Other\nflags\t\t: fpu\n"
     assert measure.cpu_info(text) == {"model": "Xeon", "flags": ["avx2", "amx_int8"]}
     assert measure.cpu_info("") == {"model": "unknown", "flags": []}
+    zen5 = "processor\t: 0\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: AMD EPYC\nflags\t\t: avx2\n\nmodel\t\t: 9\n"
+    assert measure.cpu_info(zen5) == {"model": "AMD EPYC (family 26, model 2)", "flags": ["avx2"]}
     assert measure.cpu_name() and measure.cpu_name() == speed.cpu_name()
 
 

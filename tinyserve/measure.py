@@ -122,15 +122,24 @@ def cpu_info(cpuinfo_text: str | None = None) -> dict:
                 cpuinfo_text = f.read()
         except OSError:
             cpuinfo_text = ""
-    model, flags = "unknown", None
-    for line in cpuinfo_text.splitlines():
+    model, flags, family, number = "unknown", None, None, None
+    for line in cpuinfo_text.split("\n\n")[0].splitlines():
         key, _, value = line.partition(":")
-        if key.strip() == "model name" and model == "unknown":
-            model = value.strip()
-        elif key.strip() == "flags" and flags is None:
+        key, value = key.strip(), value.strip()
+        if key == "model name":
+            model = value
+        elif key == "flags":
             flags = set(value.split())
+        elif key == "cpu family":
+            family = value
+        elif key == "model":
+            number = value
     if own and model == "unknown":                     # arm64 Linux lists no model name; macOS has no cpuinfo
         model = platform.processor() or platform.machine() or "unknown"
+    if family and number and model != "unknown":
+        # a cloud VM often names only the brand ("AMD EPYC" for Zen 3, 4 and 5 alike); family and model tell them
+        # apart (AMD: family 25 = Zen 3 / Zen 4, 26 = Zen 5), which is what a figure measured on it needs
+        model = f"{model} (family {family}, model {number})"
     return {"model": model, "flags": [f for f in CPU_FLAGS_OF_NOTE if f in (flags or ())]}
 
 
