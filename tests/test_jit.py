@@ -110,7 +110,8 @@ def test_compiling_first_is_announced_and_not_counted_in_ttft(cache, monkeypatch
         return 1.5
     monkeypatch.setattr(jit, "warm_up", slow_warm_up)
     out, err = run_json(capsys, "--compile", "wait", "--max-new-tokens", "8")
-    assert "compiling the int8 kernels for this CPU (first run only" in err
+    assert f"compiling the int8 kernels for this CPU (first run only, ~{jit.ESTIMATE_S['kv']} s)" in err
+    assert jit.estimate_s("w4a8", "kv") > jit.estimate_s("int8", "kv")      # its 4-bit tiles compile besides
     assert out["kernels"]["how"] == "compiled" and out["kernels"]["seconds"] == 1.5
     assert out["ttft_s"] < 1.0 and out["total_s"] < 1.0
     assert (out["quant"], out["backend"]) == ("int8", "numba")
