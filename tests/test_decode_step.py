@@ -25,7 +25,7 @@ from numba import njit, prange
 import tinyserve as ts
 from tinyserve import kv_cache, quant, speculative
 from tinyserve.attention_backends import KVLayout
-from tinyserve.drafters import NgramDrafter
+from tinyserve.drafters import ModelDrafter
 from tinyserve.engine import Engine
 from tinyserve.kernels import decode_step, forward as fast
 from tinyserve.kernels.attention import paged_attention_numba_unchecked
@@ -349,11 +349,12 @@ def test_a_speculative_verify_of_up_to_max_rows_runs_fused(tiny_fast, mode, monk
     calls = []
     real = decode_step.decode_step
     monkeypatch.setattr(decode_step, "decode_step", lambda m, t, lay: calls.append(len(t)) or real(m, t, lay))
-    prompt = [5, 17, 99, 3, 42, 250, 7, 7, 128, 60] * 3          # the n-gram drafter finds the pattern: full drafts
+    prompt = [5, 17, 99, 3, 42, 250, 7, 7, 128, 60] * 3
     k = decode_step.MAX_ROWS - 1
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_new_tokens=16)
     want = kv_cache.generate(model, prompt, params=params)
     calls.clear()
-    got = speculative.generate(model, prompt, params=params, drafter=NgramDrafter(), k=k)
+    # the target drafting for itself: every draft is whole and accepted, so the verifies have k + 1 rows
+    got = speculative.generate(model, prompt, params=params, drafter=ModelDrafter(model, target=model), k=k)
     assert got == want
     assert max(calls) == k + 1, f"verify steps of {sorted(set(calls))} rows ran fused; expected one of {k + 1}"

@@ -150,7 +150,8 @@ class SpecStats:
     drafted: int = 0        # draft tokens proposed
     accepted: int = 0       # of those, accepted
     rejected: int = 0       # steps that ended on a rejected draft token (the others accepted all they drafted)
-    emitted: int = 0        # tokens the steps yielded (accepted + corrections + bonuses; cut short by stopping)
+    emitted: int = 0        # tokens the steps yielded (accepted + corrections + bonuses; cut short by stopping): all
+                            # but the first new token, which the prompt's prefill yields
     ks: list[int] = field(default_factory=list)        # [steps] tokens drafted at each step
     accepts: list[int] = field(default_factory=list)   # [steps] of those, accepted
 
@@ -296,14 +297,19 @@ def generate_stream(model: Model, ids: Sequence[int], max_new_tokens: int | None
     # plain decoding's positions plus room for one step's draft (its rejected part is rewound right after)
     cache = KVCache.allocate(cfg, min(cfg.max_seq_len,
                                       max_kv_positions(len(tokens), stopper.max_new_tokens, cfg.max_seq_len) + k))
-    if len(tokens) > 1:
-        # all but the last prompt token: the last one opens the first verify step, so even the first new token
-        # can come with a draft
-        prefill(model, cache, tokens[:-1], prefill_chunk, attend)
+    # the whole prompt, as plain decoding prefills it: its last row's logits give the first new token. (Were the
+    # last prompt token instead the first verify's first row, a quantised model would compute it in the fused step's
+    # kernels where plain decoding uses the prefill's: their attention adds in another order, int8 activations can
+    # round the ~1e-7 apart, and at a near tie greedy speculation then decodes other tokens than plain decoding.)
+    logits = prefill(model, cache, tokens, prefill_chunk, attend)                   # [V]
     control = AdaptiveK(k, drafter.cost, tuple(verify_costs) if verify_costs is not None else None) \
         if adaptive else None
     seq = [int(t) for t in tokens]                     # prompt + output; seq[-1] is not in the cache yet
-    out: list[int] = []
+    out = [sample(logits, params, rng, seen=seq)]
+    seq.append(out[0])
+    yield out[0]
+    if stopper.should_stop(out):
+        return
     while True:
         n_draft = draft_length(k, control, len(out), stopper.max_new_tokens, cache.max_len - len(seq))
         draft = drafter.propose(seq, n_draft, params, rng) if n_draft else Draft([])
