@@ -227,6 +227,16 @@ def test_bench_cli_takes_the_speculative_options(capsys):
     assert "'speculative': 'ngram'" in out and "'draft_k': 3" in out and "out tok/s" in out
 
 
+@pytest.mark.real
+def test_generate_cli_summary_says_what_speculation_did_never_nan(smol, capsys):
+    from tinyserve.__main__ import main
+    for n, words in ((1, "no verify step ran"), (12, "tokens per forward")):
+        assert main(["generate", "--quant", "none", "--backend", "numpy", "--temperature", "0", "--max-new-tokens",
+                     str(n), "--speculative", "ngram", "one two three, one two three, one two"]) == 0
+        err = capsys.readouterr().err
+        assert words in err and "nan" not in err, err
+
+
 def test_cli_refuses_an_unknown_drafter():
     from tinyserve.__main__ import main
     with pytest.raises(SystemExit):

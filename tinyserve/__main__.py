@@ -140,8 +140,13 @@ def cmd_generate(args) -> int:
     else:
         if not answer_ended:
             print(stream.flush())
-        extra = (f"; {args.speculative} drafts: α {spec.alpha:.2f}, {spec.tokens_per_step:.2f} tokens per forward"
-                 if spec is not None else "")
+        if spec is None:
+            extra = ""
+        elif not spec.steps:                      # the prompt's prefill gives the first token; it was the only one
+            extra = f"; {args.speculative}: no verify step ran (the prefill gave the only new token)"
+        else:
+            alpha = f"α {spec.alpha:.2f}" if spec.accepted + spec.rejected else "nothing drafted"
+            extra = f"; {args.speculative} drafts: {alpha}, {spec.tokens_per_step:.2f} tokens per forward"
         print(f"\n[{strategy}, {describe_backend(model)}: {len(ids)} prompt tokens, {len(out)} new; "
               f"{timing_summary(kernels, stamps, n_slow, fast)}{extra}]", file=sys.stderr)
     return 0
