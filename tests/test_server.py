@@ -424,7 +424,8 @@ def test_serve_subcommand_drains_streams_in_flight_on_sigterm():
 
 
 def test_sigterm_cancels_what_does_not_finish_within_the_drain_timeout():
-    proc, url = _start("--drain-timeout", "0.2")
+    # 1000 tokens of the tiny model take ~0.25 s on a 2-core Zen 5 (in process): a 0.2 s drain was a race it once lost
+    proc, url = _start("--drain-timeout", "0.05")
     try:
         events = _sigterm_mid_stream(proc, url, 1000)
         assert "[DONE]" not in events and len(events) < 1000
