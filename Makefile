@@ -33,7 +33,8 @@ help:
 	@echo "make bench      benchmarks (tokens/s, ratios measured side by side)"
 	@echo "make serve      OpenAI-compatible server on http://127.0.0.1:8000/v1 (SERVE_ARGS=... for options)"
 	@echo "make fixtures   regenerate the PyTorch reference fixture (own venv with torch + transformers)"
-	@echo "make bench-peers  tinyserve vs llama.cpp and PyTorch on this machine, interleaved (builds llama.cpp: ~12 min once)"
+	@echo "make bench-peers  tinyserve vs llama.cpp (every format) and PyTorch, interleaved; recorded in docs/peers.md"
+	@echo "                 (builds llama.cpp once: ~6-12 min)"
 	@echo "make bench-variants  tokens/s of every kernel instruction set this CPU runs (TINYSERVE_KERNELS), interleaved"
 	@echo "make test-blas  the fast tests under other OpenBLAS kernels (BLAS_KERNELS=\"Haswell Sandybridge\")"
 	@echo "make bench-quant  accuracy and tokens/s of float32, int8, W8A8 per token, SmoothQuant and W8A8-64 (lesson 7)"
@@ -119,14 +120,16 @@ fixtures: $(RUNTIME) weights
 	.venv-ref/bin/pip install --quiet torch==2.13.0 'transformers>=5,<6' 'accelerate>=1,<2' 'gguf>=0.10,<0.20' numpy
 	.venv-ref/bin/python tools/make_reference.py
 
-# The peers (issue 9): llama.cpp (.venv-llama, built from source) and PyTorch + transformers (.venv-ref, shared with
-# `make fixtures`) in venvs of their own, measured beside tinyserve in one run. Not part of `make test`.
-# Options go through BENCH_PEERS_ARGS, e.g. make bench-peers BENCH_PEERS_ARGS="--quick" or "--quant int8".
-.PHONY: bench-peers peer-venvs bench-variants test-blas
+# The peers: llama.cpp (.venv-llama, built from source; Q4_1 as shipped plus Q4_0, IQ4_NL and Q8_0 made by its own
+# quantizer) and PyTorch + transformers (.venv-ref, shared with `make fixtures`) in venvs of their own, measured beside
+# tinyserve in one run. Not part of `make test`. A full run is recorded in docs/peers/ and regenerates docs/peers.md.
+# Options go through BENCH_PEERS_ARGS, e.g. make bench-peers BENCH_PEERS_ARGS="--quick" or "--threads-sweep".
+.PHONY: bench-peers peer-venvs peers-table bench-variants test-blas
 BENCH_PEERS_ARGS ?=
 
-peer-venvs:
+peer-venvs: $(RUNTIME) weights
 	tools/peers/setup_llama.sh .venv-llama $(PY)
+	$(PYTHON) tools/bench_peers.py --prepare
 	test -f .venv-ref/.installed-peers || { \
 	  echo "installing torch==2.13.0 (CPU) + transformers into .venv-ref ..." && \
 	  { test -x .venv-ref/bin/python || $(PY) -m venv .venv-ref; } && \
@@ -135,6 +138,10 @@ peer-venvs:
 
 bench-peers: $(RUNTIME) weights peer-venvs
 	$(PYTHON) tools/bench_peers.py $(BENCH_PEERS_ARGS)
+
+# docs/peers.md again from the recorded runs (docs/peers/*.json), e.g. after editing the table's layout
+peers-table: $(RUNTIME)
+	$(PYTHON) tools/bench_peers.py --table
 
 # Every kernel variant this CPU runs (kernels/isa.py), each forced in its own process, interleaved (lesson 7)
 bench-variants: $(RUNTIME) weights

@@ -2,6 +2,7 @@
 against fake workers, and tinyserve's own measurement functions on the tiny model."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -26,7 +27,10 @@ from protocol import PeerError, Worker  # noqa: E402  (bench_peers put tools/pee
 def test_defaults_are_the_issue_workloads_on_the_fast_path():
     args = bp.parse_args([])
     assert args.settings == bp.Settings(rounds=3, prompt_len=32, new_tokens=128, batch=16, prefill_len=512)
-    assert args.engines == ["llama.cpp", "PyTorch", "tinyserve"]
+    # every llama.cpp format: Q4_1 (the same weights) and its fast paths on x86, made by its own quantizer
+    assert args.engines == ["llama.cpp Q4_1", "llama.cpp Q4_0", "llama.cpp IQ4_NL", "llama.cpp Q8_0", "PyTorch",
+                            "tinyserve"]
+    assert args.settings.threads == 2 and not args.threads_sweep
     # the CLI's default path (auto: the fastest accurate mode on the Numba kernels), not load_model's float32 reference
     assert bp.load_kwargs(args) == {"quant": "auto", "backend": "numba"}
     assert bp.engine_kwargs(args) == {"backend": "numba"}
@@ -47,8 +51,15 @@ def test_quant_and_backend_pass_through():
     assert args.engines == ["tinyserve"]
 
 
+def test_llama_formats_and_threads_options():
+    args = bp.parse_args(["--engines", "llama.cpp,tinyserve", "--llama-formats", "Q4_0,Q4_1", "--threads", "1"])
+    assert args.engines == ["llama.cpp Q4_0", "llama.cpp Q4_1", "tinyserve"] and args.settings.threads == 1
+    assert bp.sweep_threads(2) == [1, 2] and bp.sweep_threads(8) == [1, 2, 8] and bp.sweep_threads(1) == [1]
+
+
 @pytest.mark.parametrize("argv", [["--engines", "vllm"], ["--engines", ","], ["--rounds", "0"],
-                                  ["--new-tokens", "1"], ["--batch", "0"]])
+                                  ["--new-tokens", "1"], ["--batch", "0"], ["--threads", "0"],
+                                  ["--llama-formats", "Q4_K"], ["--llama-formats", ","]])
 def test_bad_options_are_refused_with_a_message(argv, capsys):
     with pytest.raises(SystemExit):
         bp.parse_args(argv)
@@ -84,12 +95,17 @@ def test_cpu_info_reads_the_model_and_the_flags_of_note():
 
 # --- medians, spreads, ratios, the table -------------------------------------------------------------------------
 
+Q41, Q40 = "llama.cpp Q4_1", "llama.cpp Q4_0"
+
+
 def _report() -> "bp.Report":
     rep = bp.Report(bp.Settings(rounds=3))
-    for rnd, (tiny, llama) in enumerate([(10.0, 20.0), (20.0, 20.0), (45.0, 30.0)]):
+    for rnd, (tiny, llama, fast) in enumerate([(10.0, 20.0, 40.0), (20.0, 20.0, 10.0), (45.0, 30.0, 15.0)]):
         rep.samples += [bp.Sample(rnd, "tinyserve", "decode_b1", 100, 100 / tiny),
-                        bp.Sample(rnd, "llama.cpp", "decode_b1", 100, 100 / llama)]
-    rep.samples += [bp.Sample(0, "tinyserve", "prefill", 512, 1.0), bp.Sample(0, "PyTorch", "prefill", 512, 0.5)]
+                        bp.Sample(rnd, Q41, "decode_b1", 100, 100 / llama),
+                        bp.Sample(rnd, Q40, "decode_b1", 100, 100 / fast)]
+    rep.samples += [bp.Sample(0, "tinyserve", "prefill", 512, 1.0), bp.Sample(0, "PyTorch", "prefill", 512, 0.5),
+                    bp.Sample(0, Q40, "prefill", 512, 0.25)]
     return rep
 
 
@@ -97,29 +113,65 @@ def test_ratios_are_paired_round_by_round_then_the_median():
     rep = _report()
     s = rep.speeds("tinyserve", "decode_b1")
     assert (s.median, s.lo, s.hi, s.n) == pytest.approx((20.0, 10.0, 45.0, 3))
-    r = rep.ratio("decode_b1", "llama.cpp")          # 10/20, 20/20, 45/30 -> median 1.0, not 20/20 by chance
+    r = rep.ratio("decode_b1", Q41)          # 10/20, 20/20, 45/30 -> median 1.0, not 20/20 by chance
     assert (r.median, r.lo, r.hi) == pytest.approx((1.0, 0.5, 1.5))
-    assert rep.ratio("decode_bN", "llama.cpp") is None
+    assert rep.ratio("decode_bN", Q41) is None and rep.ratio("decode_bN", bp.BEST) is None
     assert rep.ratio("prefill", "PyTorch").median == pytest.approx(0.5)
+
+
+def test_the_best_llama_format_is_chosen_per_workload_by_its_median():
+    rep = _report()
+    # decode B=1: Q4_1 medians 20, Q4_0 15 (its one fast round does not make it the best): the best is Q4_1 there
+    assert rep.best_llama("decode_b1") == Q41 and rep.best_llama("prefill") == Q40
+    assert rep.best_llama("decode_bN") is None
+    assert rep.ratio("decode_b1", bp.BEST) == rep.ratio("decode_b1", Q41)
+    assert rep.ratio("prefill", bp.BEST).median == pytest.approx(0.25)    # 512 / 2048 tokens/s
 
 
 def test_table_shows_medians_spreads_ratios_and_goals():
     rep = _report()
     rep.failed["PyTorch"] = "worker exited"
-    table = bp.format_table(rep, ["llama.cpp", "PyTorch", "tinyserve"])
+    table = bp.format_table(rep, [Q41, Q40, "PyTorch", "tinyserve"])
     lines = table.splitlines()
     assert len(lines) == 2 + 3 and set(lines[1]) <= {"-", " "}
+    assert "tinyserve/best llama.cpp" in lines[0] and "tinyserve/llama.cpp Q4_1" in lines[0]
     b1 = next(line for line in lines if line.startswith("decode B=1"))
-    assert "20.0 (10.0-45.0)" in b1 and "20.0 (20.0-30.0)" in b1      # tinyserve, llama.cpp tokens/s
-    assert "1.00x (0.50-1.50) <" in b1                                   # goal 1.3x llama.cpp: not met
+    assert "20.0 (10.0-45.0)" in b1 and "20.0 (20.0-30.0)" in b1      # tinyserve, llama.cpp Q4_1 tokens/s
+    assert "1.00x (0.50-1.50) vs Q4_1 <" in b1                           # goal 1.3x the best llama.cpp: not met
     pre = next(line for line in lines if line.startswith("prefill 512"))
     assert "0.50x <" in pre and "512.0" in pre and "1024.0" in pre        # goal 1.2x PyTorch: not met
+    assert "0.25x vs Q4_0 <" in pre                                        # goal 1.5x the best llama.cpp: not met
     assert "failed" in next(line for line in lines if line.startswith("decode B=16"))
     goals = bp.format_targets(rep, "avx512vnni")
-    assert "decode B=1: tinyserve >= 1.3x llama.cpp? 1.00x: not met" in goals
+    assert "decode B=1: tinyserve >= 1.3x best llama.cpp (Q4_1)? 1.00x: not met" in goals
     assert "prefill 512: tinyserve >= 1.2x PyTorch? 0.50x: not met" in goals
-    assert "B=16 (aggregate): tinyserve >= 1.5x llama.cpp? not measured" in goals
-    assert "prefill 512: tinyserve >= 1.0x PyTorch?" in bp.format_targets(rep, "avx2")   # AVX2-class kernels
+    assert "prefill 512: tinyserve >= 1.5x best llama.cpp (Q4_0)? 0.25x: not met" in goals
+    assert "B=16 (aggregate): tinyserve >= 1.5x best llama.cpp? not measured" in goals
+    avx2 = bp.format_targets(rep, "avx2")                                  # AVX2-class kernels: lower goals
+    assert "prefill 512: tinyserve >= 1.0x PyTorch?" in avx2 and "decode B=1: tinyserve >= 1.2x" in avx2
+    met = {(g["workload"], g["peer"]): g["met"] for g in bp.goals_result(rep, "avx512vnni")}
+    assert met == {("decode_b1", Q41): False, ("decode_bN", None): False, ("prefill", Q40): False,
+                   ("prefill", "PyTorch"): False}
+
+
+def test_a_recorded_run_becomes_a_row_of_the_generated_table(tmp_path):
+    rep = _report()
+    result = {"time": "2026-12-04 23:10 UTC", "commit": "abc1234", "settings": dataclasses.asdict(rep.settings),
+              "cpu": {"model": "AMD EPYC (family 25, model 17)", "kernels": "avx512vnni", "forced": False},
+              "engines": {"tinyserve": {"quant": "w4a8"}},
+              "summary": {k: {e: dataclasses.asdict(s) for e in ("tinyserve", Q41, Q40, "PyTorch")
+                              if (s := rep.speeds(e, k))} for k in ("decode_b1", "decode_bN", "prefill")},
+              "best_llama": {k: rep.best_llama(k) for k in ("decode_b1", "decode_bN", "prefill")},
+              "ratios": {k: {p: dataclasses.asdict(r) for p in (Q41, Q40, "PyTorch", bp.BEST)
+                             if (r := rep.ratio(k, p))} for k in ("decode_b1", "decode_bN", "prefill")},
+              "goals": bp.goals_result(rep, "avx512vnni")}
+    path = bp.record_run(result, tmp_path)
+    assert path.name == "2026-12-04-2310-avx512vnni-t2.json"
+    md = bp.write_table(tmp_path).read_text()
+    row = next(line for line in md.splitlines() if line.startswith("| 2026-12-04 23:10"))
+    assert "abc1234" in row and "AMD EPYC (family 25, model 17)" in row and "w4a8" in row
+    assert "1.00x (0.50-1.50) vs Q4_1 ✗" in row and "0.25x vs Q4_0 ✗" in row
+    assert "Do not edit by hand" in md
 
 
 def test_pytorch_is_held_to_avx2_only_beside_forced_avx2_class_kernels():
@@ -133,7 +185,7 @@ def test_pytorch_is_held_to_avx2_only_beside_forced_avx2_class_kernels():
 
 
 def test_table_without_tinyserve_has_no_ratio_columns():
-    table = bp.format_table(_report(), ["llama.cpp"])
+    table = bp.format_table(_report(), [Q41])
     assert "x" not in table.replace("max", "") and "tinyserve" not in table
 
 
@@ -275,29 +327,29 @@ def _settings_and_report(rounds=2):
 def test_rounds_measure_every_engine_on_every_workload_and_drop_a_failing_one(capsys, monkeypatch):
     monkeypatch.setattr(bp, "COOLDOWN_S", 0.0)                 # the fake engines leave no threads spinning
     st, rep = _settings_and_report(rounds=3)
-    engines = {"llama.cpp": FakeEngine(100.0, fail_on_call=4), "PyTorch": FakeEngine(50.0),
+    engines = {Q41: FakeEngine(100.0, fail_on_call=4), "PyTorch": FakeEngine(50.0),
                "tinyserve": FakeEngine(75.0)}
-    crashed = engines["llama.cpp"]
+    crashed = engines[Q41]
     bp.run_rounds(engines, rep)
-    assert crashed.closed and "llama.cpp" not in engines and "code -11" in rep.failed["llama.cpp"]
-    assert len([s for s in rep.samples if s.engine == "llama.cpp"]) == 3      # round 1 only, then dropped
+    assert crashed.closed and Q41 not in engines and "code -11" in rep.failed[Q41]
+    assert len([s for s in rep.samples if s.engine == Q41]) == 3      # round 1 only, then dropped
     for name in ("PyTorch", "tinyserve"):
         assert sorted((s.round, s.workload) for s in rep.samples if s.engine == name) == sorted(
             (r, w) for r in range(3) for w in ("decode_b1", "decode_bN", "prefill"))
     assert rep.speeds("PyTorch", "decode_bN").median == pytest.approx(50.0)
     assert rep.ratio("prefill", "PyTorch").median == pytest.approx(1.5)
-    assert rep.ratio("decode_b1", "llama.cpp").n == 1
+    assert rep.ratio("decode_b1", Q41).n == 1
     assert "dropped from the rest of the run" in capsys.readouterr().err
 
 
 def test_greedy_check_compares_peers_with_tinyserve_and_warms_up_every_workload(capsys):
     st, rep = _settings_and_report()
-    engines = {"llama.cpp": FakeEngine(1.0, shift=7), "PyTorch": FakeEngine(1.0), "tinyserve": FakeEngine(1.0)}
+    engines = {Q41: FakeEngine(1.0, shift=7), "PyTorch": FakeEngine(1.0), "tinyserve": FakeEngine(1.0)}
     agree = bp.greedy_check(engines, rep, [1, 2, 3], decode=lambda ids: " ".join(map(str, ids)))
-    assert agree["PyTorch"]["equal_leading_tokens"] == 4 and agree["llama.cpp"]["equal_leading_tokens"] == 2
+    assert agree["PyTorch"]["equal_leading_tokens"] == 4 and agree[Q41]["equal_leading_tokens"] == 2
     assert all(e.calls == ["decode", "decode", "decode", "prefill"] for e in engines.values())
     printed = capsys.readouterr().out
     assert "PyTorch: 4/4 tokens equal to tinyserve's: identical" in printed
-    assert "after the 8-token prefill prompt: llama.cpp 0, PyTorch 0, tinyserve 0" in printed
-    assert agree["llama.cpp"]["after_prefill_equal"] is True
-    assert "llama.cpp: 2/4 tokens equal" in printed and "expected, not an error" in printed
+    assert "after the 8-token prefill prompt: llama.cpp Q4_1 0, PyTorch 0, tinyserve 0" in printed
+    assert agree[Q41]["after_prefill_equal"] is True
+    assert "llama.cpp Q4_1: 2/4 tokens equal" in printed and "expected, not an error" in printed

