@@ -119,7 +119,7 @@ fixtures: $(RUNTIME) weights
 	.venv-ref/bin/pip install --quiet torch==2.13.0 'transformers>=5,<6' 'accelerate>=1,<2' 'gguf>=0.10,<0.20' numpy
 	.venv-ref/bin/python tools/make_reference.py
 
-# The peers (issue 9): llama.cpp (.venv-llama, built from source) and PyTorch + transformers (.venv-ref, shared with
+# The peers: llama.cpp (.venv-llama, built from source) and PyTorch + transformers (.venv-ref, shared with
 # `make fixtures`) in venvs of their own, measured beside tinyserve in one run. Not part of `make test`.
 # Options go through BENCH_PEERS_ARGS, e.g. make bench-peers BENCH_PEERS_ARGS="--quick" or "--quant int8".
 .PHONY: bench-peers peer-venvs bench-variants test-blas
@@ -145,7 +145,7 @@ bench-variants: $(RUNTIME) weights
 bench-quant: $(RUNTIME) weights
 	$(PYTHON) tools/quant_table.py $(BENCH_QUANT_ARGS)
 
-# The float tests under other OpenBLAS kernels (issue 23): Haswell is what AMD Zen and every AVX2 CPU gets,
+# The float tests under other OpenBLAS kernels: Haswell is what AMD Zen and every AVX2 CPU gets,
 # Sandybridge/Nehalem older ones. CI never sets OPENBLAS_CORETYPE; this is for checking a change on other CPUs.
 BLAS_KERNELS ?= Haswell Sandybridge
 test-blas: $(TESTS) weights

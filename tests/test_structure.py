@@ -1,4 +1,4 @@
-"""The module layout issue 8 asked for, checked so it stays: no import cycle between the paged reference and the
+"""The module layout, checked so it stays: no import cycle between the paged reference and the
 Numba kernel, lesson 2 does not reach into lesson 4, caching off is a null object, old import paths still work."""
 from __future__ import annotations
 

@@ -31,9 +31,9 @@ from pathlib import Path
 import numpy as np
 
 WORKLOADS = ("kv", "engine")   # kv: generate's default strategy; engine: chat, serve, bench, --strategy paged
-# seconds to compile from an empty cache, measured on a 2-core Xeon (2.6 GHz, Sapphire Rapids class): what the
-# announcement promises before anything is known about this machine. W4A8 (quant=auto's pick on x86) compiles its
-# 4-bit tiles beside the int8 LM head's: kv 43 s on that Xeon, 48 s on a 2-core AMD EPYC Zen 5, engine 62 s there
+# seconds to compile from an empty cache on 2 cores (docs/performance.md, "The first run"): what the announcement
+# promises before anything is known about this machine. W4A8 (quant=auto's pick on x86) compiles its 4-bit tiles
+# beside the int8 LM head's, so it promises more
 ESTIMATE_S = {"kv": 25, "engine": 35}
 ESTIMATE_W4A8_S = {"kv": 45, "engine": 60}
 

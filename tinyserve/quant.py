@@ -389,16 +389,11 @@ def is_q4_1(model: Model) -> bool:
 
 
 # Where quant="auto" picks w4a8 for Q4_1 weights: the variants where it measured faster than w8a8-64 at batch 1
-# (the step that streams every weight: 4.5 bits a weight against 8), level at batch 16 (0.91-1.09x). W4A8 / W8A8-64
-# tokens/s, per round, median (min-max) of 7 interleaved rounds in one process, batch 1 / batch 16 / prefill 512:
-#   2-core Xeon (Sapphire Rapids class), avx512vnni  1.45x (1.30-1.52)  0.99x (0.90-1.05)  0.84x (0.77-0.87)
-#   the same Xeon, avxvnni forced                    1.47x (1.30-1.61)  0.95x (0.93-1.01)  0.76x (0.74-0.83)
-#   the same Xeon, avx2 forced                       1.41x (1.19-1.49)  1.09x (1.04-1.15)  1.09x (1.00-1.12)
-#   2-core AMD EPYC Zen 3, avx2 (its own)            1.22x (1.12-1.34)  0.91x (0.86-1.14)  1.07x (1.00-1.12)
-# With VNNI's one instruction per 64 byte multiply-adds, W4A8's float epilogue per 32 inputs weighs more than the
-# bytes it saves once the tile is compute-bound: prefill 512 costs it 16-24 % there (still 1.46x PyTorch fp32 on
-# that Xeon, README). Decode is what a chat waits for, so auto takes W4A8; `--quant w8a8-64` prefills faster on VNNI.
-# neon: not measured (no arm64 machine yet), so not listed.
+# (the step that streams every weight: 4.5 bits a weight against 8) and level at batch 16 (docs/performance.md, "The
+# quantisation modes, measured"). With VNNI's one instruction per 64 byte multiply-adds, W4A8's float epilogue per 32
+# inputs weighs more than the bytes it saves once the tile is compute-bound, so it prefills slower there; decode is
+# what a chat waits for, so auto takes W4A8 and `--quant w8a8-64` remains for prefill. neon is left out until a
+# measurement says it belongs.
 W4A8_DEFAULT_ON = ("avx512vnni", "avxvnni", "avx2")
 
 
@@ -408,8 +403,8 @@ def default_quant(model: Model | None = None, backend: str = "numba") -> str:
     misses them). On the numba backend:
     - w4a8 for a model whose layers are Q4_1 already (is_q4_1; SmolLM2, the model of the course, when model is
       None), on the variants of W4A8_DEFAULT_ON: it computes with the model's own weights, and reads the fewest
-      bytes (~95 MB a decode step where w8a8-64 reads ~135): measured 1.2-1.5x w8a8-64 at batch 1 and level at
-      batch 16 on every x86 variant; at prefill 512 faster on AVX2, 0.76-0.84x with VNNI (W4A8_DEFAULT_ON);
+      bytes (~95 MB a decode step where w8a8-64 reads ~135): faster than w8a8-64 at batch 1 and level at batch 16 on
+      every x86 variant, slower at prefill with VNNI (W4A8_DEFAULT_ON);
     - else w8a8-64 wherever the kernels multiply bytes with a dot-product instruction (kernels/isa.py: vpdpbusd,
       vpmaddubsw + vpmaddwd, sdot), where it measured faster than int8 at batch 1, 16 and prefill 512 (lesson 7);
     - int8 on the `generic` kernels (plain loops: W8A8 measured slower than int8 there) or for a model whose

@@ -40,7 +40,7 @@ from tinyserve.measure import CPU_FLAGS_OF_NOTE, Spread, cpu_info, format_table 
 
 LLAMA, TORCH, TINY = "llama.cpp", "PyTorch", "tinyserve"
 ENGINES = (LLAMA, TORCH, TINY)
-# the goals (issue 22, "Done means"; issue 9 asked 1.0x at B=1): tinyserve / peer on the same machine, same run.
+# the goals (docs/performance.md, "Side by side with the peers"): tinyserve / peer on the same machine, same run.
 # Prefill: 1.2x PyTorch where the kernels are AVX-512's, 1.0x on AVX2-class ones (8-32 byte MACs per instruction
 # against BLAS's 16-lane float FMAs, kernels/isa.py)
 TARGETS = {"decode_b1": (LLAMA, 1.3), "decode_bN": (LLAMA, 1.5), "prefill": (TORCH, 1.2)}
