@@ -10,6 +10,7 @@ import time
 
 from .cli_options import (add_backend_options, add_engine_options, add_model_options, add_speculative_options,
                           describe_backend, draft_model_for, load_for_cli)
+from .quant import AUTO, KERNEL_MODES
 from .weights import DEFAULT_WEIGHTS_DIR, WeightsError, fetch_weights
 
 T_START = time.time()   # when this process started (as good as): the origin of generate's JSON timeline
@@ -29,6 +30,7 @@ def default_strategy() -> str:
 
 def cmd_generate(args) -> int:
     from . import jit
+    from .backend import runs_on_kernels
     from .model import check_token_ids
     from .sampling import SamplingParams
 
@@ -51,7 +53,7 @@ def cmd_generate(args) -> int:
     text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if args.chat else prompt
     ids = tok.encode(text)   # every strategy validates it (check_token_ids) before its first token
     kernels = None
-    if model.backend == "numba" and model.quant != "none":
+    if runs_on_kernels(model):
         check_token_ids(model.config, ids)     # before any compile starts: bad input answers at once, alone
         # lesson 7: the kernels are loaded or compiled before the clock starts. Cold, the kv strategy answers on the
         # NumPy path while a child process compiles, and switches between two tokens (jit.py); the other strategies
@@ -228,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     k = sub.add_parser("compile", help="compile one path's Numba kernels into the on-disk cache (the first run does "
                                        "it in the background by itself)")
-    k.add_argument("--quant", default="auto", choices=["auto", "int8", "w8a8", "w8a8-64", "w4a8"])
+    k.add_argument("--quant", default=AUTO, choices=[AUTO, *KERNEL_MODES])
     k.add_argument("--workload", default="kv", choices=["kv", "engine"],
                    help="kv: generate's kernels; engine: also the paged attention of chat, serve and bench")
     k.add_argument("--start", action="store_true", help="start it in the background and return (nothing if warm)")

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, TextIO
 
+from .backend import runs_on_kernels
 from .kv_sizing import max_kv_blocks
 from .sampling import SamplingParams
 from .tokenizer import DEFAULT_SYSTEM_PROMPT
@@ -175,7 +176,7 @@ def main(args) -> int:
     print(f"[{describe_backend(model)}]", file=sys.stderr)
     kernels = None
     log = lambda line: print(line, file=sys.stderr, flush=True)   # noqa: E731
-    if model.backend == "numba" and model.quant != "none":   # lesson 7: never compile inside a timed turn
+    if runs_on_kernels(model):   # lesson 7: never compile inside a timed turn
         model, kernels = jit.prepare(model, "engine", background=not args.speculative, log=log)
     engine = Engine(model, tokenizer=tok, prefix_caching=not args.no_prefix_cache, **engine_kwargs(args, model))
 

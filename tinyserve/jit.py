@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .quant import AUTO, KERNEL_MODES, NONE, W4A8
+
 WORKLOADS = ("kv", "engine")   # kv: generate's default strategy; engine: chat, serve, bench, --strategy paged
 # seconds to compile from an empty cache on 2 cores (docs/performance.md, "The first run"): what the announcement
 # promises before anything is known about this machine. W4A8 (quant=auto's pick on x86) compiles its 4-bit tiles
@@ -40,7 +42,7 @@ ESTIMATE_W4A8_S = {"kv": 45, "engine": 60}
 
 def estimate_s(quant: str, workload: str) -> int:
     """The compile time the announcement promises for this mode and workload."""
-    return (ESTIMATE_W4A8_S if quant == "w4a8" else ESTIMATE_S)[workload]
+    return (ESTIMATE_W4A8_S if quant == W4A8.name else ESTIMATE_S)[workload]
 
 
 def workload_for(strategy: str) -> str:
@@ -84,9 +86,10 @@ def warm_up(quant: str, workload: str = "kv", log=None) -> float:
     from .sampling import SamplingParams
     from .weights import tiny_model
 
-    if quant not in ("int8", "w8a8", "w8a8-64", "w4a8") or workload not in WORKLOADS:
-        raise ValueError(f"warm_up: quant must be int8, w8a8, w8a8-64 or w4a8 and workload one of {WORKLOADS}, got "
-                         f"{quant!r}, {workload!r}")
+    if quant not in KERNEL_MODES or workload not in WORKLOADS:
+        modes = f"{', '.join(KERNEL_MODES[:-1])} or {KERNEL_MODES[-1]}"
+        raise ValueError(f"warm_up: quant must be {modes} and workload one of {WORKLOADS}, got {quant!r}, "
+                         f"{workload!r}")
     # a tiny model whose matrices' inputs split into blocks of 64 (w8a8-64); the kernels compile for types, not sizes
     model = set_backend(tiny_model(seed=0, dim=128, intermediate_size=192), quant, "numba")
     t_all = time.perf_counter()
@@ -212,7 +215,7 @@ def stand_in(fast):
     from .quant import MATRICES
     layers = [dataclasses.replace(w, **{f: getattr(w, f).dequantize() for f in MATRICES}) for w in fast.layers]
     head = np.ascontiguousarray(fast.lm_head_q.dequantize())                         # [D, V]
-    return dataclasses.replace(fast, layers=layers, lm_head_q=head, quant="none", backend="numpy", fast=None)
+    return dataclasses.replace(fast, layers=layers, lm_head_q=head, quant=NONE.name, backend="numpy", fast=None)
 
 
 def become(model, other) -> None:
@@ -302,7 +305,7 @@ def main(args) -> int:
     """`python -m tinyserve compile`: fill the on-disk cache with one path's kernels (what BackgroundCompile runs).
     --start: only start that in the background and return (`make run` does, so the compile overlaps the weights'
     download; the generate that follows finds it by its lock file and waits for it instead of compiling again)."""
-    if args.quant == "auto":                     # what `generate` will choose for SmolLM2 on this CPU
+    if args.quant == AUTO:                     # what `generate` will choose for SmolLM2 on this CPU
         from .quant import default_quant
         args.quant = default_quant()
     if args.start:

@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .backend import runs_on_kernels
 from .cli_options import describe_backend
 from .engine import Engine
 from .engine_loop import EngineLoop, Observer, Rejected, RequestHandle
@@ -476,7 +477,7 @@ def build(args, log=None) -> tuple[FastAPI, str]:
     tok, model = load_for_cli(args)
     name = "tiny" if args.model == "tiny" else "smollm2-135m-instruct"
     kernels = None
-    if model.backend == "numba" and model.quant != "none":
+    if runs_on_kernels(model):
         model, kernels = jit.prepare(model, "engine", args.compile == "background", log)
     engine = Engine(model, tokenizer=tok, prefix_caching=not args.no_prefix_cache, **engine_kwargs(args, model))
     name = args.served_model_name or name

@@ -1,5 +1,5 @@
-"""The fast forward: model.forward's steps with int8 Numba kernels, for a model loaded with quant="int8"|"w8a8"
-and backend="numba". model.forward calls it; it returns the same logits as the NumPy reference of the same
+"""The fast forward: model.forward's steps with int8 Numba kernels, for a model loaded with a quantised mode
+and backend="numba". backend.forward calls it; it returns the same logits as the NumPy reference of the same
 quantised weights (tinyserve.quant): W8A8 bit for bit under the same attention, W8A32 within ~1e-6 relative (its
 matmuls and norms sum in another order; tests/test_quant.py).
 
@@ -12,7 +12,7 @@ What it does differently, and why each pays (lesson 7 measures them):
 - Everything runs on Numba's thread pool; NumPy's BLAS (used by the attention reference) is held at one thread
   for the whole forward, so two pools never fight over the 2 cores (docs/performance.md: that trap costs ~10x).
 - A step of up to 8 rows that all need logits (decodes of up to 8 sequences, or a speculative verify) whose strategy
-  says where its K/V live (model.forward's `kv_layout`) runs as one call for all layers (kernels/decode_step.py):
+  says where its K/V live (backend.forward's `kv_layout`) runs as one call for all layers (kernels/decode_step.py):
   1.2-1.5x faster at batch 1 than the three calls per layer.
 """
 from __future__ import annotations
