@@ -61,7 +61,8 @@ weights: $(RUNTIME)
 	$(PYTHON) -m tinyserve weights
 
 # The first run compiles the int8 kernels in the background from the moment numba is installed (the tiny model
-# needs no weights), so the compile overlaps the weights' download; generate answers on the NumPy path meanwhile
+# needs no weights), so the compile overlaps the weights' download; generate answers on the NumPy path meanwhile and
+# returns when the answer is done (the compile goes on, its log named), so the next run starts on the fast path
 run: $(RUNTIME) compile-start weights
 	$(PYTHON) -m tinyserve generate --chat "$(PROMPT)"
 

@@ -149,8 +149,10 @@ class BackgroundCompile:
         if self.pid is None:          # nobody is compiling these kernels: we do
             argv = argv or compile_argv(quant, workload)
             with open(self.log_path, "w") as log:
+                # a session of its own: it may outlive us (`make run` returns when the answer is done) and a
+                # Ctrl-C typed later at the shell is not for it; at low priority: the answer in front goes first
                 self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                             preexec_fn=lambda: os.nice(10))   # the answer in front goes first
+                                             start_new_session=True, preexec_fn=lambda: os.nice(10))
             self.pid = self.proc.pid
             self.lock.write_text(str(self.pid))
         self.seconds: float | None = None   # the compile's wall time from its start, once done
@@ -237,23 +239,45 @@ class Kernels:
     load_seconds: float = 0.0              # loading the compiled kernels into this process at the switch
     blas_limit: object | None = None       # threadpoolctl's limit while on the stand-in (restored at the switch)
 
-    def switched(self, at: int) -> None:
-        """Record the switch (tokens, steps or turns done before it); BLAS gets its threads back."""
+    def ready(self) -> bool:
+        """Has the background compile finished, warm, and is the stand-in still running? Cheap: call it often."""
+        return self.bg is not None and self.switched_at is None and self.bg.done() and self.bg.ok
+
+    def load(self) -> float:
+        """Load the freshly compiled kernels into this process (any thread; the stand-in keeps answering)."""
+        self.seconds = self.bg.seconds
+        self.load_seconds = warm_up(self.fast.quant, self.bg.workload)
+        return self.load_seconds
+
+    def move(self, target, at: int) -> None:
+        """The swap, at a safe point (no forward in flight): `target` runs on the fast model from its next forward.
+        target: the stand-in Model itself (generate: it becomes the fast one in place) or the Engine running it
+        (chat, serve: use_model). `at`: tokens, steps or turns done before it. BLAS gets its threads back."""
+        from .model import Model
+        if isinstance(target, Model):
+            become(target, self.fast)
+        else:
+            use_model(target, self.fast)
         self.switched_at = at
         if self.blas_limit is not None:
             self.blas_limit.restore_original_limits()
             self.blas_limit = None
 
-    def switch(self, model, n_tokens: int) -> float:
-        """At a safe point (between two tokens): if the background compile is done and warm, load the kernels and
-        turn `model` (the stand-in) into the fast model. Returns the seconds spent (not the model's time)."""
-        if self.bg is None or self.switched_at is not None or not self.bg.done() or not self.bg.ok:
+    def switch(self, target, at: int) -> float:
+        """At a safe point: if the background compile is done and warm, load the kernels and move `target` (a Model
+        or an Engine) to the fast path. Returns the seconds spent (not the model's time)."""
+        if not self.ready():
             return 0.0
-        self.seconds = self.bg.seconds
-        self.load_seconds = warm_up(self.fast.quant, self.bg.workload)
-        become(model, self.fast)
-        self.switched(n_tokens)
+        self.load()
+        self.move(target, at)
         return self.load_seconds
+
+    def leave_compiling(self, log, what: str = "run") -> None:
+        """Done before the compile: leave it running on its own (detached: it outlives this process) and say
+        where its log is; the next start finds the cache warm."""
+        if self.bg is not None and not self.bg.done():
+            log(f"[the kernels go on compiling in the background (first run only, log: {self.bg.log_path}), so "
+                f"that the next {what} starts on the fast path]")
 
 
 def prepare(fast, workload: str, background: bool, log) -> tuple[object, Kernels]:
