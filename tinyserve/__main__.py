@@ -170,8 +170,7 @@ def after_answer(args, answer: Answer, model, kernels) -> None:
         if not args.json:
             print(answer.stream.flush(), flush=True)
             answer.ended = True
-        _log(f"[the answer is done; the kernels go on compiling in the background (first run only, log: "
-             f"{kernels.bg.log_path}), so that the next run starts on the fast path]")
+        kernels.leave_compiling(_log)
     if kernels.bg.done() and kernels.bg.seconds is not None:
         kernels.seconds = kernels.bg.seconds
     if kernels.seconds is not None:
