@@ -62,7 +62,8 @@ weights: $(RUNTIME)
 	$(PYTHON) -m tinyserve weights
 
 # The first run compiles the int8 kernels in the background from the moment numba is installed (the tiny model
-# needs no weights), so the compile overlaps the weights' download; generate answers on the NumPy path meanwhile
+# needs no weights), so the compile overlaps the weights' download; generate answers on the NumPy path meanwhile and
+# returns when the answer is done (the compile goes on, its log named), so the next run starts on the fast path
 run: $(RUNTIME) compile-start weights
 	$(PYTHON) -m tinyserve generate --chat "$(PROMPT)"
 
@@ -152,7 +153,7 @@ bench-variants: $(RUNTIME) weights
 bench-quant: $(RUNTIME) weights
 	$(PYTHON) tools/quant_table.py $(BENCH_QUANT_ARGS)
 
-# The float tests under other OpenBLAS kernels (issue 23): Haswell is what AMD Zen and every AVX2 CPU gets,
+# The float tests under other OpenBLAS kernels: Haswell is what AMD Zen and every AVX2 CPU gets,
 # Sandybridge/Nehalem older ones. CI never sets OPENBLAS_CORETYPE; this is for checking a change on other CPUs.
 BLAS_KERNELS ?= Haswell Sandybridge
 test-blas: $(TESTS) weights

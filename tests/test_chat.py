@@ -1,4 +1,4 @@
-"""The chat loop on the tiny model (issue 8): a message too long for the context is refused and the chat goes on;
+"""The chat loop on the tiny model: a message too long for the context is refused and the chat goes on;
 when the history outgrows the window the oldest turns go (the system prompt stays) and the chat says so; Ctrl-C
 during a reply stops it, frees its blocks and returns to the prompt."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Clean exits from the command line (issue 8): Ctrl-C ends generate, chat and weights with one line and status 130;
+"""Clean exits from the command line: Ctrl-C ends generate, chat and weights with one line and status 130;
 a closed stdout exits quietly; --json never prints NaN; unwritable folders are one-line errors; `generate -`
 reads the prompt from stdin. Most run main() in-process with the model and tokenizer replaced by stand-ins (they
 test the CLI's handling, not the model); two real subprocesses check the signal and the pipe end to end."""

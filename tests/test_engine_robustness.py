@@ -1,4 +1,4 @@
-"""One bad request never wedges the engine (issue 8): a request that fails while it is served ends alone, with
+"""One bad request never wedges the engine: a request that fails while it is served ends alone, with
 finish_reason "error" and the message, and gives its blocks back; the rest of the batch carries on. A failure of
 the batched forward ends that batch only; Ctrl-C leaves the engine consistent; `abort` frees a request at once.
 """

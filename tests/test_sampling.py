@@ -129,7 +129,7 @@ def test_repetition_penalty_sign_rule():
 
 
 def test_repetition_penalty_at_its_bounds_cannot_overflow():
-    # issue 8: repetition_penalty=1e-39 passed validation and turned every seen float32 logit into inf, which
+    # repetition_penalty=1e-39 once passed validation and turned every seen float32 logit into inf, which
     # made sample() raise inside Engine.step. Now the range is [0.01, 100] and the penalty runs in float64.
     big = np.finfo(np.float32).max
     logits = np.array([big, -big, 1.0, 0.5], dtype=np.float32)

@@ -495,7 +495,7 @@ def test_real_model_load_run(smol, smol_srv):
     print(json.dumps(report.summary()))
 
 
-# --- which path serves (issue 18): the same default as generate, the reference one flag away --------------------
+# --- which path serves: the same default as generate, the reference one flag away ---------------------------------
 
 def _serve_args(*extra: str):
     from tinyserve.__main__ import build_parser

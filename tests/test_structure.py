@@ -1,4 +1,4 @@
-"""The module layout issue 8 asked for, checked so it stays: no import cycle between the paged reference and the
+"""The module layout, checked so it stays: no import cycle between the paged reference and the
 Numba kernel, lesson 2 does not reach into lesson 4, caching off is a null object, old import paths still work."""
 from __future__ import annotations
 
@@ -67,3 +67,119 @@ def test_one_positive_int_check():
     for name in ("engine.py", "paged.py"):
         text = (PKG / name).read_text()
         assert "check_positive_int(" in text and "must be an integer >= 1" not in text
+
+
+# --- the import graph: no circle, and no import that runs up the layers ------------------------------------------
+# Every tinyserve module in one layer, lowest first. A module may import from its own layer or any layer below; an
+# import of a higher layer (wherever the import statement stands, inside a function too) is a knot: the reference
+# model reaching for the fast path, a kernel reaching for a strategy. A module missing here fails the test, so a new
+# file is placed on purpose.
+LAYERS = (
+    # 0. foundations: shapes, numbers, the CPU, the wire format; nothing of the model
+    ("config", "layers", "measure", "interrupts", "kv_sizing", "protocol", "roofline", "course", "queueing",
+     "kernels.isa"),
+    # 1. the readable reference: the float32 model and what every strategy shares
+    ("model", "attention_backends", "sampling", "gqa"),
+    # 2. the quantisation modes and their NumPy references
+    ("quant",),
+    # 3. the Numba kernels: they compute what the reference defines
+    ("kernels", "kernels.simd", "kernels.fast_exp", "kernels.int8_dot", "kernels.int4_dot", "kernels.matmul",
+     "kernels.layer", "kernels.spin", "kernels.attention", "kernels.dense_attention", "kernels.decode_step",
+     "kernels.forward"),
+    # 4. which forward runs for a model: the reference or the kernels
+    ("backend",),
+    # 5. the strategies and the engine (lessons 1-9), the weights and the tokenizer
+    ("stopping", "naive", "weights", "tokenizer", "kv_cache", "paged", "cache_base", "prefix_cache",
+     "block_hash_cache", "scheduler", "sequence", "drafters", "speculative", "spec_step", "block_manager",
+     "step_batch", "engine", "engine_loop", "tensor_parallel", "orchestrators"),
+    # 6. the programs: the compile swap, the command line and what it runs
+    ("jit", "cli_options", "bench", "chat", "server", "speed", "loadgen", "__main__", ""),
+)
+
+
+def module_name(path: Path) -> str:
+    """tinyserve/kernels/matmul.py -> "kernels.matmul"; a package's __init__.py is the package ("" for tinyserve)."""
+    parts = path.relative_to(PKG).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the tinyserve modules it imports ("kernels.matmul", ...), every import statement in the file."""
+    files = {module_name(p): p for p in PKG.rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        out = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:          # relative: from . / .. / .x import y
+                    base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]) if package else ""
+                    mod = ".".join(p for p in (base, node.module) if p)
+                elif node.module and node.module.split(".")[0] == "tinyserve":
+                    mod = node.module.removeprefix("tinyserve").lstrip(".")
+                else:
+                    continue
+                for a in node.names:    # `from .kernels import isa` imports the module kernels.isa
+                    sub = f"{mod}.{a.name}" if mod else a.name
+                    out.add(sub if sub in files else mod)
+            elif isinstance(node, ast.Import):
+                out.update(a.name.removeprefix("tinyserve").lstrip(".") for a in node.names
+                           if a.name.split(".")[0] == "tinyserve")
+        out.discard(name)
+        graph[name] = out
+    return graph
+
+
+def test_relative_imports_resolve_as_python_does():
+    # `from .matmul import ...` in kernels/ is kernels.matmul, `from ..quant import ...` is quant, `from . import isa`
+    # is kernels.isa: a graph that got these wrong would pass the checks below for the wrong reason
+    graph = import_graph()
+    assert {"kernels.matmul", "kernels.spin", "attention_backends", "quant"} <= graph["kernels.decode_step"]
+    assert {"kernels.isa", "kernels.decode_step"} <= graph["kernels.forward"]
+    assert {"config", "layers"} <= graph["model"] and "kernels.isa" in graph["kernels.simd"]
+
+
+def test_every_module_has_a_layer():
+    placed = [m for layer in LAYERS for m in layer]
+    assert len(placed) == len(set(placed)), "a module is in two layers"
+    missing = sorted(set(import_graph()) - set(placed))
+    assert not missing, f"modules without a layer in LAYERS (place each one on purpose): {missing}"
+
+
+def test_no_import_runs_up_the_layers():
+    level = {m: i for i, layer in enumerate(LAYERS) for m in layer}
+    upward = sorted(f"{m or 'tinyserve'} (layer {level[m]}) imports {t or 'tinyserve'} (layer {level[t]})"
+                    for m, targets in import_graph().items() for t in targets
+                    if m in level and t in level and level[t] > level[m])
+    assert not upward, "imports that run up the layers:\n" + "\n".join(upward)
+
+
+def test_no_import_circle():
+    graph = import_graph()
+    circles, index, low, stack, on_stack = [], {}, {}, [], set()
+
+    def visit(v: str) -> None:          # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                circles.append(sorted(part))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert not circles, f"import circles: {circles}"

@@ -29,7 +29,7 @@ class KVLayout:
     One entry per row of the step: row b's context is context_lens[b] positions, its own the last, position j at
     slot block_tables[b, j // block_size] * block_size + j % block_size. A decode row is its sequence; the k + 1
     rows of a speculative verify share their sequence's block table, with contexts ending one position apart. A
-    contiguous KVCache is one block of max_len positions. A strategy passes one to model.forward (`kv_layout=`)
+    contiguous KVCache is one block of max_len positions. A strategy passes one to backend.forward (`kv_layout=`)
     when every row needs logits and it uses its default attention; the kernel writes the K/V into those slots."""
     k: np.ndarray             # [L, num_slots, K, H]: the cache's keys of every layer, by slot (a view)
     v: np.ndarray             # [L, num_slots, K, H]

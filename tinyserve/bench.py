@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import measure
+from .backend import runs_on_kernels
 from .engine import Engine
 from .model import Model
 from .sampling import SamplingParams
@@ -126,7 +127,7 @@ def main(args) -> int:
     from .quant import set_backend
     model = tiny_model(seed=0) if args.model == "tiny" else load_model(args.weights)
     model = set_backend(model, args.quant, args.backend, None if args.model == "tiny" else args.weights)
-    if model.backend == "numba" and model.quant != "none":   # lesson 7: compile (announced) before anything is timed
+    if runs_on_kernels(model):   # lesson 7: compile (announced) before anything is timed
         from . import jit
         _, kernels = jit.prepare(model, "engine", background=False, log=print)
         print(f"kernels: {'loaded from the on-disk cache' if kernels.how == 'cache' else 'compiled'} in "

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, TextIO
 
+from .backend import runs_on_kernels
 from .kv_sizing import max_kv_blocks
 from .sampling import SamplingParams
 from .tokenizer import DEFAULT_SYSTEM_PROMPT
@@ -175,16 +176,13 @@ def main(args) -> int:
     print(f"[{describe_backend(model)}]", file=sys.stderr)
     kernels = None
     log = lambda line: print(line, file=sys.stderr, flush=True)   # noqa: E731
-    if model.backend == "numba" and model.quant != "none":   # lesson 7: never compile inside a timed turn
+    if runs_on_kernels(model):   # lesson 7: never compile inside a timed turn
         model, kernels = jit.prepare(model, "engine", background=not args.speculative, log=log)
     engine = Engine(model, tokenizer=tok, prefix_caching=not args.no_prefix_cache, **engine_kwargs(args, model))
 
     def before_turn() -> None:   # cold start: once the background compile is done, the next turn runs fast
-        if kernels is not None and kernels.bg is not None and kernels.switched_at is None and kernels.bg.ok:
-            kernels.seconds = kernels.bg.seconds
-            kernels.load_seconds = jit.warm_up(kernels.fast.quant, "engine")
-            jit.use_model(engine, kernels.fast)
-            kernels.switched(0)
+        if kernels is not None and kernels.ready():
+            kernels.switch(engine, 0)
             log(f"[the kernels compiled in the background in {kernels.seconds:.1f} s: from this turn on, "
                 f"{describe_backend(engine.model)}]")
     interactive = sys.stdin.isatty()
@@ -199,7 +197,6 @@ def main(args) -> int:
         if kernels is not None and kernels.bg is not None:
             kernels.bg.stop()
         raise
-    if kernels is not None and kernels.bg is not None and not kernels.bg.done():
-        log("[the chat is over; the kernels are still compiling (first run only), so that the next start is fast:]")
-        kernels.bg.wait(log=lambda line: log(f"  {line}"))
+    if kernels is not None:
+        kernels.leave_compiling(log, "start")
     return 0

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import argparse
 
+from .quant import AUTO, INT8, QUANT_MODES, get_mode
 from .weights import DEFAULT_WEIGHTS_DIR
 
 # --- lesson 7: the backend and the quantisation --------------------------------------------------------------------
-QUANTS = ("auto", "none", "int8", "w8a8", "w8a8-64", "w4a8")
+QUANTS = (AUTO, *QUANT_MODES)        # quant.py's registry: one spelling of every mode
 
 
 def add_backend_options(p: argparse.ArgumentParser) -> None:
@@ -19,7 +20,7 @@ def add_backend_options(p: argparse.ArgumentParser) -> None:
     # weights that are Q4_1 already (SmolLM2's: the model's own weights, 4.5 bits each) on the x86 variants, where it
     # measured fastest at decode, else W8A8-64 where the kernels have a byte dot product, else int8; lesson 7's
     # tables measure them
-    p.add_argument("--quant", default="auto", choices=QUANTS,
+    p.add_argument("--quant", default=AUTO, choices=QUANTS,
                    help="quantisation (lesson 7; default auto: the fastest accurate mode on this CPU; int8: int8 "
                         "weights, float32 activations; w8a8-64: int8 activations too, one scale per 64 values; "
                         "w8a8: one scale per token, faster, less accurate; w4a8: the GGUF's own 4-bit weights (Q4_1), "
@@ -50,13 +51,11 @@ def load_for_cli(args):
 
 def describe_backend(model) -> str:
     """Which path runs (lesson 7): the fast one is the default, `--quant none --backend numpy` the reference."""
-    what = {"none": "float32", "int8": "int8 weights (W8A32)", "w8a8": "int8 weights and activations (W8A8)",
-            "w8a8-64": "int8 weights and activations, a scale per 64 (W8A8-64)",
-            "w4a8": "the GGUF's 4-bit weights (Q4_1) and int8 activations (W4A8)"}
+    what = get_mode(model.quant).label
     if model.backend != "numba":
-        return f"{what[model.quant]}, {model.backend} backend"
+        return f"{what}, {model.backend} backend"
     from .kernels import isa                   # which instruction set the kernels were built for (lesson 7)
-    return f"{what[model.quant]}, {model.backend} backend, {isa.describe()}"
+    return f"{what}, {model.backend} backend, {isa.describe()}"
 
 
 # --- lesson 6: speculative decoding ----------------------------------------------------------------------------------
@@ -75,10 +74,10 @@ def add_speculative_options(parser: argparse.ArgumentParser) -> None:
 def draft_model_for(kind: str | None, weights):
     """The draft Model the drafter needs: the int8 copy of the target for "int8" (lesson 7's weights on its Numba
     kernels: the NumPy int8 reference is slower than the float32 target), else None."""
-    if kind != "int8":
+    if kind != INT8.name:                      # the drafter is named after the mode of its model
         return None
     from .weights import load_model
-    return load_model(weights, quant="int8", backend="numba")
+    return load_model(weights, quant=INT8.name, backend="numba")
 
 
 def speculative_engine_kwargs(args, model) -> dict:

@@ -34,7 +34,8 @@ import numpy as np
 from .attention_backends import KVLayout, get_paged_attention
 from .block_manager import BlockManager
 from .config import check_positive_int, is_int
-from .model import Model, check_token_ids, forward
+from .backend import forward
+from .model import Model, check_token_ids
 from .kv_sizing import max_kv_blocks, max_kv_positions
 from .interrupts import interrupts_deferred
 from .paged import KVPool, write_kv_unchecked
@@ -300,10 +301,7 @@ class Engine:
             seq.error = error
         seq.drop_draft()                      # unverified tokens are not output (their K/V were never counted)
         self.blocks.free(seq)
-        if seq.status is Status.RUNNING:
-            self.running.remove(seq)
-        else:
-            self.waiting.remove(seq)
+        (self.running if seq.status is Status.RUNNING else self.waiting).remove(seq)
         seq.status = Status.FINISHED
         self.finished[seq.request_id] = seq
 

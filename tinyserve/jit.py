@@ -30,17 +30,19 @@ from pathlib import Path
 
 import numpy as np
 
+from .quant import AUTO, KERNEL_MODES, NONE, W4A8
+
 WORKLOADS = ("kv", "engine")   # kv: generate's default strategy; engine: chat, serve, bench, --strategy paged
-# seconds to compile from an empty cache, measured on a 2-core Xeon (2.6 GHz, Sapphire Rapids class): what the
-# announcement promises before anything is known about this machine. W4A8 (quant=auto's pick on x86) compiles its
-# 4-bit tiles beside the int8 LM head's: kv 43 s on that Xeon, 48 s on a 2-core AMD EPYC Zen 5, engine 62 s there
+# seconds to compile from an empty cache on 2 cores (docs/performance.md, "The first run"): what the announcement
+# promises before anything is known about this machine. W4A8 (quant=auto's pick on x86) compiles its 4-bit tiles
+# beside the int8 LM head's, so it promises more
 ESTIMATE_S = {"kv": 25, "engine": 35}
 ESTIMATE_W4A8_S = {"kv": 45, "engine": 60}
 
 
 def estimate_s(quant: str, workload: str) -> int:
     """The compile time the announcement promises for this mode and workload."""
-    return (ESTIMATE_W4A8_S if quant == "w4a8" else ESTIMATE_S)[workload]
+    return (ESTIMATE_W4A8_S if quant == W4A8.name else ESTIMATE_S)[workload]
 
 
 def workload_for(strategy: str) -> str:
@@ -84,9 +86,10 @@ def warm_up(quant: str, workload: str = "kv", log=None) -> float:
     from .sampling import SamplingParams
     from .weights import tiny_model
 
-    if quant not in ("int8", "w8a8", "w8a8-64", "w4a8") or workload not in WORKLOADS:
-        raise ValueError(f"warm_up: quant must be int8, w8a8, w8a8-64 or w4a8 and workload one of {WORKLOADS}, got "
-                         f"{quant!r}, {workload!r}")
+    if quant not in KERNEL_MODES or workload not in WORKLOADS:
+        modes = f"{', '.join(KERNEL_MODES[:-1])} or {KERNEL_MODES[-1]}"
+        raise ValueError(f"warm_up: quant must be {modes} and workload one of {WORKLOADS}, got {quant!r}, "
+                         f"{workload!r}")
     # a tiny model whose matrices' inputs split into blocks of 64 (w8a8-64); the kernels compile for types, not sizes
     model = set_backend(tiny_model(seed=0, dim=128, intermediate_size=192), quant, "numba")
     t_all = time.perf_counter()
@@ -146,8 +149,10 @@ class BackgroundCompile:
         if self.pid is None:          # nobody is compiling these kernels: we do
             argv = argv or compile_argv(quant, workload)
             with open(self.log_path, "w") as log:
+                # a session of its own: it may outlive us (`make run` returns when the answer is done) and a
+                # Ctrl-C typed later at the shell is not for it; at low priority: the answer in front goes first
                 self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                             preexec_fn=lambda: os.nice(10))   # the answer in front goes first
+                                             start_new_session=True, preexec_fn=lambda: os.nice(10))
             self.pid = self.proc.pid
             self.lock.write_text(str(self.pid))
         self.seconds: float | None = None   # the compile's wall time from its start, once done
@@ -212,7 +217,7 @@ def stand_in(fast):
     from .quant import MATRICES
     layers = [dataclasses.replace(w, **{f: getattr(w, f).dequantize() for f in MATRICES}) for w in fast.layers]
     head = np.ascontiguousarray(fast.lm_head_q.dequantize())                         # [D, V]
-    return dataclasses.replace(fast, layers=layers, lm_head_q=head, quant="none", backend="numpy", fast=None)
+    return dataclasses.replace(fast, layers=layers, lm_head_q=head, quant=NONE.name, backend="numpy", fast=None)
 
 
 def become(model, other) -> None:
@@ -234,23 +239,45 @@ class Kernels:
     load_seconds: float = 0.0              # loading the compiled kernels into this process at the switch
     blas_limit: object | None = None       # threadpoolctl's limit while on the stand-in (restored at the switch)
 
-    def switched(self, at: int) -> None:
-        """Record the switch (tokens, steps or turns done before it); BLAS gets its threads back."""
+    def ready(self) -> bool:
+        """Has the background compile finished, warm, and is the stand-in still running? Cheap: call it often."""
+        return self.bg is not None and self.switched_at is None and self.bg.done() and self.bg.ok
+
+    def load(self) -> float:
+        """Load the freshly compiled kernels into this process (any thread; the stand-in keeps answering)."""
+        self.seconds = self.bg.seconds
+        self.load_seconds = warm_up(self.fast.quant, self.bg.workload)
+        return self.load_seconds
+
+    def move(self, target, at: int) -> None:
+        """The swap, at a safe point (no forward in flight): `target` runs on the fast model from its next forward.
+        target: the stand-in Model itself (generate: it becomes the fast one in place) or the Engine running it
+        (chat, serve: use_model). `at`: tokens, steps or turns done before it. BLAS gets its threads back."""
+        from .model import Model
+        if isinstance(target, Model):
+            become(target, self.fast)
+        else:
+            use_model(target, self.fast)
         self.switched_at = at
         if self.blas_limit is not None:
             self.blas_limit.restore_original_limits()
             self.blas_limit = None
 
-    def switch(self, model, n_tokens: int) -> float:
-        """At a safe point (between two tokens): if the background compile is done and warm, load the kernels and
-        turn `model` (the stand-in) into the fast model. Returns the seconds spent (not the model's time)."""
-        if self.bg is None or self.switched_at is not None or not self.bg.done() or not self.bg.ok:
+    def switch(self, target, at: int) -> float:
+        """At a safe point: if the background compile is done and warm, load the kernels and move `target` (a Model
+        or an Engine) to the fast path. Returns the seconds spent (not the model's time)."""
+        if not self.ready():
             return 0.0
-        self.seconds = self.bg.seconds
-        self.load_seconds = warm_up(self.fast.quant, self.bg.workload)
-        become(model, self.fast)
-        self.switched(n_tokens)
+        self.load()
+        self.move(target, at)
         return self.load_seconds
+
+    def leave_compiling(self, log, what: str = "run") -> None:
+        """Done before the compile: leave it running on its own (detached: it outlives this process) and say
+        where its log is; the next start finds the cache warm."""
+        if self.bg is not None and not self.bg.done():
+            log(f"[the kernels go on compiling in the background (first run only, log: {self.bg.log_path}), so "
+                f"that the next {what} starts on the fast path]")
 
 
 def prepare(fast, workload: str, background: bool, log) -> tuple[object, Kernels]:
@@ -302,7 +329,7 @@ def main(args) -> int:
     """`python -m tinyserve compile`: fill the on-disk cache with one path's kernels (what BackgroundCompile runs).
     --start: only start that in the background and return (`make run` does, so the compile overlaps the weights'
     download; the generate that follows finds it by its lock file and waits for it instead of compiling again)."""
-    if args.quant == "auto":                     # what `generate` will choose for SmolLM2 on this CPU
+    if args.quant == AUTO:                     # what `generate` will choose for SmolLM2 on this CPU
         from .quant import default_quant
         args.quant = default_quant()
     if args.start:

@@ -21,7 +21,8 @@ from .attention_backends import KVLayout
 from .config import ModelConfig, check_positive_int, is_int
 from .gqa import grouped_attention
 from .layers import rectangular_mask, softmax
-from .model import AttentionFn, Model, check_token_ids, forward as model_forward
+from .backend import forward as model_forward      # model.forward, or the kernels for a model loaded for them
+from .model import AttentionFn, Model, check_token_ids
 from .kv_sizing import max_kv_positions
 from .sampling import SamplingParams, sample
 from .stopping import start_request

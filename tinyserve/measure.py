@@ -137,14 +137,14 @@ def cpu_info(cpuinfo_text: str | None = None) -> dict:
     if own and model == "unknown":                     # arm64 Linux lists no model name; macOS has no cpuinfo
         model = platform.processor() or platform.machine() or "unknown"
     if family and number and model != "unknown":
-        # a cloud VM often names only the brand ("AMD EPYC" for Zen 3, 4 and 5 alike); family and model tell them
-        # apart (AMD: family 25 = Zen 3 / Zen 4, 26 = Zen 5), which is what a figure measured on it needs
+        # a cloud VM often names only the brand, one name for several generations of a vendor's server CPUs;
+        # family and model tell them apart, which is what a figure measured on it needs
         model = f"{model} (family {family}, model {number})"
     return {"model": model, "flags": [f for f in CPU_FLAGS_OF_NOTE if f in (flags or ())]}
 
 
 def cpu_name() -> str:
-    """This CPU's model name, e.g. "Intel(R) Xeon(R) Platinum 8480+"."""
+    """This CPU's model name as the OS reports it, with family and model where known."""
     return cpu_info()["model"]
 
 

@@ -3,6 +3,9 @@
 Attention is the one piece that differs between lessons (recompute everything, a KV cache, paged blocks,
 a prefix trie), so `forward` takes it as a function: everything else (the matmuls, which dominate the
 cost) is written once, for a flat batch of T tokens that may come from many sequences.
+
+This is the readable reference, plain NumPy, and it knows nothing of the fast path: which forward runs for a
+model (this one or lesson 7's Numba kernels) is decided in backend.py, which the strategies call.
 """
 from __future__ import annotations
 
@@ -11,9 +14,11 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .attention_backends import KVLayout
 from .config import ModelConfig
 from .layers import apply_rope, rms_norm, rope_tables, swiglu_mlp
+
+
+FLOAT32 = "none"     # Model.quant of the float32 weights (quant.NONE's name: the modes are quant.py's registry)
 
 
 @dataclass(slots=True)
@@ -37,11 +42,12 @@ class Model:
     final_norm: np.ndarray     # [D]
     rope_cos: np.ndarray       # [max_seq_len, H/2]
     rope_sin: np.ndarray       # [max_seq_len, H/2]
-    # Lesson 7. quant: "none" | "int8" | "w8a8"; then the matmul weights of `layers` are quant.QuantizedLinear and
-    # lm_head_q is the int8 LM head. backend: "numpy" (this file: the readable reference) | "numba" (kernels/:
-    # the fast path; `fast` caches its packed weights). Every strategy calls forward() and so runs the one chosen.
+    # Lesson 7. quant: the name of a quant.QuantMode (FLOAT32: none); quantised, the matmul weights of `layers` are
+    # quant.QuantizedLinear or quant.Q4Linear and lm_head_q is the int8 LM head. backend: "numpy" (this file: the
+    # readable reference) | "numba" (kernels/: the fast path; `fast` caches its packed weights). backend.forward
+    # reads both and runs the one chosen.
     lm_head_q: object | None = None
-    quant: str = "none"
+    quant: str = FLOAT32
     backend: str = "numpy"
     fast: object | None = None
 
@@ -88,18 +94,13 @@ def check_token_ids(config: ModelConfig, ids: Sequence[int], what: str = "prompt
 
 
 def forward(model: Model, tokens: np.ndarray, positions: np.ndarray, attention: AttentionFn,
-            logit_rows: np.ndarray | None = None, kv_layout: KVLayout | None = None) -> np.ndarray:
+            logit_rows: np.ndarray | None = None) -> np.ndarray:
     """Run T tokens (of one or many sequences) through the model.
 
     tokens, positions: [T] ints. `logit_rows` picks the rows that need logits (e.g. the last token of each
     sequence): the LM head is the single largest matmul (V = 49152 columns), so prefill skips it for the rest.
-    `kv_layout` (lesson 7): where the step's K/V live, given only with the strategy's default attention; it lets
-    the Numba backend run a decode step of up to 8 rows as one kernel that writes the K/V itself, instead of
-    calling `attention` (the NumPy path ignores it). Returns logits [len(logit_rows) or T, V] float32.
+    Returns logits [len(logit_rows) or T, V] float32. Quantised weights (lesson 7) multiply through `@` as well.
     """
-    if model.backend == "numba" and model.quant != "none":       # lesson 7: the same steps, fused Numba kernels
-        from .kernels.forward import fast_forward
-        return fast_forward(model, tokens, positions, attention, logit_rows, kv_layout)
     cfg = model.config
     T, N, K, H = len(tokens), cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     cos, sin = model.rope_cos[positions], model.rope_sin[positions]   # [T, H/2]

@@ -10,8 +10,9 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from .backend import forward as model_forward      # model.forward, or the kernels for a model loaded for them
 from .layers import causal_attention
-from .model import Model, check_token_ids, forward as model_forward
+from .model import Model, check_token_ids
 from .sampling import SamplingParams, sample
 from .stopping import start_request
 

@@ -40,18 +40,57 @@ from pathlib import Path
 
 import numpy as np
 
-from .model import LayerWeights, Model
+from .layers import causal_attention
+from .model import FLOAT32, LayerWeights, Model, forward as model_forward
 
 Q4_GROUP = 32      # w4a8: inputs per Q4_1 block (one scale d and one minimum m), and activation values per scale
 
-QUANT_MODES = ("none", "int8", "w8a8", "w8a8-64", "w4a8")
+
+# --- the modes: one registry --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class QuantMode:
+    """What `--quant NAME` means, in one place. Model.quant and QuantizedLinear.mode hold the name; everything else
+    about a mode is read from here (get_mode), never spelled out again as a string comparison."""
+    name: str                    # the one spelling: --quant, Model.quant, QuantizedLinear.mode, --json's "quant"
+    label: str                   # how the summary line names it
+    bytes_per_weight: float      # a layer weight as a decode step reads it (scales aside for the int8 modes)
+    int8_activations: bool       # activations rounded to int8 too: an integer dot product (W8A8, W4A8)
+    act_block: int | None        # with int8 activations: values per activation scale (None: one per row)
+    kernels: str | None          # the Numba kernels that multiply it (kernels/matmul.py); None: float32, no kernels
+    # the accuracy against float32 on SmolLM2 it is held to (tests/test_quant_accuracy.py): teacher-forced top-1
+    # agreement at least top1_min, perplexity at most ppl_ratio_max times float32's
+    top1_min: float = 1.0
+    ppl_ratio_max: float = 1.0
+
+
+NONE = QuantMode(FLOAT32, "float32", 4.0, False, None, None)
+INT8 = QuantMode("int8", "int8 weights (W8A32)", 1.0, False, None, "w8a32", top1_min=0.95, ppl_ratio_max=1.02)
+W8A8 = QuantMode("w8a8", "int8 weights and activations (W8A8)", 1.0, True, None, "w8a8",
+                 top1_min=0.80, ppl_ratio_max=1.10)
+W8A8_64 = QuantMode("w8a8-64", "int8 weights and activations, a scale per 64 (W8A8-64)", 1.0, True, 64, "w8a8",
+                    top1_min=0.95, ppl_ratio_max=1.02)
+W4A8 = QuantMode("w4a8", "the GGUF's 4-bit weights (Q4_1) and int8 activations (W4A8)", 20 / 32, True, Q4_GROUP,
+                 "w4a8", top1_min=0.95, ppl_ratio_max=1.02)   # 16 bytes of nibbles + float16 d and m per 32
+MODES = {m.name: m for m in (NONE, INT8, W8A8, W8A8_64, W4A8)}
+QUANT_MODES = tuple(MODES)                                      # the names, float32's first
+KERNEL_MODES = tuple(m.name for m in MODES.values() if m.kernels)   # the modes the Numba kernels run
+AUTO = "auto"                     # --quant auto: default_quant picks one of QUANT_MODES for this CPU and model
 # the modes with int8 activations: activation values per scale (None: the whole row)
-ACT_BLOCKS = {"w8a8": None, "w8a8-64": 64, "w4a8": Q4_GROUP}
+ACT_BLOCKS = {m.name: m.act_block for m in MODES.values() if m.int8_activations}
+
+
+def get_mode(name: str) -> QuantMode:
+    """The QuantMode called `name`, or a clear error naming the choices."""
+    try:
+        return MODES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"quant must be one of {QUANT_MODES}, got {name!r}") from None
 
 
 def is_w8a8(mode: str) -> bool:
     """Are the activations quantised to int8 too (an integer product: W8A8, and W4A8's 4-bit x 8-bit)?"""
-    return mode in ACT_BLOCKS
+    return get_mode(mode).int8_activations
 
 
 def act_blocks(mode: str, d_in: int) -> int:
@@ -68,7 +107,7 @@ class QuantizedLinear:
     """A [D_in, O] weight matrix as int8 + one float32 scale per output channel; `x @ self` multiplies."""
     wq: np.ndarray       # [D_in, O] int8
     scale: np.ndarray    # [O] float32
-    mode: str            # "int8" (W8A32), "w8a8" or "w8a8-64" (see the module docstring)
+    mode: str            # a QuantMode's name: INT8 (W8A32), W8A8 or W8A8_64 (see the module docstring)
 
     __array_ufunc__ = None   # tells NumPy not to treat us as an array: `x @ q` then calls q.__rmatmul__(x)
 
@@ -87,7 +126,7 @@ class QuantizedLinear:
         return self.wq.astype(np.float32) * self.scale
 
 
-def quantize_weight(w: np.ndarray, mode: str = "int8") -> QuantizedLinear:
+def quantize_weight(w: np.ndarray, mode: str = INT8.name) -> QuantizedLinear:
     """[D_in, O] float32 -> QuantizedLinear: symmetric int8, one scale per output channel (column)."""
     amax = np.abs(w).max(axis=0)                                                     # [O]
     scale = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
@@ -114,7 +153,7 @@ def quantize_blocks(x: np.ndarray, n_blocks: int) -> tuple[np.ndarray, np.ndarra
 
 def matmul_reference(x: np.ndarray, q: QuantizedLinear) -> np.ndarray:
     """x [T, D_in] float32 @ q -> [T, O] float32, the readable definition the kernels are tested against."""
-    if q.mode == "int8":
+    if not is_w8a8(q.mode):
         return (x @ q.wq.astype(np.float32)) * q.scale
     nb = act_blocks(q.mode, q.wq.shape[0])
     xq, sx = quantize_blocks(x, nb)                                                  # sx [T, nb]
@@ -145,7 +184,7 @@ class Q4Linear:
     q: np.ndarray        # [D_in, O] uint8, 0..15
     d: np.ndarray        # [D_in / 32, O] float32 (float16 values)
     m: np.ndarray        # [D_in / 32, O] float32 (float16 values)
-    mode: str = "w4a8"
+    mode: str = W4A8.name
 
     __array_ufunc__ = None
 
@@ -198,12 +237,10 @@ def matmul_reference_w4a8(x: np.ndarray, q: Q4Linear) -> np.ndarray:
 def quantize_model(model: Model, mode: str) -> Model:
     """The same model with every matmul weight quantised (attention, MLP and the tied LM head); the embedding
     lookup table and the norms stay float32 (a lookup reads T rows, not the whole table)."""
-    if mode not in QUANT_MODES:
-        raise ValueError(f"quant must be one of {QUANT_MODES}, got {mode!r}")
-    if mode == "none":
+    if get_mode(mode) is NONE:
         return model
     check_blocks(model, mode)
-    layer_q = quantize_q4_1 if mode == "w4a8" else lambda w: quantize_weight(w, mode)
+    layer_q = quantize_q4_1 if get_mode(mode) is W4A8 else lambda w: quantize_weight(w, mode)
     layers = [dataclasses.replace(w, **{f: layer_q(getattr(w, f)) for f in MATRICES}) for w in model.layers]
     return dataclasses.replace(model, layers=layers, lm_head_q=quantize_weight(model.embed.T, mode), quant=mode,
                                fast=None)
@@ -214,7 +251,7 @@ def dequantize_model(model: Model) -> Model:
     to its rounding. Where the int8 kernels cannot beat float32 BLAS (kernels/forward.py: the generic tiles at
     prefill) the int8 model's forward multiplies these with BLAS; 4 bytes per weight (~540 MB for SmolLM2)."""
     layers = [dataclasses.replace(w, **{f: getattr(w, f).dequantize() for f in MATRICES}) for w in model.layers]
-    return dataclasses.replace(model, layers=layers, lm_head_q=model.lm_head_q.dequantize(), quant="none",
+    return dataclasses.replace(model, layers=layers, lm_head_q=model.lm_head_q.dequantize(), quant=NONE.name,
                                backend="numpy", fast=None)
 
 
@@ -229,8 +266,8 @@ def check_blocks(model: Model, mode: str) -> None:
 
 
 def with_mode(model: Model, mode: str) -> Model:
-    """A quantised model switched between "int8", "w8a8" and "w8a8-64" (same int8 weights, other activations)."""
-    if "w4a8" in (mode, model.quant):
+    """A quantised model switched between INT8, W8A8 and W8A8_64 (same int8 weights, other activations)."""
+    if W4A8.name in (mode, model.quant):
         raise ValueError(f"a {model.quant} model cannot become {mode}: w4a8 holds other weights (4-bit) than the int8 "
                          f"modes; load the float32 weights again with quant={mode!r}")
     check_blocks(model, mode)
@@ -295,21 +332,21 @@ class _Recorder:
 
 def activation_maxima(model: Model, sequences: list[list[int]]) -> list[dict[str, np.ndarray]]:
     """Per layer: max |x_j| over every calibration token of the input of wq (= wk, wv), wo, w_gate (= w_up) and
-    w_down, from float32 forwards of `sequences` (naive.forward)."""
-    from . import naive
+    w_down, from float32 forwards of `sequences` over their whole prefix (as naive.forward runs them)."""
     recs = [{f: _Recorder(getattr(w, f), np.zeros(getattr(w, f).shape[0], np.float32))
              for f in ("wq", "wo", "w_gate", "w_down")} for w in model.layers]
     probe = dataclasses.replace(model, layers=[dataclasses.replace(w, **r) for w, r in zip(model.layers, recs)],
-                                quant="none", backend="numpy", fast=None)
+                                quant=NONE.name, backend="numpy", fast=None)
     for ids in sequences:
-        naive.forward(probe, ids)
+        model_forward(probe, np.asarray(ids, np.int64), np.arange(len(ids)),
+                      lambda layer, q, k, v: causal_attention(q, k, v))
     return [{f: r.amax for f, r in layer.items()} for layer in recs]
 
 
 def smooth_model(model: Model, maxima: list[dict[str, np.ndarray]], alpha: float = SMOOTH_ALPHA) -> Model:
     """The float32 model with SmoothQuant's factors folded in (see above): the same function up to float rounding,
     with activations that quantise better. Quantise the result as usual (quantize_model)."""
-    if model.quant != "none":
+    if model.quant != NONE.name:
         raise ValueError("smooth_model takes the float32 model (smooth first, then quantise)")
     cfg = model.config
     N, K, H = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -344,10 +381,10 @@ def _cache_key(weights_dir: Path) -> dict:
 def load_or_quantize(model: Model, weights_dir: str | Path | None, mode: str) -> Model:
     """quantize_model, reading the int8 tensors from `<weights_dir>/model.int8.safetensors` when they were made
     from this very model.safetensors (size + mtime), writing them there otherwise (if the folder is writable)."""
-    if mode == "none":
+    if get_mode(mode) is NONE:
         return model
     check_blocks(model, mode)
-    if weights_dir is None or mode == "w4a8":          # (w4a8 reads its blocks back from the float32 weights: ~2 s)
+    if weights_dir is None or get_mode(mode) is W4A8:         # (w4a8 reads its blocks back from the float32 weights: ~2 s)
         return quantize_model(model, mode)
     from safetensors.numpy import load_file, save_file
     d = Path(weights_dir)
@@ -389,16 +426,11 @@ def is_q4_1(model: Model) -> bool:
 
 
 # Where quant="auto" picks w4a8 for Q4_1 weights: the variants where it measured faster than w8a8-64 at batch 1
-# (the step that streams every weight: 4.5 bits a weight against 8), level at batch 16 (0.91-1.09x). W4A8 / W8A8-64
-# tokens/s, per round, median (min-max) of 7 interleaved rounds in one process, batch 1 / batch 16 / prefill 512:
-#   2-core Xeon (Sapphire Rapids class), avx512vnni  1.45x (1.30-1.52)  0.99x (0.90-1.05)  0.84x (0.77-0.87)
-#   the same Xeon, avxvnni forced                    1.47x (1.30-1.61)  0.95x (0.93-1.01)  0.76x (0.74-0.83)
-#   the same Xeon, avx2 forced                       1.41x (1.19-1.49)  1.09x (1.04-1.15)  1.09x (1.00-1.12)
-#   2-core AMD EPYC Zen 3, avx2 (its own)            1.22x (1.12-1.34)  0.91x (0.86-1.14)  1.07x (1.00-1.12)
-# With VNNI's one instruction per 64 byte multiply-adds, W4A8's float epilogue per 32 inputs weighs more than the
-# bytes it saves once the tile is compute-bound: prefill 512 costs it 16-24 % there (still 1.46x PyTorch fp32 on
-# that Xeon, README). Decode is what a chat waits for, so auto takes W4A8; `--quant w8a8-64` prefills faster on VNNI.
-# neon: not measured (no arm64 machine yet), so not listed.
+# (the step that streams every weight: 4.5 bits a weight against 8) and level at batch 16 (docs/performance.md, "The
+# quantisation modes, measured"). With VNNI's one instruction per 64 byte multiply-adds, W4A8's float epilogue per 32
+# inputs weighs more than the bytes it saves once the tile is compute-bound, so it prefills slower there; decode is
+# what a chat waits for, so auto takes W4A8 and `--quant w8a8-64` remains for prefill. neon is left out until a
+# measurement says it belongs.
 W4A8_DEFAULT_ON = ("avx512vnni", "avxvnni", "avx2")
 
 
@@ -408,47 +440,47 @@ def default_quant(model: Model | None = None, backend: str = "numba") -> str:
     misses them). On the numba backend:
     - w4a8 for a model whose layers are Q4_1 already (is_q4_1; SmolLM2, the model of the course, when model is
       None), on the variants of W4A8_DEFAULT_ON: it computes with the model's own weights, and reads the fewest
-      bytes (~95 MB a decode step where w8a8-64 reads ~135): measured 1.2-1.5x w8a8-64 at batch 1 and level at
-      batch 16 on every x86 variant; at prefill 512 faster on AVX2, 0.76-0.84x with VNNI (W4A8_DEFAULT_ON);
+      bytes (~95 MB a decode step where w8a8-64 reads ~135): faster than w8a8-64 at batch 1 and level at batch 16 on
+      every x86 variant, slower at prefill with VNNI (W4A8_DEFAULT_ON);
     - else w8a8-64 wherever the kernels multiply bytes with a dot-product instruction (kernels/isa.py: vpdpbusd,
       vpmaddubsw + vpmaddwd, sdot), where it measured faster than int8 at batch 1, 16 and prefill 512 (lesson 7);
     - int8 on the `generic` kernels (plain loops: W8A8 measured slower than int8 there) or for a model whose
       matrices' inputs do not split into blocks of 64.
     On the numpy backend, float32: the NumPy int8 paths are readable references, slower than BLAS."""
     if backend != "numba":
-        return "none"
+        return NONE.name
     from .kernels import isa
     if isa.NAME == "generic":
-        return "int8"
-    if model is not None and model.quant == "w4a8":
-        return "w4a8"
+        return INT8.name
+    if model is not None and model.quant == W4A8.name:
+        return W4A8.name
     q4 = isa.NAME in W4A8_DEFAULT_ON
     if model is None:
-        return "w4a8" if q4 else "w8a8-64"
+        return (W4A8 if q4 else W8A8_64).name
     try:
-        check_blocks(model, "w4a8")
-        if q4 and model.quant == "none" and is_q4_1(model):
-            return "w4a8"
-        check_blocks(model, "w8a8-64")
+        check_blocks(model, W4A8.name)
+        if q4 and model.quant == NONE.name and is_q4_1(model):
+            return W4A8.name
+        check_blocks(model, W8A8_64.name)
     except ValueError:
-        return "int8"
-    return "w8a8-64"
+        return INT8.name
+    return W8A8_64.name
 
 
-def set_backend(model: Model, quant: str = "none", backend: str = "numpy", weights_dir=None) -> Model:
-    """The one place the backend is chosen: quantise (or load the cached int8 tensors) and pick the kernels.
-    Every strategy (kv_cache, Engine, speculative) calls model.forward and so runs what is chosen here.
+def set_backend(model: Model, quant: str = NONE.name, backend: str = "numpy", weights_dir=None) -> Model:
+    """The one place the backend is chosen: quantise (or load the cached int8 tensors) and record the backend.
+    Every strategy (kv_cache, Engine, speculative) calls backend.forward, which runs what is chosen here.
     quant="auto" picks default_quant(model, backend)."""
-    if quant == "auto" and backend in BACKENDS:
+    if quant == AUTO and backend in BACKENDS:
         quant = default_quant(model, backend)
     if quant not in QUANT_MODES:
-        raise ValueError(f"quant must be one of {QUANT_MODES} or 'auto', got {quant!r}")
+        raise ValueError(f"quant must be one of {QUANT_MODES} or {AUTO!r}, got {quant!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if model.quant != "none" and quant != model.quant:
-        model = with_mode(model, quant) if quant != "none" else model
-        if quant == "none":
+    if model.quant != NONE.name and quant != model.quant:
+        if quant == NONE.name:
             raise ValueError("this model is already quantised; load the float32 weights again for quant='none'")
-    elif quant != "none" and model.quant == "none":     # (already quantised in this mode: only the backend changes)
+        model = with_mode(model, quant)
+    elif quant != NONE.name and model.quant == NONE.name:   # (quantised in this mode already: the backend changes)
         model = load_or_quantize(model, weights_dir, quant)
     return dataclasses.replace(model, backend=backend)

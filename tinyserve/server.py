@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .backend import runs_on_kernels
 from .cli_options import describe_backend
 from .engine import Engine
 from .engine_loop import EngineLoop, Observer, Rejected, RequestHandle
@@ -111,14 +112,12 @@ class FastPathSwitch(Observer):
         threading.Thread(target=self._watch, name="tinyserve-jit", daemon=True).start()
 
     def _watch(self) -> None:
-        from .jit import warm_up
         k = self.kernels
         if not k.bg.wait():
             self.status = f"the background compile failed (see {k.bg.log_path}); serving on the NumPy path"
             print(f"tinyserve: {self.status}", file=sys.stderr, flush=True)
             return
-        k.seconds = k.bg.seconds
-        k.load_seconds = warm_up(k.fast.quant, k.bg.workload)    # in this thread: the engine keeps stepping
+        k.load()                            # in this thread: the engine keeps stepping
         self.ready.set()
 
     def on_token(self, handle, now) -> None:
@@ -128,11 +127,9 @@ class FastPathSwitch(Observer):
         self.inner.on_finish(handle, reason, hit_tokens, prompt_tokens)
 
     def on_step(self, engine: Engine, loop: EngineLoop) -> None:
-        from .jit import use_model
         self.inner.on_step(engine, loop)
         if self.ready.is_set() and self.kernels.switched_at is None:
-            use_model(engine, self.kernels.fast)
-            self.kernels.switched(loop.stats.steps)
+            self.kernels.move(engine, loop.stats.steps)     # a step boundary: no forward in flight
             self.status = f"compiled in the background in {self.kernels.seconds:.1f} s (first run only)"
             print(f"tinyserve: the fast path's kernels are ready ({self.status}); now serving on "
                   f"{describe_backend(engine.model)}", file=sys.stderr, flush=True)
@@ -476,7 +473,7 @@ def build(args, log=None) -> tuple[FastAPI, str]:
     tok, model = load_for_cli(args)
     name = "tiny" if args.model == "tiny" else "smollm2-135m-instruct"
     kernels = None
-    if model.backend == "numba" and model.quant != "none":
+    if runs_on_kernels(model):
         model, kernels = jit.prepare(model, "engine", args.compile == "background", log)
     engine = Engine(model, tokenizer=tok, prefix_caching=not args.no_prefix_cache, **engine_kwargs(args, model))
     name = args.served_model_name or name

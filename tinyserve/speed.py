@@ -24,12 +24,12 @@ from .engine import Engine
 from .kv_cache import KVCache, prefill
 from .measure import Rate, Spread
 from .model import Model
-from .quant import bytes_per_decode_step
+from .quant import INT8, NONE, W4A8, W8A8, W8A8_64, bytes_per_decode_step
 from .roofline import kv_bytes_per_token, measure_bandwidth
 from .sampling import SamplingParams
 
-BACKENDS = {"fp32-NumPy": ("none", "numpy"), "int8-Numba": ("int8", "numba"), "W8A8-Numba": ("w8a8", "numba"),
-            "W8A8-64-Numba": ("w8a8-64", "numba"), "W4A8-Numba": ("w4a8", "numba")}
+BACKENDS = {"fp32-NumPy": (NONE.name, "numpy"), "int8-Numba": (INT8.name, "numba"), "W8A8-Numba": (W8A8.name, "numba"),
+            "W8A8-64-Numba": (W8A8_64.name, "numba"), "W4A8-Numba": (W4A8.name, "numba")}
 
 
 def cpu_name() -> str:

@@ -25,7 +25,7 @@ from .config import check_positive_int
 from .kv_cache import KVCache, append_kv
 from .gqa import grouped_attention
 from .layers import apply_rope, rms_norm, swiglu_mlp
-from .model import Model, check_token_ids
+from .model import FLOAT32, Model, check_token_ids
 
 
 @dataclass(slots=True)
@@ -125,7 +125,7 @@ class TensorParallelModel:
         MLP features and vocabulary rows as evenly as possible."""
         cfg = model.config
         P = check_positive_int("n_devices", n_devices, "TensorParallelModel.shard")
-        if getattr(model, "quant", "none") != "none":   # lesson 7's int8 weights are not plain arrays to slice
+        if model.quant != FLOAT32:   # lesson 7's int8 weights are not plain arrays to slice
             raise ValueError("TensorParallelModel.shard splits the float32 weights: load the model without quant")
         if cfg.n_kv_heads % P:
             raise ValueError(f"cannot shard attention {P} ways: the model has {cfg.n_kv_heads} KV heads (each "

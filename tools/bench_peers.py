@@ -49,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 from protocol import PeerError, Worker  # noqa: E402  (standard library only)
 # the one way every tokens/s here is summarised, and the CPU line and the table printed (tinyserve/measure.py)
 from tinyserve.measure import CPU_FLAGS_OF_NOTE, Spread, cpu_info, format_table as text_table  # noqa: E402,F401
+from tinyserve.quant import AUTO, QUANT_MODES  # noqa: E402
 
 LLAMA, TORCH, TINY = "llama.cpp", "PyTorch", "tinyserve"
 KINDS = (LLAMA, TORCH, TINY)                  # what --engines names
@@ -182,8 +183,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads-sweep", action="store_true",
                     help="one whole run per thread count: 1, 2 and all cores of this machine")
     # the defaults are the CLI's (`generate`, `chat`, `bench`): the fast path a user runs, not load_model's reference
-    ap.add_argument("--quant", default="auto", choices=["auto", "none", "int8", "w8a8", "w8a8-64", "w4a8"],
-                    help="ts.load_model(quant=...)")
+    ap.add_argument("--quant", default=AUTO, choices=[AUTO, *QUANT_MODES], help="ts.load_model(quant=...)")
     ap.add_argument("--backend", default="numba", choices=["numpy", "numba"],
                     help="ts.load_model and ts.Engine (backend=...)")
     ap.add_argument("--llama-python", default=str(ROOT / ".venv-llama" / "bin" / "python"))

@@ -3,7 +3,7 @@
 
     python tools/mutation.py 6                    # `make mutation MUT=6`: every exercise of lesson 6
     python tools/mutation.py 6 --ex verify_greedy # one exercise
-    python tools/mutation.py all                  # `make mutation`: lessons 1-9 (long: see the README's timing)
+    python tools/mutation.py all                  # `make mutation`: lessons 1-9 (long)
     python tools/mutation.py 3 --ci               # what CI runs: a bounded sample, fails below the bar
 
 The mutants are made by cosmic-ray's mutation operators (cosmic_ray.mutating.mutate_code, one operator occurrence

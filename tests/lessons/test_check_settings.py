@@ -1,4 +1,4 @@
-"""Deterministic verdicts (issue 20): every property check of the lessons draws the same examples on every run and
+"""Deterministic verdicts: every property check of the lessons draws the same examples on every run and
 keeps no example database, so `make check-N` gives the same verdict for the same file, whatever ran before."""
 from __future__ import annotations
 

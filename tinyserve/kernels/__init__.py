@@ -40,10 +40,9 @@ if isa.FORCED_FEATURES is not None:          # a variant below this CPU's: compi
 # libgomp's workers (Numba's `omp` layer) spin after each parallel loop, by default 300,000 turns of `pause`
 # (estimated ~10-40 ms on recent x86) before they sleep. Alone on the machine that is harmless; beside another busy
 # program (a second engine, a test run, a browser) the spinning workers take the cores the other side's threads
-# need, and both collapse: a three-call decode step (~6 ms alone) measured a median of 160-1270 ms, p90 up to 1.8 s, and
-# with 10,000 turns 104 ms, p90 110 (Xeon, 2 cores, load 3-6 from other test runs; fused step and barrier yielding
-# too). 10,000 turns (0.2-1 ms) still outlasts the gap between two kernels of one forward: alone, 10,000 and
-# 300,000 measured the same (decode step 6.7-7.3 vs 6.8-7.1 ms fused, 8.3-8.9 vs 8.2-8.7 three-call, interleaved).
+# need, and both collapse (a ~6 ms decode step took a median of 0.16-1.3 s beside a test run, 0.1 s with 10,000).
+# 10,000 turns (0.2-1 ms) still outlasts the gap between two kernels of one forward, so alone it costs nothing
+# (docs/performance.md, "Why the kernels' constants are what they are").
 # libgomp reads it when it is loaded (Numba's first parallel loop); a value you set yourself is kept.
 if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
     os.environ["GOMP_SPINCOUNT"] = "10000"

@@ -216,7 +216,7 @@ def decode_attention_heads(q, k_rows, v_rows, block_tables, bs, context_lens, b,
     acc = np.zeros((n, H), np.float32)
     for j0 in range(0, S, bs):                                # 1. scores: dot products ("reassoc": 16 lanes)
         first = block_tables[b, j0 // bs] * bs                # (block by block, not j // bs per position: ~15 %
-        for j in range(j0, min(S, j0 + bs)):                  # faster at 64 positions, Zen 3)
+        for j in range(j0, min(S, j0 + bs)):                  # faster at 64 positions: docs/performance.md)
             slot = first + j - j0
             for r in range(n):
                 s = np.float32(0.0)

@@ -62,9 +62,8 @@ from .spin import FAILED, HAS_CLOCK, SYNC_SIZE, TIMEOUT_CYCLES, barrier
 
 # rows per fused step: two weight tiles' worth (matmul.ROWS = 4 rows a tile), so that a speculative verify of k <= 7
 # drafts (k + 1 rows) runs fused like the decode steps it is compared with. The fused step's lead shrinks with the rows:
-# every thread norms and quantises every row for itself. Three calls / fused, 2-core Zen 3 (avx2), 11 interleaved
-# rounds, medians: W4A8 1.20x at 4 rows, 1.19x at 5, 1.16x at 8, 1.10x at 9, 1.00x at 16; W8A8-64 1.22 / 1.23 /
-# 1.16 / 1.16 / 1.06x. (A 2-core Xeon, earlier kernels, measured it no faster from 5 rows on: there the limit was 4.)
+# every thread norms and quantises every row for itself; at 8 rows it still leads (docs/performance.md, "Why the
+# kernels' constants are what they are").
 MAX_ROWS = 2 * ROWS
 
 

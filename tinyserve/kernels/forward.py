@@ -1,5 +1,5 @@
-"""The fast forward: model.forward's steps with int8 Numba kernels, for a model loaded with quant="int8"|"w8a8"
-and backend="numba". model.forward calls it; it returns the same logits as the NumPy reference of the same
+"""The fast forward: model.forward's steps with int8 Numba kernels, for a model loaded with a quantised mode
+and backend="numba". backend.forward calls it; it returns the same logits as the NumPy reference of the same
 quantised weights (tinyserve.quant): W8A8 bit for bit under the same attention, W8A32 within ~1e-6 relative (its
 matmuls and norms sum in another order; tests/test_quant.py).
 
@@ -12,7 +12,7 @@ What it does differently, and why each pays (lesson 7 measures them):
 - Everything runs on Numba's thread pool; NumPy's BLAS (used by the attention reference) is held at one thread
   for the whole forward, so two pools never fight over the 2 cores (docs/performance.md: that trap costs ~10x).
 - A step of up to 8 rows that all need logits (decodes of up to 8 sequences, or a speculative verify) whose strategy
-  says where its K/V live (model.forward's `kv_layout`) runs as one call for all layers (kernels/decode_step.py):
+  says where its K/V live (backend.forward's `kv_layout`) runs as one call for all layers (kernels/decode_step.py):
   1.2-1.5x faster at batch 1 than the three calls per layer.
 """
 from __future__ import annotations
@@ -34,20 +34,17 @@ from .matmul import block_sums, pack_vnni, pack_w4a8, pack_w8a32
 # speculative.generate_stream prefills the whole prompt for that reason). np.exp: NumPy's, which makes the path the
 # NumPy W8A8 reference bit for bit (tests/test_quant.py and others set it to prove that; the reference's SiLU is
 # np.exp, and a last-bit difference before rounding to int8 can move an activation a whole int8 step). Why not NumPy
-# by default: on a 2-core Zen 3 it was 67-86 ms of a 512-token prefill (~6 %) on one thread while the other idled,
-# the cost that kept W8A8-64 level with int8 there; exp32 runs in the kernel's parallel row loop. Called as
+# by default: it ran on one thread while the other idled (~6 % of a prefill; docs/performance.md, "Why the kernels'
+# constants are what they are"); exp32 runs in the kernel's parallel row loop. Called as
 # silu_exp(x, out=x), into a buffer the forward keeps for all layers.
 silu_exp = None
 
 # From this many rows on, a W8A32 forward multiplies float32 copies of the dequantised weights with BLAS instead of
 # running the int8 tiles, on the variants where the tiles cannot beat BLAS at many rows: the `generic` ones (plain
-# loops LLVM vectorises, no byte dot product). Measured on a 2-core AMD EPYC Zen 4 forced to `generic` (nothing else
-# running, 5 interleaved rounds, medians), prefill tokens/s against float32 NumPy (OpenBLAS) at 8 / 16 / 32 / 64 /
-# 512 rows: the tiles 0.66 / 0.58 / 0.54 / 0.53 / 0.79x, this BLAS path 1.11 / 0.72 / 0.68 / 0.84 / 1.06x (below
-# float32 at 16-64 rows, unexplained: the attention is still Numba's, so two thread pools take turns in every
-# layer, a suspect not yet measured). At batch 16 decode (16 rows per step) the tiles are 1.9x float32: they read
-# 4x fewer bytes. The copies (4 bytes per weight) are made on the first such forward. The other variants' tiles
-# beat BLAS at every row count measured (README's tables), so they never take this path.
+# loops LLVM vectorises, no byte dot product): there the tiles reach 0.5-0.8x float32 BLAS at 8-512 rows, while at
+# batch 16 decode they are ~2x float32, because they read 4x fewer bytes (docs/performance.md, "Why the kernels'
+# constants are what they are"). The copies (4 bytes per weight) are made on the first such forward. The other
+# variants' tiles beat BLAS at every row count measured, so they never take this path.
 BLAS_FROM_ROWS = {"generic": 32}
 
 

@@ -105,9 +105,8 @@ def _opaque(builder, value):
     """value, hidden from LLVM's optimiser behind an empty inline assembly (no instruction is emitted, on any CPU).
     The tile's loop over a block's 4 pairs of steps gets this as its trip count: a loop of a known 4 trips is
     unrolled, and its scheduler then issues every load of the block first and spills what it loaded to the stack
-    (~900 stack accesses in the 4 x 4 avx2 tile); kept a loop, each pair's values live one pair long. Measured on a
-    2-core Zen 3: the 4 x 4 tile alone 42-44 -> 62-68 G multiply-adds/s a thread, the whole W4A8 forward 1.25-1.33x
-    faster at 1 to 8 rows."""
+    (~900 stack accesses in the 4 x 4 avx2 tile); kept a loop, each pair's values live one pair long, and the tile
+    is ~1.5x faster (docs/performance.md, "A loop the compiler knows too well")."""
     return builder.asm(ir.FunctionType(value.type, [value.type]), "", "=r,0", [value], False)
 
 
@@ -160,8 +159,8 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None):
             low = ir.Constant(bytes_t, [ir.Constant(_I8, 0x0F)] * vb)
             four = ir.Constant(bytes_t, [ir.Constant(_I8, 4)] * vb)
             # the sign bit of each of 4 bytes, flipped on the 32-bit word before it is broadcast: flipped after
-            # (a <64 x i8> xor feeding vpdpbusd.512), LLVM 22's code generator never returns (tinyserve's first
-            # compile on an AVX-512 VNNI Xeon hung for >10 min in the fused step; avxvnni's 256-bit form did not)
+            # (a <64 x i8> xor feeding vpdpbusd.512), LLVM 22's code generator never returns on avx512vnni
+            # (docs/performance.md, "Why the kernels' constants are what they are")
             flip = ir.Constant(_I32, 0x80808080 - (1 << 32))
             prefetch = _fn(builder, "llvm.prefetch", ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32])
             next_tile = builder.mul(w_stride, k(C))             # a weight line -> the same line of the next tile

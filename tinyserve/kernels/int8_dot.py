@@ -47,13 +47,9 @@ _I1, _I8, _I16, _I32 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(
 # blocks further on: the next tile of this thread's share) is asked into L2 while this one computes. A tile's C
 # streams are short (D x 16 bytes each: 9 KiB at D = 576), so the hardware prefetcher meets a fresh set of streams at
 # every tile and starts each cold; one tile ahead, they are in L2 when the tile begins. Into L2, not L1 (locality 2,
-# prefetcht1): a tile ahead is 36-96 KiB, more than L1 holds. Measured on a 2-core AMD EPYC Zen 4 (no other job on
-# it; variants in alternating processes, medians): the fused decode step, W8A8-64, 1 row: avx512vnni 10.0-12.4 ->
-# 8.4 ms, avx2 12.7-13.3 -> 7.8-8.2 ms; 4 rows 12.8-15.0 -> 12.1-13.3 ms (avx2: within the noise); the 121 matmuls of
-# a step called one by one 7.8-11.0 -> 6.1-7.4 ms (BLAS's float32 stream: 28-34 GB/s, ours 19-22). The rule it
-# replaced (each stream 1 KiB ahead, into L1) had measured 10-20 % faster than none on a Xeon (Sapphire Rapids; 4
-# rows, avx512vnni: 8.6 -> 7.7 ms) but was the slowest of four tried on the Zen 4; this one is not yet measured on
-# the Xeon.
+# prefetcht1): a tile ahead is 36-96 KiB, more than L1 holds. It made the 1-row fused step 15-40 % faster; the rule
+# it replaced (each stream 1 KiB ahead, into L1) was the slowest of four tried (docs/performance.md, "Why the
+# kernels' constants are what they are").
 PREFETCH_LOCALITY = 2
 TILE_OFFSET = 128 if isa.NAME in ("avx512vnni", "avxvnni") else 0
 

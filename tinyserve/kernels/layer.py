@@ -158,8 +158,8 @@ def post_attention(x, a, wo, wo_sum, wo_scale, norm_w, eps, wgu, wgu_sum, wgu_sc
 
 # SiLU divides by 1 + e^-g, a different number for every element. Numba's default error model checks every such
 # division for zero (to raise ZeroDivisionError like Python), and that branch keeps LLVM from vectorising the loop:
-# 5 ns per element, 7.6 us for a 1536-wide row, against 1.2 us under NumPy's model (a zero divisor gives inf, as in
-# NumPy; here it cannot be zero). Measured on a 2-core AMD EPYC Zen 3 (avx2); the same float32 divisions, the same bits.
+# ~6x slower per row than under NumPy's model (a zero divisor gives inf, as in NumPy; here it cannot be zero), with
+# the same float32 divisions and the same bits (docs/performance.md, "Why the kernels' constants are what they are").
 SWIGLU_KERNEL = dict(cache=True, parallel=True, error_model="numpy")
 
 

@@ -95,7 +95,7 @@ def _quantize_row(h, xu_row, sx_row):
     nb = sx_row.shape[0]
     kb = h.shape[0] // nb
     for b in range(nb):     # (each loop over range(kb), indexed lo + i: as range(b * kb, (b + 1) * kb) the two
-        lo = b * kb         # loops ran 4x slower, 0.45 against 0.12 ms for [512, 576] (Zen 3, 2 threads), same bits)
+        lo = b * kb         # loops ran 4x slower, same bits: docs/performance.md, "A loop's bounds")
         top = np.int32(0)                    # max |h[i]| over the bits with the sign cleared: an integer max
         for i in range(kb):                  # vectorises, a float one does not (fast_exp.row_max; no NaN here)
             top = max(top, float_bits(h[lo + i]) & np.int32(0x7FFFFFFF))
@@ -304,10 +304,10 @@ def w8a32_blocks(x, wp, sw, out, accumulate, b_lo, b_hi, acc):
 # item (a group of COLS blocks, a chunk of WIDE_CHUNK rows) widens its weights once into a float32 scratch that
 # stays in L2 (D x 64 x 4 bytes: 147 KB at D = 576), then sweeps its rows with the plain float tile, 6 rows per
 # weight load. Each output still sums x[t, i] * w[i] for i = 0, 1, ... with one fma per step, so the result is
-# bit-identical to _matmul_w8a32's; only the instruction mix changes. Measured on a 2-core Xeon (T = 512, 576 x
-# 3072): ~150 GFLOP/s, the speed of OpenBLAS's float32 sgemm on the same shape: this CPU's fp32 FMA peak. That is
-# also why W8A32 prefill cannot beat PyTorch's float32 by much (same multiply-adds on the same units); W8A8's
-# integer dot products (4 multiply-adds per lane per instruction) can.
+# bit-identical to _matmul_w8a32's; only the instruction mix changes. It reaches the speed of OpenBLAS's float32
+# sgemm on the same shape, the CPU's fp32 FMA peak (docs/performance.md, "Why the kernels' constants are what they
+# are"). That is also why W8A32 prefill cannot beat PyTorch's float32 by much (same multiply-adds on the same
+# units); W8A8's integer dot products (4 multiply-adds per lane per instruction) can.
 
 @njit(cache=True, inline="always")
 def matmul_w8a32_wide(x, wp, sw, out, accumulate):

@@ -43,9 +43,8 @@ TIMEOUT_CYCLES = 10_000_000_000 if ARCH == "x86" else 250_000_000
 
 # spin this long before a waiting thread starts giving its core away (os_yield) on every turn of the loop: ~40-80 µs,
 # chosen, not tuned: long against the few µs by which two threads' equal shares of a matmul part on a quiet machine
-# (alone, decode steps measured the same with and without the yield)
-# (measured, Xeon, 2 cores, load 2-3 from other test runs: fused decode step median 109 ms, p90 959 without the
-# yield; 18 ms, p90 32 with it; ~5 ms alone either way)
+# (alone, decode steps measured the same with and without the yield; under load the yield made them ~6x faster:
+# docs/performance.md, "Why the kernels' constants are what they are")
 SPIN_CYCLES = 200_000 if ARCH == "x86" else 4_000       # arm64's counter: 24-62 MHz (see TIMEOUT_CYCLES)
 HAS_YIELD = platform.system() in ("Linux", "Darwin")      # sched_yield is POSIX: in libc / libSystem
 
