@@ -114,7 +114,7 @@ def test_compiling_first_is_announced_and_not_counted_in_ttft(cache, monkeypatch
     out, err = run_json(capsys, "--compile", "wait", "--max-new-tokens", "8")
     assert f"compiling the int8 kernels for this CPU (first run only, ~{jit.ESTIMATE_S['kv']} s)" in err
     assert jit.estimate_s("w4a8", "kv") > jit.estimate_s("int8", "kv")      # its 4-bit tiles compile besides
-    assert out["kernels"]["how"] == "compiled" and out["kernels"]["seconds"] == 1.5
+    assert out["kernels"]["how"] == "compiled" and 1.5 <= out["kernels"]["seconds"] < 2.5   # + packing the weights
     assert out["ttft_s"] < 1.0 and out["total_s"] < 1.0
     assert (out["quant"], out["backend"]) == ("int8", "numba")
 
@@ -125,6 +125,19 @@ def test_a_warm_cache_is_loaded_before_the_clock_starts(cache, monkeypatch, caps
     out, err = run_json(capsys, "--max-new-tokens", "8")
     assert out["kernels"]["how"] == "cache" and out["ttft_s"] < 1.0
     assert "compiling" not in err
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_the_weights_are_packed_for_the_kernels_before_anything_is_timed(cache, monkeypatch, warm):
+    """Packing (kernels/forward.prepare) is part of loading: left to the first forward, the first request's prefill
+    paid for it and the fast path's TTFT was longer than the NumPy stand-in's."""
+    if warm:
+        (cache / "tinyserve-warm-int8-kv.json").write_text(json.dumps(jit.cache_key("int8", "kv")))
+    monkeypatch.setattr(jit, "warm_up", lambda quant, workload="kv", log=None: 0.0)
+    fast = set_backend(tiny_model(seed=0), "int8", "numba")
+    assert fast.fast is None
+    model, k = jit.prepare(fast, "kv", False, log=lambda line: None)
+    assert model is fast and model.fast is not None and k.how == ("cache" if warm else "compiled")
 
 
 def test_cold_start_returns_with_the_answer_and_the_next_run_is_fast(cache, monkeypatch, capsys):
@@ -249,7 +262,9 @@ def test_the_stand_in_runs_blas_on_one_thread_until_the_switch(cache, monkeypatc
     monkeypatch.setattr(jit, "warm_up", lambda quant, workload="kv", log=None: 0.0)
     model, k = jit.prepare(set_backend(tiny_model(seed=0), "int8", "numba"), "kv", True, log=lambda line: None)
     assert k.how == "background" and set(blas()) == {1}
-    assert k.bg.wait() and k.switch(model, 3) == 0.0 and k.switched_at == 3 and model.backend == "numba"
+    assert k.bg.wait()
+    k.switch(model, 3)                          # loads the kernels and packs the weights: seconds, not 0
+    assert k.switched_at == 3 and model.backend == "numba" and model.fast is not None
     assert blas() == before
 
 
