@@ -440,6 +440,16 @@ def test_prompts_are_tokenized_off_the_event_loop():
     assert len(tok.threads) == 3 and "tinyserve-http" not in tok.threads, tok.threads   # uvicorn's loop thread
 
 
+def test_a_prompt_too_long_for_any_tokenization_is_refused_without_tokenizing_it():
+    """1 character per token at most (the tiny tokenizer): 1 MB cannot fit a 1024-token context, whatever it says."""
+    tok = ThreadRecordingTokenizer()
+    with ServerThread(tiny_app(tokenizer=tok)) as s:
+        r = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "x" * 1_000_000}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert r.json()["error"]["param"] == "prompt"
+    assert tok.threads == []
+
+
 # --- the front door: body size, timeouts, connection cap, API key, OpenAPI -----------------------------------------
 
 def _raw(url: str, timeout: float = 10.0) -> socket.socket:

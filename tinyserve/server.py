@@ -220,6 +220,10 @@ class OpenAIService:
         # the most positions one request may use: the model's window, and the pool (a request may not need more
         # blocks than the whole pool, or it could never run)
         self.max_context = min(engine.config.max_seq_len, engine.blocks.num_blocks * engine.block_size)
+        # a prompt of more characters than this has more tokens than the context: refused without tokenizing it
+        # (a real tokenizer takes seconds for megabytes, and the answer is known)
+        per_token = getattr(tokenizer, "max_token_chars", None)
+        self.max_prompt_chars = per_token() * self.max_context if per_token is not None else None
         self.created = int(time.time())
 
     def path(self) -> dict:
@@ -234,6 +238,9 @@ class OpenAIService:
 
     # --- from a request body to token ids and SamplingParams (BadRequest: 400) ---------------------------------
     def encode(self, text: str, param: str) -> list[int]:
+        if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
+            raise BadRequest(f"the prompt has {len(text)} characters, more than this server's context of "
+                             f"{self.max_context} tokens can hold", param=param, code="context_length_exceeded")
         try:
             return self.tokenizer.encode(text)
         except ValueError as e:

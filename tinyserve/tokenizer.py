@@ -58,6 +58,11 @@ class Tokenizer:
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(i)
 
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for: a text longer than this times a context cannot fit in it
+        (a byte-level symbol is one byte, and a character is at least one byte)."""
+        return max(len(symbol) for symbol in self._tok.get_vocab(with_added_tokens=True))
+
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
         """SmolLM2's ChatML template (the GGUF's Jinja template, written out in Python):
 
@@ -166,6 +171,9 @@ class CharTokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return "".join(chr(i) for i in ids if i >= 3 or not skip_special_tokens)
+
+    def max_token_chars(self) -> int:
+        return 1
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
         return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant: " if add_generation_prompt
