@@ -356,6 +356,17 @@ def test_chat_logprobs_streamed_and_not(client):
     assert all(c.top_logprobs == [] for c in streamed)                            # top_logprobs not asked: none
 
 
+def test_logprobs_with_speculative_decoding_are_refused():
+    engine = Engine(ts.tiny_model(seed=0), num_blocks=64, tokenizer=TOK, speculative="ngram")
+    with ServerThread(create_app(engine, TOK, "tiny")) as s:
+        r = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "abc", "logprobs": 1}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+        assert httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 3},
+                          timeout=30).status_code == 200
+    with pytest.raises(ValueError, match="speculative"):
+        engine.add_request([5, 6], SamplingParams(logprobs=0))
+
+
 def _metric(srv, name: str) -> float:
     for line in httpx.get(srv.url + "/metrics", timeout=10).text.splitlines():
         if line.startswith(name + " "):

@@ -615,7 +615,8 @@ class ServerThread:
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, drain_timeout: float | None = 10):
         import uvicorn
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
-                                timeout_graceful_shutdown=drain_timeout, **app.state.limits.uvicorn_kwargs())
+                                timeout_graceful_shutdown=drain_timeout,
+                                **getattr(app.state, "limits", HttpLimits()).uvicorn_kwargs())
         self.server = uvicorn.Server(config)
         self.app = app
         self._thread = threading.Thread(target=self.server.run, name="tinyserve-http", daemon=True)
