@@ -352,7 +352,9 @@ def test_chat_logprobs_streamed_and_not(client):
                                                  logprobs=True, stream=True))
     streamed = [c for chunk in stream if chunk.choices and chunk.choices[0].logprobs
                 for c in chunk.choices[0].logprobs.content]
-    assert [(c.token, c.logprob) for c in streamed] == [(c.token, pytest.approx(c.logprob)) for c in content]
+    # (the second run finds the prompt in the prefix cache: other batch shapes, float sums in another order)
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, pytest.approx(c.logprob, abs=1e-4))
+                                                        for c in content]
     assert all(c.top_logprobs == [] for c in streamed)                            # top_logprobs not asked: none
 
 
