@@ -281,15 +281,15 @@ def test_queue_full_answers_429():
 def test_a_request_that_fails_in_the_engine_gets_an_error_and_the_others_carry_on(srv, client, monkeypatch):
     """One request's sampling raises inside step() (Engine: finish_reason "error"): its client is told, in the
     stream or with a 500, and a request running beside it is not disturbed."""
-    import tinyserve.engine as engine_module
-    real_sample = engine_module.sample
+    import tinyserve.sampling as sampling_module
+    real_sample = sampling_module.sample
 
     def sample(logits, params, rng, seen=()):
         if params.temperature == 1.25:
             raise FloatingPointError("injected failure")
         return real_sample(logits, params, rng, seen=seen)
 
-    monkeypatch.setattr(engine_module, "sample", sample)
+    monkeypatch.setattr(sampling_module, "sample", sample)
     before = wait_idle(srv)
     r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "boom", "max_tokens": 5,
                                                       "temperature": 1.25}, timeout=30)

@@ -38,7 +38,7 @@ from .model import Model, check_token_ids, forward
 from .kv_sizing import max_kv_blocks, max_kv_positions
 from .interrupts import interrupts_deferred
 from .paged import KVPool, write_kv_unchecked
-from .sampling import SamplingParams, sample, token_logprobs
+from .sampling import SamplingParams, sample_step
 from .scheduler import bind, plan_step
 from .spec_step import SpecConfig, Speculator, Verdict
 from .speculative import SpecStats
@@ -98,9 +98,6 @@ class Engine:
             raise ValueError(f"request needs up to {max_positions} KV positions = {need} blocks of {self.block_size}, "
                              f"but the whole pool has {self.blocks.num_blocks} blocks: it can never run "
                              f"(shorten the prompt or max_new_tokens, or give the engine more blocks)")
-        if params.logprobs is not None and self.speculator is not None:
-            raise ValueError("logprobs are not reported with speculative decoding (a verified draft has no per-token "
-                             "sampling step): serve without it")
         stopper = StopChecker(self.config, params, self.tokenizer, prompt_len=len(ids))  # ValueError on stop w/o tok
         seq = Sequence(self._next_id, [int(t) for t in ids], params, stopper, params.make_rng())
         if self.speculator is not None:
@@ -262,9 +259,7 @@ class Engine:
             try:
                 # the repetition penalty needs every token seen so far; skip building that list when it is off
                 seen = seq.prompt_ids + seq.output_ids if seq.params.repetition_penalty != 1.0 else ()
-                token = sample(logits[row[b]], seq.params, seq.rng, seen=seen)
-                k = seq.params.logprobs
-                logprobs = None if k is None else [token_logprobs(logits[row[b]], token, k)]
+                token, logprobs = sample_step(logits[row[b]], seq.params, seq.rng, seen=seen)
             except Exception as e:            # e.g. NaN logits: this request ends, the batch goes on
                 outputs.append(self._fail(seq, e))
                 continue

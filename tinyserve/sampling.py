@@ -154,6 +154,13 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
     return int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
 
 
+def sample_step(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
+                seen: Sequence[int] = ()) -> tuple[int, list | None]:
+    """The engine's sampling of one row [V]: the token, and [token_logprobs(...)] if params.logprobs asks."""
+    token = sample(logits, params, rng, seen=seen)
+    return token, None if params.logprobs is None else [token_logprobs(logits, token, params.logprobs)]
+
+
 def token_logprobs(logits: np.ndarray, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
     """The sampled token's log-probability and the k most likely (id, log-probability), best first.
 
