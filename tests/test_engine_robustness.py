@@ -185,7 +185,7 @@ def test_abort_frees_a_request_at_once(tiny, prefix_caching):
 
 def test_step_output_error_defaults_to_none():
     out = StepOutput(3, [7], False, None)
-    assert out.error is None and out._fields[-1] == "error"
+    assert out.error is None and out.logprobs is None and out._fields[-2:] == ("error", "logprobs")
 
 
 # --- the fuzz test: random mixes of valid and failing requests, aborts, tiny pools and prefix caching ----------

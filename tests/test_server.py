@@ -24,6 +24,7 @@ import pytest
 
 import tinyserve as ts
 from tinyserve.engine import Engine
+from tinyserve.http_guard import HttpLimits
 from tinyserve.loadgen import ClientRequest, drive
 from tinyserve.protocol import TextStream, parse_sse
 from tinyserve.sampling import SamplingParams
@@ -42,10 +43,10 @@ class SlowEngine(Engine):
 
 
 def tiny_app(num_blocks=128, max_running=16, max_waiting=64, max_batch_tokens=128, prefix_caching=True,
-             engine_class=Engine):
+             engine_class=Engine, limits=None, tokenizer=TOK):
     engine = engine_class(ts.tiny_model(seed=0), num_blocks=num_blocks, block_size=16, max_batch_tokens=max_batch_tokens,
-                    max_running=max_running, tokenizer=TOK, prefix_caching=prefix_caching)
-    return create_app(engine, TOK, "tiny", max_waiting=max_waiting)
+                    max_running=max_running, tokenizer=tokenizer, prefix_caching=prefix_caching)
+    return create_app(engine, tokenizer, "tiny", max_waiting=max_waiting, limits=limits)
 
 
 def offline(prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
@@ -183,10 +184,10 @@ BAD = [
     ({"model": "tiny", "prompt": "hi", "temperature": "hot"}, "temperature", "invalid_parameter"),
     ({"model": "tiny", "prompt": "hi", "top_p": 0}, "top_p", "invalid_parameter"),
     ({"model": "tiny", "prompt": "hi", "max_tokens": 0}, "max_tokens", "invalid_parameter"),
-    ({"model": "tiny", "prompt": "hi", "n": 2}, "n", "invalid_parameter"),
+    ({"model": "tiny", "prompt": "hi", "n": 17}, "n", "invalid_parameter"),
     ({"model": "tiny", "prompt": "hi", "seed": -3}, "seed", "invalid_parameter"),
     ({"model": "tiny", "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop", "invalid_parameter"),
-    ({"model": "tiny", "prompt": "hi", "logprobs": 3}, "logprobs", "unsupported"),
+    ({"model": "tiny", "prompt": "hi", "logprobs": 6}, "logprobs", "invalid_parameter"),     # OpenAI's bound: 5
     ({"model": "tiny", "prompt": "hi", "echo": True}, "echo", "unsupported"),
     ({"model": "tiny"}, "prompt", "invalid_parameter"),
     ({"model": "tiny", "prompt": ""}, "prompt", "invalid_parameter"),
@@ -196,6 +197,30 @@ BAD = [
     ({"model": "tiny", "prompt": "x" * 1000, "max_tokens": 100}, "max_tokens", "context_length_exceeded"),
     ({"model": "tiny", "messages": []}, "messages", "invalid_parameter"),
     ({"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}, "messages", "invalid_parameter"),
+    # OpenAI fields tinyserve does not honour are refused, never silently dropped
+    ({"model": "tiny", "prompt": "hi", "best_of": 3}, "best_of", "unsupported_parameter"),
+    ({"model": "tiny", "prompt": "hi", "suffix": "end"}, "suffix", "unsupported_parameter"),
+    ({"model": "tiny", "prompt": "hi", "logit_bias": {"5": 10}}, "logit_bias", "unsupported_parameter"),
+    ({"model": "tiny", "prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty", "unsupported_parameter"),
+    ({"model": "tiny", "prompt": "hi", "presence_penalty": -1}, "presence_penalty", "unsupported_parameter"),
+    ({"model": "tiny", "prompt": "hi", "max_token": 5}, "max_token", "unsupported_parameter"),        # a typo
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, "top_logprobs",
+     "unsupported_parameter"),                                   # OpenAI: top_logprobs needs logprobs: true
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs", "invalid_parameter"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "high"},
+     "reasoning_effort", "unsupported_parameter"),
+    # no type coercion: a value of the wrong JSON type is refused
+    ({"model": "tiny", "prompt": "hi", "stream": "yes"}, "stream", "invalid_parameter"),
+    ({"model": "tiny", "prompt": "hi", "max_tokens": True}, "max_tokens", "invalid_parameter"),
+    ({"model": "tiny", "prompt": "hi", "temperature": "0.5"}, "temperature", "invalid_parameter"),
+    ({"model": "tiny", "prompt": "hi", "n": 2.0}, "n", "invalid_parameter"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, "logprobs",
+     "invalid_parameter"),
+    # sampling-parameter errors name their field
+    ({"model": "tiny", "prompt": "hi", "repetition_penalty": 1000}, "repetition_penalty", "invalid_parameter"),
+    ({"model": "tiny", "prompt": "hi", "top_k": -1}, "top_k", "invalid_parameter"),
+    ({"model": "tiny", "prompt": "hi", "stop": ""}, "stop", "invalid_parameter"),
 ]
 
 
@@ -241,6 +266,7 @@ def test_queue_full_answers_429():
                     t0 = time.perf_counter()
                     r3 = httpx.post(s.url + "/v1/completions", json={**body, "stream": False}, timeout=30)
                     assert r3.status_code == 429 and time.perf_counter() - t0 < 5
+                    assert r3.headers["retry-after"] == "1"                 # when to try again
                     err = r3.json()["error"]
                     assert err["type"] == "rate_limit_error" and err["code"] == "queue_full"
                     with pytest.raises(openai.RateLimitError):
@@ -255,15 +281,15 @@ def test_queue_full_answers_429():
 def test_a_request_that_fails_in_the_engine_gets_an_error_and_the_others_carry_on(srv, client, monkeypatch):
     """One request's sampling raises inside step() (Engine: finish_reason "error"): its client is told, in the
     stream or with a 500, and a request running beside it is not disturbed."""
-    import tinyserve.engine as engine_module
-    real_sample = engine_module.sample
+    import tinyserve.sampling as sampling_module
+    real_sample = sampling_module.sample
 
     def sample(logits, params, rng, seen=()):
         if params.temperature == 1.25:
             raise FloatingPointError("injected failure")
         return real_sample(logits, params, rng, seen=seen)
 
-    monkeypatch.setattr(engine_module, "sample", sample)
+    monkeypatch.setattr(sampling_module, "sample", sample)
     before = wait_idle(srv)
     r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "boom", "max_tokens": 5,
                                                       "temperature": 1.25}, timeout=30)
@@ -278,6 +304,328 @@ def test_a_request_that_fails_in_the_engine_gets_an_error_and_the_others_carry_o
     after = wait_idle(srv)
     assert after["errors"] == before["errors"] + 2
     assert_no_leak(srv)
+
+
+# --- OpenAI fields honoured: developer role, logprobs, n ------------------------------------------------------
+
+def test_the_developer_role_is_the_system_role(client):
+    def chat(role):
+        return client.chat.completions.create(model="tiny", max_tokens=8, temperature=0, messages=[
+            {"role": role, "content": "be brief"}, {"role": "user", "content": "hello"}])
+    dev, system = chat("developer"), chat("system")
+    assert dev.choices[0].message.content == system.choices[0].message.content
+    assert dev.usage.prompt_tokens == system.usage.prompt_tokens
+
+
+def _log_softmax(logits):
+    x = logits.astype(np.float64)
+    return x - x.max() - np.log(np.exp(x - x.max()).sum())
+
+
+def test_completion_logprobs_are_the_models_log_softmax(client):
+    ids = [5, 17, 99, 200, 31]
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0, logprobs=3,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens == 6
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    ref = _log_softmax(ts.naive.forward(ts.tiny_model(seed=0), ids)[-1])            # the first token's distribution
+    first = int(np.argmax(ref))
+    assert lp.tokens[0] == chr(first) and lp.token_logprobs[0] == pytest.approx(ref[first], abs=1e-4)
+    for token, token_lp, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 3 and max(top.values()) == pytest.approx(token_lp)     # greedy: the best one
+        assert list(top.values()) == sorted(top.values(), reverse=True) and token in top
+
+
+def test_chat_logprobs_streamed_and_not(client):
+    messages = [{"role": "user", "content": "hi"}]
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0, logprobs=True,
+                                       top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob == pytest.approx(c.logprob) and
+               bytes(c.bytes).decode() == c.token for c in content)
+    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0)
+    assert plain.choices[0].logprobs is None                                      # only when asked
+    stream = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0,
+                                                 logprobs=True, stream=True))
+    streamed = [c for chunk in stream if chunk.choices and chunk.choices[0].logprobs
+                for c in chunk.choices[0].logprobs.content]
+    # (the second run finds the prompt in the prefix cache: other batch shapes, float sums in another order)
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, pytest.approx(c.logprob, abs=1e-4))
+                                                        for c in content]
+    assert all(c.top_logprobs == [] for c in streamed)                            # top_logprobs not asked: none
+
+
+def test_logprobs_with_speculative_decoding_are_refused():
+    engine = Engine(ts.tiny_model(seed=0), num_blocks=64, tokenizer=TOK, speculative="ngram")
+    with ServerThread(create_app(engine, TOK, "tiny")) as s:
+        r = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "abc", "logprobs": 1}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+        assert httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 3},
+                          timeout=30).status_code == 200
+    with pytest.raises(ValueError, match="speculative"):
+        engine.add_request([5, 6], SamplingParams(logprobs=0))
+
+
+def _metric(srv, name: str) -> float:
+    for line in httpx.get(srv.url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_n_choices_share_the_prompts_kv_blocks_through_the_prefix_cache(srv, client):
+    prompt = "".join(chr(40 + i % 80) for i in range(64))           # 64 tokens: 4 blocks of 16
+    before = wait_idle(srv)
+    extra, hits = _metric(srv, "tinyserve_extra_samples_total"), \
+        _metric(srv, "tinyserve_extra_sample_prefix_hit_tokens_total")
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=1.0, seed=11, n=3,
+                                  extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2] and r.usage.completion_tokens == 24
+    assert r.usage.prompt_tokens == 64 and len({c.text for c in r.choices}) > 1     # seeds 11, 12, 13
+    again = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=1.0, seed=11, n=3,
+                                      extra_body={"ignore_eos": True})
+    assert [c.text for c in again.choices] == [c.text for c in r.choices]           # reproducible
+    assert r.choices[0].text == client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=8, temperature=1.0, seed=11, extra_body={"ignore_eos": True}
+    ).choices[0].text                                                               # choice 0 is the n = 1 answer
+    after = wait_idle(srv)
+    assert after["submitted"] == before["submitted"] + 7
+    assert _metric(srv, "tinyserve_extra_samples_total") == extra + 4
+    # each extra choice found at least the prompt's first 3 full blocks cached (the last one holds the token
+    # that must run again to give logits)
+    assert _metric(srv, "tinyserve_extra_sample_prefix_hit_tokens_total") >= hits + 4 * 48
+    assert_no_leak(srv)
+
+
+def test_n_choices_streamed_with_the_openai_client(client):
+    chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hey"}],
+                                                 max_tokens=6, temperature=0, n=2, stream=True,
+                                                 stream_options={"include_usage": True}))
+    texts, reasons = {0: "", 1: ""}, {}
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] += ch.delta.content or ""
+            if ch.finish_reason:
+                reasons[ch.index] = ch.finish_reason
+    assert texts[0] == texts[1] and set(reasons) == {0, 1}                          # greedy: the same answer twice
+    assert chunks[-1].usage.completion_tokens == 2 * len(texts[0]) or reasons[0] == "stop"
+
+
+def test_n_choices_of_a_client_that_hangs_up_are_all_aborted():
+    with ServerThread(tiny_app(engine_class=SlowEngine)) as s:
+        before = wait_idle(s)
+        body = {"model": "tiny", "prompt": "z" * 40, "max_tokens": 400, "n": 3, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            assert sum(1 for line, _ in zip(lines, range(4)) if line.startswith("data:")) >= 2
+        after = wait_idle(s)
+        assert after["aborted"] == before["aborted"] + 3 and after["completed"] == before["completed"]
+        assert_no_leak(s)
+
+
+# --- the event loop stays free: tokenizing runs in a worker thread ------------------------------------------------
+
+class ThreadRecordingTokenizer(CharTokenizer):
+    """The tiny tokenizer, noting which thread encodes and renders the chat template."""
+    def __init__(self):
+        super().__init__()
+        self.threads = []
+
+    def encode(self, text):
+        self.threads.append(threading.current_thread().name)
+        return super().encode(text)
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        self.threads.append(threading.current_thread().name)
+        return super().apply_chat_template(messages, add_generation_prompt)
+
+
+def test_prompts_are_tokenized_off_the_event_loop():
+    tok = ThreadRecordingTokenizer()
+    with ServerThread(tiny_app(tokenizer=tok)) as s:
+        assert httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 2},
+                          timeout=30).status_code == 200
+        assert httpx.post(s.url + "/v1/chat/completions", json={"model": "tiny", "max_tokens": 2, "messages": [
+            {"role": "user", "content": "abc"}]}, timeout=30).status_code == 200
+    assert len(tok.threads) == 3 and "tinyserve-http" not in tok.threads, tok.threads   # uvicorn's loop thread
+
+
+def test_a_prompt_too_long_for_any_tokenization_is_refused_without_tokenizing_it():
+    """1 character per token at most (the tiny tokenizer): 1 MB cannot fit a 1024-token context, whatever it says."""
+    tok = ThreadRecordingTokenizer()
+    with ServerThread(tiny_app(tokenizer=tok)) as s:
+        r = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "x" * 1_000_000}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert r.json()["error"]["param"] == "prompt"
+    assert tok.threads == []
+
+
+# --- the front door: body size, timeouts, connection cap, API key, OpenAPI -----------------------------------------
+
+def _raw(url: str, timeout: float = 10.0) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=timeout)
+    return sock
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> float:
+    """Seconds until the server closes `sock` (reading and dropping what it sends); fails if it stays open."""
+    sock.settimeout(seconds)
+    t0 = time.perf_counter()
+    try:
+        while sock.recv(65536):
+            pass
+    except socket.timeout:
+        raise AssertionError(f"the server kept the connection open for {seconds} s") from None
+    except ConnectionResetError:
+        pass
+    finally:
+        sock.close()
+    return time.perf_counter() - t0
+
+
+def test_a_body_over_the_limit_gets_413_before_it_is_read():
+    with ServerThread(tiny_app(limits=HttpLimits(max_body_size=2000))) as s:
+        ok = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "x" * 500, "max_tokens": 2},
+                        timeout=30)
+        assert ok.status_code == 200
+        r = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "x" * 3000}, timeout=30)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large", r.text
+        # no Content-Length (chunked): refused as soon as the body outgrows the limit
+        chunked = httpx.post(s.url + "/v1/completions", content=iter([b'{"model": "tiny", "prompt": "', b"y" * 3000,
+                                                                      b'"}']), timeout=30)
+        assert chunked.status_code == 413
+        # a Content-Length of 100 MB is answered at once, without waiting for (or reading) the body
+        sock = _raw(s.url)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100000000\r\n\r\n{")
+        sock.settimeout(10)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 413 ")
+        _closed_within(sock, 10)                               # and the connection is closed: no 100 MB to drain
+        metrics = httpx.get(s.url + "/metrics").text
+        assert 'tinyserve_requests_rejected_total{reason="body_too_large"} 3.0' in metrics
+
+
+SHORT = HttpLimits(header_timeout=0.5, body_timeout=0.5, keep_alive_timeout=0.5)
+
+
+@pytest.fixture(scope="module")
+def short_srv():
+    with ServerThread(tiny_app(limits=SHORT)) as s:
+        yield s
+
+
+def test_an_idle_connection_is_closed_after_the_header_timeout(short_srv):
+    _closed_within(_raw(short_srv.url), 10)
+
+
+def test_a_half_sent_header_is_closed_after_the_header_timeout(short_srv):
+    sock = _raw(short_srv.url)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: appl")
+    _closed_within(sock, 10)
+
+
+def test_a_body_shorter_than_its_content_length_is_closed_after_the_body_timeout(short_srv):
+    before = wait_idle(short_srv)
+    sock = _raw(short_srv.url)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 100\r\n\r\n{\"model\": \"tiny\"")
+    _closed_within(sock, 10)
+    assert wait_idle(short_srv)["submitted"] == before["submitted"]
+
+
+def test_a_slow_header_is_cut_even_if_bytes_keep_coming(short_srv):
+    """The header timeout counts from the first byte, not from the last: one byte every 0.2 s cannot hold a
+    connection open for ever."""
+    sock = _raw(short_srv.url)
+    sock.setblocking(False)                              # recv answers at once: data, b"" (closed) or EAGAIN
+    t0, closed = time.perf_counter(), False
+    for b in b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100:      # 28 s at this pace
+        try:
+            sock.sendall(bytes([b]))
+            time.sleep(0.2)
+            closed = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:                          # nothing to read: still open
+            pass
+        except OSError:                                  # reset: closed
+            closed = True
+        if closed or time.perf_counter() - t0 > 10:
+            break
+    sock.close()
+    assert closed, "a header dripping in byte by byte held the connection for 10 s"
+
+
+def test_an_idle_kept_alive_connection_is_closed_and_a_prompt_client_is_served(short_srv):
+    sock = _raw(short_srv.url)
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+    _closed_within(sock, 3)                               # then idle: closed after the keep-alive timeout
+    with httpx.Client(timeout=10) as c:                   # a client that sends its requests in time is served,
+        for _ in range(3):                                # also on one kept-alive connection
+            assert c.get(short_srv.url + "/health").status_code == 200
+            time.sleep(0.1)
+
+
+def test_connections_beyond_the_cap_get_503():
+    with ServerThread(tiny_app(limits=HttpLimits(max_connections=3))) as s:
+        held = [_raw(s.url) for _ in range(3)]            # three idle connections take the three places
+        time.sleep(0.2)
+        try:
+            r = httpx.get(s.url + "/health", timeout=10)
+            assert r.status_code == 503
+        finally:
+            for sock in held:
+                sock.close()
+        time.sleep(0.2)
+        assert httpx.get(s.url + "/health", timeout=10).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def keyed_srv():
+    with ServerThread(tiny_app(limits=HttpLimits(api_key="sk-tiny-secret"))) as s:
+        yield s
+
+
+def test_the_api_key_is_required_on_v1_with_the_openai_client(keyed_srv):
+    def client(key):
+        return openai.OpenAI(base_url=keyed_srv.url + "/v1", api_key=key, max_retries=0, timeout=30)
+    r = client("sk-tiny-secret").completions.create(model="tiny", prompt="hi", max_tokens=2)
+    assert r.choices[0].text is not None
+    for wrong in ("sk-tiny-secreT", "sk-tiny-secret-and-more", "x"):
+        with pytest.raises(openai.AuthenticationError) as e:
+            client(wrong).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+        assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        client("sk-tiny-secret").with_options(default_headers={"Authorization": ""}).models.list()
+    r = httpx.get(keyed_srv.url + "/v1/models", headers={"Authorization": "Basic sk-tiny-secret"})
+    assert r.status_code == 401 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert httpx.get(keyed_srv.url + "/health").status_code == 200           # liveness stays open
+    assert httpx.get(keyed_srv.url + "/v1/models", headers={"Authorization": "Bearer sk-tiny-secret"}).is_success
+
+
+def test_the_api_key_comes_from_the_option_or_the_environment(monkeypatch):
+    from tinyserve.http_guard import limits_from_args
+    monkeypatch.setenv("TINYSERVE_API_KEY", "from-env")
+    assert limits_from_args(_serve_args()).api_key == "from-env"
+    assert limits_from_args(_serve_args("--api-key", "from-flag")).api_key == "from-flag"
+    monkeypatch.delenv("TINYSERVE_API_KEY")
+    assert limits_from_args(_serve_args()).api_key is None
+    with pytest.raises(ValueError, match="empty"):
+        HttpLimits(api_key=" ")
+
+
+def test_the_openapi_schema_documents_what_the_server_answers(srv):
+    schema = httpx.get(srv.url + "/openapi.json", timeout=10).json()
+    assert "422" not in json.dumps(schema["paths"])
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        responses = schema["paths"][path]["post"]["responses"]
+        assert {"200", "400", "401", "413", "429"} <= set(responses)
+        assert responses["400"]["content"]["application/json"]["schema"]["$ref"] == "#/components/schemas/Error"
+    assert list(schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain; version=0.0.4"]
+    assert httpx.get(srv.url + "/metrics").headers["content-type"].startswith("text/plain")
 
 
 # --- disconnects ---------------------------------------------------------------------------------------------
@@ -421,6 +769,18 @@ def test_serve_subcommand_drains_streams_in_flight_on_sigterm():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_serving_beyond_loopback_without_a_key_warns():
+    proc, url = _start("--host", "0.0.0.0", "--timeout-header", "3")
+    proc.terminate()
+    proc.wait(timeout=60)
+    err = proc.stderr.read()
+    assert "WARNING: serving on 0.0.0.0 without an API key" in err, err
+    proc, url = _start("--host", "0.0.0.0", "--api-key", "k")
+    proc.terminate()
+    proc.wait(timeout=60)
+    assert "WARNING" not in proc.stderr.read()
 
 
 def test_sigterm_cancels_what_does_not_finish_within_the_drain_timeout():

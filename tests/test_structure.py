@@ -93,7 +93,7 @@ LAYERS = (
      "block_hash_cache", "scheduler", "sequence", "drafters", "speculative", "spec_step", "block_manager",
      "step_batch", "engine", "engine_loop", "tensor_parallel", "orchestrators"),
     # 6. the programs: the compile swap, the command line and what it runs
-    ("jit", "cli_options", "bench", "chat", "server", "speed", "loadgen", "__main__", ""),
+    ("jit", "cli_options", "bench", "chat", "http_guard", "server", "speed", "loadgen", "__main__", ""),
 )
 
 

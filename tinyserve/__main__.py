@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from .cli_options import (add_backend_options, add_engine_options, add_model_options, add_speculative_options,
                           describe_backend, draft_model_for, load_for_cli)
+from .http_guard import add_http_options
 from .quant import AUTO, KERNEL_MODES
 from .weights import DEFAULT_WEIGHTS_DIR, WeightsError, fetch_weights
 
@@ -375,6 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let streams in flight finish before cancelling them")
     s.add_argument("--log-level", default="warning")
+    add_http_options(s)     # API key, body size, timeouts, connection cap (http_guard.py)
     s.set_defaults(func=cmd_serve)
     return p
 

@@ -39,7 +39,7 @@ from .model import Model, check_token_ids
 from .kv_sizing import max_kv_blocks, max_kv_positions
 from .interrupts import interrupts_deferred
 from .paged import KVPool, write_kv_unchecked
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, sample_step
 from .scheduler import bind, plan_step
 from .spec_step import SpecConfig, Speculator, Verdict
 from .speculative import SpecStats
@@ -260,7 +260,7 @@ class Engine:
             try:
                 # the repetition penalty needs every token seen so far; skip building that list when it is off
                 seen = seq.prompt_ids + seq.output_ids if seq.params.repetition_penalty != 1.0 else ()
-                token = sample(logits[row[b]], seq.params, seq.rng, seen=seen)
+                token, logprobs = sample_step(logits[row[b]], seq.params, seq.rng, seen=seen)
             except Exception as e:            # e.g. NaN logits: this request ends, the batch goes on
                 outputs.append(self._fail(seq, e))
                 continue
@@ -277,7 +277,7 @@ class Engine:
                 continue
             if done:
                 self._finish(seq)
-            outputs.append(StepOutput(seq.request_id, [token], done, seq.finish_reason))
+            outputs.append(StepOutput(seq.request_id, [token], done, seq.finish_reason, logprobs=logprobs))
         return outputs
 
     def _conclude(self, seq: Sequence, verdict: Verdict) -> StepOutput:

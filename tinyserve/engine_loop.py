@@ -39,6 +39,7 @@ class Event:
     finish_reason: str | None = None   # "eos" | "length" | "context" | "stop" | "abort" | "error"
     error: str | None = None           # refused by add_request (a ValueError's sentence) or failed in a step
     refused: bool = False              # error came from add_request: the request never ran (-> HTTP 400)
+    logprobs: list | None = None       # per token of `tokens` (params.logprobs set): sampling.token_logprobs
 
 
 @dataclass(slots=True, eq=False)
@@ -55,6 +56,7 @@ class RequestHandle:
     first_token_time: float | None = None
     last_token_time: float | None = None
     done: bool = False
+    after: "RequestHandle | None" = None   # join the engine only once this one has its first token (see submit)
 
     def _push(self, ev: Event) -> None:            # engine thread -> this request's event loop
         try:
@@ -104,6 +106,7 @@ class EngineLoop:
         self._num_queued = 0                    # submitted, not yet admitted by the engine (the bounded queue)
         self._accepting = True
         self._live: dict[int, RequestHandle] = {}    # engine request id -> handle (engine thread only)
+        self._deferred: list[RequestHandle] = []     # submitted with `after` still in its prefill (engine thread)
         self._stop: str | None = None           # None | "drain" | "cancel"
         self._thread = threading.Thread(target=self._run, name="tinyserve-engine", daemon=True)
         self.failure: BaseException | None = None
@@ -114,8 +117,11 @@ class EngineLoop:
         return self
 
     def submit(self, prompt_ids: Seq[int], params: SamplingParams,
-               loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
-        handle = RequestHandle(list(prompt_ids), params, loop or asyncio.get_running_loop())
+               loop: asyncio.AbstractEventLoop | None = None, after: RequestHandle | None = None) -> RequestHandle:
+        """after: another request on the same prompt (the n samples of one API request). This one reaches the engine
+        once `after` has its first token: its prompt is then computed and its full blocks are in the prefix cache,
+        so this one reuses them instead of computing the same prompt again beside it in the same step."""
+        handle = RequestHandle(list(prompt_ids), params, loop or asyncio.get_running_loop(), after=after)
         with self._lock:
             if not self._accepting:
                 raise Rejected("the server is shutting down")
@@ -166,6 +172,7 @@ class EngineLoop:
         try:
             while True:
                 self._drain_inbox()
+                self._release_deferred()
                 if self._stop == "cancel" or (self._stop == "drain" and not engine.has_unfinished()):
                     break
                 if not engine.has_unfinished():
@@ -179,6 +186,7 @@ class EngineLoop:
                     continue
                 self.stats.steps += 1
                 self._dispatch(outputs)
+                self._release_deferred()
                 self._update_queued()
                 self.observer.on_step(engine, self)
         except BaseException as e:       # never die silently: the server reports it on /health
@@ -188,6 +196,10 @@ class EngineLoop:
             for handle in list(self._live.values()):   # stopped with requests still in: cancel them
                 self._finish(handle, "abort", abort=True)
             self._drain_inbox(refuse=True)
+            for handle in self._deferred:
+                self._inbox.put(("add", handle))
+            self._deferred.clear()
+            self._drain_inbox(refuse=True)
 
     def _drain_inbox(self, refuse: bool = False) -> None:
         while True:
@@ -195,7 +207,9 @@ class EngineLoop:
                 kind, handle = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
+            if kind == "add" and handle.after is not None and not refuse and not self._ready(handle):
+                self._deferred.append(handle)
+            elif kind == "add":
                 if refuse or self._stop == "cancel":
                     self._unqueue(handle)
                     handle.done = True
@@ -213,8 +227,27 @@ class EngineLoop:
                 handle.request_id = rid
                 self._live[rid] = handle
                 handle._push(Event([]))      # accepted: the HTTP side may now answer 200 and start streaming
+            elif kind == "abort" and handle in self._deferred:     # never reached the engine
+                self._deferred.remove(handle)
+                self._unqueue(handle)
+                handle.done = True
+                self.stats.aborted += 1
+                handle._push(Event([], True, "abort"))
             elif kind == "abort" and handle.request_id in self._live and not handle.done:
                 self._finish(handle, "abort", abort=True)
+
+    @staticmethod
+    def _ready(handle: RequestHandle) -> bool:
+        return handle.after.first_token_time is not None or handle.after.done
+
+    def _release_deferred(self) -> None:
+        """Requests whose `after` now has its first token (or ended) go to the engine: back through the inbox."""
+        ready = [h for h in self._deferred if self._ready(h)]
+        if ready:
+            self._deferred = [h for h in self._deferred if not self._ready(h)]
+            for handle in ready:
+                self._inbox.put(("add", handle))
+            self._drain_inbox()
 
     def _dispatch(self, outputs) -> None:
         now = time.perf_counter()
@@ -229,12 +262,13 @@ class EngineLoop:
                 self.observer.on_token(handle, now)
                 handle.last_token_time = now
             if out.finished:            # out.error: a request that failed inside step() (finish_reason "error")
-                self._finish(handle, out.finish_reason or "error", tokens=list(out.new_tokens), error=out.error)
+                self._finish(handle, out.finish_reason or "error", tokens=list(out.new_tokens), error=out.error,
+                             logprobs=out.logprobs)
             else:
-                handle._push(Event(list(out.new_tokens)))
+                handle._push(Event(list(out.new_tokens), logprobs=out.logprobs))
 
     def _finish(self, handle: RequestHandle, reason: str, tokens: list[int] | None = None,
-                error: str | None = None, abort: bool = False) -> None:
+                error: str | None = None, abort: bool = False, logprobs: list | None = None) -> None:
         rid = handle.request_id
         if abort:
             self.engine.abort(rid)      # frees its blocks now; it moves to `finished` with reason "abort"
@@ -250,7 +284,7 @@ class EngineLoop:
         else:
             self.stats.completed += 1
         self.observer.on_finish(handle, reason, hit, n_prompt)
-        handle._push(Event(tokens or [], True, reason, error))
+        handle._push(Event(tokens or [], True, reason, error, logprobs=logprobs))
 
     def _fail_all(self, message: str) -> None:
         for handle in list(self._live.values()):
@@ -276,7 +310,7 @@ class EngineLoop:
         cache = engine.blocks.cache
         evictable = cache.num_evictable if cache is not None else 0
         return {"running": len(engine.running), "waiting": len(engine.waiting), "queued": self._num_queued,
-                "live_requests": len(self._live),
+                "live_requests": len(self._live) + len(self._deferred),
                 "kv_blocks_total": alloc.num_blocks,
                 # blocks some request holds; blocks only the prefix cache holds are free memory in all but name
                 "kv_blocks_used": alloc.num_used - evictable,

@@ -14,21 +14,37 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Iterable, Literal
+import weakref
+from dataclasses import dataclass
+from typing import Iterable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 # --- requests ------------------------------------------------------------------------------------------------
-
+# strict=True: a value of the wrong JSON type is refused, not coerced (`"stream": "yes"`, `"max_tokens": true`
+# are 400s, as at OpenAI); an integer is still a valid float.
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
     include_usage: bool = False
 
 
+# OpenAI fields tinyserve does not honour, with the value that means "off": any other value would change the answer,
+# so it is refused with a 400 naming the field instead of being dropped.
+UNSUPPORTED = {"best_of": 1, "suffix": "", "logit_bias": {}, "frequency_penalty": 0, "presence_penalty": 0,
+               "functions": [], "function_call": "none", "audio": None, "modalities": ["text"], "prediction": None,
+               "reasoning_effort": None, "verbosity": None, "web_search_options": None}
+# OpenAI fields that do not change the answer: accepted and ignored
+IGNORED = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
+# structured output (JSON schemas, tool calls) is another module's; its fields are checked there
+STRUCTURED = frozenset({"response_format", "tools", "tool_choice", "parallel_tool_calls"})
+MAX_N = 16                 # choices per request: each is a request of its own in the engine
+
+
 class _SamplingFields(BaseModel):
-    """The fields both endpoints share. Unknown fields are accepted and ignored (clients send e.g. `user`);
-    fields that would change the answer and that tinyserve cannot honour (n > 1, logprobs, echo) are refused."""
-    model_config = ConfigDict(extra="allow")
+    """The fields both endpoints share. Every OpenAI field is either honoured or refused (a 400 naming it): see
+    UNSUPPORTED and IGNORED; a field OpenAI does not know is refused too, as OpenAI does."""
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -38,8 +54,7 @@ class _SamplingFields(BaseModel):
     seed: int | None = Field(None, ge=0)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1)                          # one choice per request
-    logprobs: Any = None
+    n: int = Field(1, ge=1, le=MAX_N)                      # choices: n requests sharing the prompt's KV blocks
     # extensions (as vLLM names them): more sampling knobs, and fixed-length outputs for benchmarks
     top_k: int = Field(0, ge=0)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
@@ -54,29 +69,64 @@ class _SamplingFields(BaseModel):
             raise ValueError(f"at most 4 stop strings, got {len(stops)}")
         return stops
 
+    def refusal(self) -> tuple[str, str] | None:
+        """(field, why) for the first field this server cannot honour, or None."""
+        for name, value in (self.model_extra or {}).items():
+            if name in IGNORED or name in STRUCTURED:
+                continue
+            if name not in UNSUPPORTED:
+                return name, f"unrecognized request argument supplied: {name}"
+            if value is not None and value != UNSUPPORTED[name]:
+                return name, f"{name} is not supported by tinyserve (only {UNSUPPORTED[name]!r} or null)"
+        return None
+
+    def num_logprobs(self) -> int | None:
+        """How many alternatives to report per token (0: only the chosen token's), or None: no logprobs."""
+        raise NotImplementedError
+
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str]
     echo: bool = False
     max_tokens: int | None = Field(16, ge=1)               # OpenAI's default for /v1/completions
+    logprobs: int | None = Field(None, ge=0, le=5)         # OpenAI's legacy form: the number of alternatives
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class ContentPart(BaseModel):
+    model_config = ConfigDict(strict=True)
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant"]
+    model_config = ConfigDict(strict=True)
+    role: Literal["system", "developer", "user", "assistant"]    # developer: the newer name of system
     content: str | list[ContentPart]
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
+    def template_role(self) -> str:
+        """The role the chat template knows: OpenAI's `developer` messages are what `system` was."""
+        return "system" if self.role == "developer" else self.role
+
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)   # the newer name of max_tokens
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def refusal(self) -> tuple[str, str] | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs", "top_logprobs requires logprobs to be true"
+        return super().refusal()
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 # --- responses -----------------------------------------------------------------------------------------------
@@ -101,27 +151,77 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None) -> dict:
+def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None, index: int = 0,
+                     logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
-def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None) -> dict:
+def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None, index: int = 0,
+               logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
-def completion_response(rid: str, model: str, text: str, finish_reason: str, n_prompt: int, n_out: int) -> dict:
+@dataclass(slots=True)
+class Choice:
+    """One of the n answers of a request, as the server collected it."""
+    text: str
+    finish_reason: str
+    logprobs: dict | None = None
+
+
+def completion_response(rid: str, model: str, choices: list[Choice], n_prompt: int, n_out: int) -> dict:
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+            "choices": [{"index": i, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
+                        for i, c in enumerate(choices)],
             "usage": usage(n_prompt, n_out)}
 
 
-def chat_response(rid: str, model: str, text: str, finish_reason: str, n_prompt: int, n_out: int) -> dict:
+def chat_response(rid: str, model: str, choices: list[Choice], n_prompt: int, n_out: int) -> dict:
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": finish_reason}],
+            "choices": [{"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": c.logprobs,
+                         "finish_reason": c.finish_reason} for i, c in enumerate(choices)],
             "usage": usage(n_prompt, n_out)}
+
+
+class Logprobs:
+    """sampling.token_logprobs results -> OpenAI's two logprobs shapes. A token's text is its own bytes (a
+    byte-level token may be half a character: `bytes` is exact, `token` shows U+FFFD there, as OpenAI's does)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.offset = 0                  # completions' text_offset: characters of the tokens before
+        if tokenizer not in _TOKEN_BYTES and hasattr(tokenizer, "token_bytes"):
+            _TOKEN_BYTES[tokenizer] = tokenizer.token_bytes()      # [V], once per tokenizer (~0.1 s for SmolLM2's)
+        self.table = _TOKEN_BYTES.get(tokenizer)
+
+    def token_bytes(self, i: int) -> bytes:
+        b = self.table[i] if self.table is not None and 0 <= i < len(self.table) else None
+        return b if b is not None else self.tokenizer.decode([i]).encode("utf-8")   # a special token: its text
+
+    def piece(self, i: int) -> str:
+        return self.token_bytes(i).decode("utf-8", errors="replace")
+
+    def chat(self, tokens: list[int], entries: list) -> dict:
+        def one(i: int, lp: float) -> dict:
+            return {"token": self.piece(i), "logprob": lp, "bytes": list(self.token_bytes(i))}
+        return {"content": [{**one(t, lp), "top_logprobs": [one(a, alp) for a, alp in top]}
+                            for t, (lp, top) in zip(tokens, entries)]}
+
+    def completion(self, tokens: list[int], entries: list) -> dict:
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for t, (lp, top) in zip(tokens, entries):
+            piece = self.piece(t)
+            out["tokens"].append(piece)
+            out["token_logprobs"].append(lp)
+            out["top_logprobs"].append({self.piece(a): alp for a, alp in top})
+            out["text_offset"].append(self.offset)
+            self.offset += len(piece)
+        return out
+
+
+_TOKEN_BYTES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # tokenizer -> its token_bytes() table
 
 
 # --- server-sent events --------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from .config import is_int
 
 
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+MAX_LOGPROBS = 20                     # OpenAI's top_logprobs bound
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +29,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default=())   # stop strings (checked on the decoded text)
     ignore_eos: bool = False
     seed: int | None = None
+    logprobs: int | None = None       # None means off; k >= 0: report each token's log-probability and the k best
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -56,6 +58,8 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         if self.seed is not None and (not is_int(self.seed) or self.seed < 0):
             bad(f"seed must be a non-negative integer or None, got {self.seed!r}")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
@@ -148,3 +152,23 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
     cdf = np.cumsum(probs)                                                                    # [V]
     # rng.random() < 1, so u < cdf[-1] and the index is a real token (no clamp needed to stay in range)
     return int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+
+
+def sample_step(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
+                seen: Sequence[int] = ()) -> tuple[int, list | None]:
+    """The engine's sampling of one row [V]: the token, and [token_logprobs(...)] if params.logprobs asks."""
+    token = sample(logits, params, rng, seen=seen)
+    return token, None if params.logprobs is None else [token_logprobs(logits, token, params.logprobs)]
+
+
+def token_logprobs(logits: np.ndarray, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+    """The sampled token's log-probability and the k most likely (id, log-probability), best first.
+
+    The model's own distribution (log-softmax of the raw logits [V]), not the one temperature, top-p or penalties
+    drew from: the number then means the same whatever the sampling settings (vLLM's default too)."""
+    x = logits.astype(np.float64)                                                             # [V]
+    best = _check_best(x.max())
+    logz = best + math.log(np.exp(x - best).sum())
+    top = np.argpartition(-x, k)[:k] if k < x.shape[-1] else np.arange(x.shape[-1])                  # [k]
+    top = top[np.argsort(-x[top], kind="stable")]
+    return float(x[token] - logz), [(int(i), float(x[i] - logz)) for i in top]

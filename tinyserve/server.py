@@ -4,12 +4,17 @@
     GET  /v1/models, /health, /metrics            the served model; liveness + pool state; Prometheus text format
 
 FastAPI parses and validates requests and uvicorn speaks HTTP (the libraries vLLM and SGLang use for this); the
-Engine runs in its own thread (engine_loop.py). Each request is a coroutine that tokenizes, submits, and then
-only waits on its own queue of tokens, so a slow client or a long prompt never blocks anyone else. The rules:
+Engine runs in its own thread (engine_loop.py). Each request is a coroutine that has its prompt tokenized in a
+worker thread, submits, and then only waits on its own queue of tokens, so a slow client or a long prompt never
+blocks anyone else. The rules:
 
-  - a full waiting queue answers 429 at once (bounded memory, and the client learns to back off),
-  - malformed JSON, an unknown model, bad parameters and prompts longer than the context answer 400 with an
-    OpenAI-style body {"error": {"message", "type", "param", "code"}},
+  - before a route runs, http_guard.py checks the API key (401) and the body size (413), and uvicorn the
+    header and body timeouts and the connection cap (503),
+  - a full waiting queue answers 429 at once, with Retry-After (bounded memory, and the client learns to back off),
+  - malformed JSON, an unknown model, bad parameters, OpenAI fields tinyserve does not honour and prompts
+    longer than the context answer 400 with an OpenAI-style body {"error": {"message", "type", "param", "code"}},
+  - n > 1 runs n requests; all but the first join once the first has its prompt computed, and reuse its KV blocks
+    through the prefix cache,
   - a client that disconnects is aborted: its KV blocks return to the pool at the next step boundary,
   - SIGTERM stops accepting connections, lets the streams in flight finish (up to --drain-timeout), then cancels
     what is left and exits. Binds 127.0.0.1 unless told otherwise.
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import sys
 import threading
 import time
@@ -25,16 +31,20 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .backend import runs_on_kernels
 from .cli_options import describe_backend
 from .engine import Engine
-from .engine_loop import EngineLoop, Observer, Rejected, RequestHandle
-from .protocol import (FINISH_REASONS, ChatCompletionRequest, CompletionRequest, TextStream, chat_chunk,
-                       chat_response, completion_chunk, completion_response, error_body, new_id, sse_event, usage)
+from .engine_loop import Event, EngineLoop, Observer, Rejected, RequestHandle
+from .http_guard import Guard, HttpLimits, is_loopback, limits_from_args
+from .protocol import (FINISH_REASONS, ChatCompletionRequest, Choice, CompletionRequest, Logprobs, TextStream,
+                       chat_chunk, chat_response, completion_chunk, completion_response, error_body, new_id, sse_event,
+                       usage)
 from .sampling import SamplingParams
 from .tokenizer import CharTokenizer  # noqa: F401  (the tests and --model tiny import it from here too)
 
@@ -70,6 +80,11 @@ class Metrics(Observer):
         self.generation_tokens = Counter("tinyserve_generation_tokens", "tokens generated", registry=r)
         self.hit_tokens = Counter("tinyserve_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache",
                                   registry=r)
+        self.extra_samples = Counter("tinyserve_extra_samples", "choices beyond the first of n > 1 requests (each "
+                                     "reuses the first's prompt KV blocks)", registry=r)
+        self.extra_sample_hit_tokens = Counter("tinyserve_extra_sample_prefix_hit_tokens",
+                                               "prompt tokens those extra choices took from the prefix cache",
+                                               registry=r)
         self._hits = [0, 0]
 
     def on_token(self, handle: RequestHandle, now: float) -> None:
@@ -80,6 +95,8 @@ class Metrics(Observer):
         self.generation_tokens.inc()
 
     def on_finish(self, handle: RequestHandle, reason: str, hit_tokens: int, prompt_tokens: int) -> None:
+        if handle.after is not None:
+            self.extra_sample_hit_tokens.inc(hit_tokens)
         self.e2e.observe(time.perf_counter() - handle.arrival)
         self.requests.labels(reason).inc()
         self.prompt_tokens.inc(prompt_tokens)
@@ -136,8 +153,31 @@ class FastPathSwitch(Observer):
 
 
 def _error(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-           code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, param, code), status_code=status)
+           code: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
+
+
+RETRY_AFTER_SECONDS = 1      # a 429's Retry-After: the queue moves by a step every few tens of milliseconds
+
+
+class _LogprobsOf:
+    """One choice's logprobs as they arrive: a streamed chunk's part, or the whole answer's."""
+
+    def __init__(self, tokenizer):
+        self.format = Logprobs(tokenizer)
+        self.tokens: list[int] = []
+        self.entries: list = []
+
+    def add(self, ev: Event) -> None:
+        self.tokens += ev.tokens
+        self.entries += ev.logprobs or []
+
+    def part(self, ev: Event, chat: bool) -> dict:
+        self.add(ev)
+        return (self.format.chat if chat else self.format.completion)(ev.tokens, ev.logprobs or [])
+
+    def whole(self, chat: bool) -> dict:
+        return (self.format.chat if chat else self.format.completion)(self.tokens, self.entries)
 
 
 class BadRequest(Exception):
@@ -151,6 +191,14 @@ class _Prepared:
     ids: list[int]
     params: SamplingParams
     stop: tuple[str, ...]
+    n: int = 1
+
+    def sample_params(self, i: int) -> SamplingParams:
+        """Choice i's parameters: a seeded request gives its choices seeds seed, seed + 1, ... (reproducible, yet
+        not n copies of one sample)."""
+        if i == 0 or self.params.seed is None:
+            return self.params
+        return dataclasses.replace(self.params, seed=self.params.seed + i)
 
 
 class OpenAIService:
@@ -169,6 +217,10 @@ class OpenAIService:
         # the most positions one request may use: the model's window, and the pool (a request may not need more
         # blocks than the whole pool, or it could never run)
         self.max_context = min(engine.config.max_seq_len, engine.blocks.num_blocks * engine.block_size)
+        # a prompt of more characters than this has more tokens than the context: refused without tokenizing it
+        # (a real tokenizer takes seconds for megabytes, and the answer is known)
+        per_token = getattr(tokenizer, "max_token_chars", None)
+        self.max_prompt_chars = per_token() * self.max_context if per_token is not None else None
         self.created = int(time.time())
 
     def path(self) -> dict:
@@ -183,6 +235,9 @@ class OpenAIService:
 
     # --- from a request body to token ids and SamplingParams (BadRequest: 400) ---------------------------------
     def encode(self, text: str, param: str) -> list[int]:
+        if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
+            raise BadRequest(f"the prompt has {len(text)} characters, more than this server's context of "
+                             f"{self.max_context} tokens can hold", param=param, code="context_length_exceeded")
         try:
             return self.tokenizer.encode(text)
         except ValueError as e:
@@ -206,7 +261,7 @@ class OpenAIService:
         return ids
 
     def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = [{"role": m.template_role(), "content": m.text()} for m in body.messages]
         return self.encode(self.tokenizer.apply_chat_template(messages), "messages")
 
     def prepare(self, body, prompt_ids: list[int], max_tokens: int | None) -> _Prepared:
@@ -214,8 +269,13 @@ class OpenAIService:
         if body.model != self.model_name:
             raise BadRequest(f"model {body.model!r} is not served here; this server serves {self.model_name!r}",
                              param="model", code="model_not_found")
-        if body.logprobs not in (None, False, 0):
-            raise BadRequest("logprobs are not supported by tinyserve", param="logprobs", code="unsupported")
+        k = body.num_logprobs()
+        if k is not None and self.engine.speculator is not None:
+            raise BadRequest("logprobs are not reported with speculative decoding: this server runs it",
+                             param="logprobs", code="unsupported")
+        if body.n > self.loop.max_waiting:
+            raise BadRequest(f"n = {body.n} is more than this server's waiting queue ({self.loop.max_waiting})",
+                             param="n", code="invalid_parameter")
         n, max_context = len(prompt_ids), self.max_context
         if n == 0:
             raise BadRequest("the prompt is empty", param="prompt", code="invalid_parameter")
@@ -229,125 +289,205 @@ class OpenAIService:
                              f"of {max_context} tokens", param="max_tokens", code="context_length_exceeded")
         try:
             stop = body.stop_strings()
+        except ValueError as e:
+            raise BadRequest(str(e), param="stop", code="invalid_parameter") from None
+        try:
             params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                     min_p=body.min_p, repetition_penalty=body.repetition_penalty,
                                     max_new_tokens=max_tokens, stop=stop, seed=body.seed,
-                                    ignore_eos=body.ignore_eos)
-        except ValueError as e:
-            raise BadRequest(str(e), param="stop" if "stop" in str(e) else None, code="invalid_parameter") from None
-        return _Prepared(prompt_ids, params, stop)
+                                    ignore_eos=body.ignore_eos, logprobs=k)
+        except ValueError as e:        # SamplingParams names the field first: "SamplingParams: top_k must be ..."
+            field = str(e).removeprefix("SamplingParams: ").split(" ", 1)[0]
+            raise BadRequest(str(e), param=field if field in type(body).model_fields else None,
+                             code="invalid_parameter") from None
+        return _Prepared(prompt_ids, params, stop, body.n)
+
+    def check_fields(self, body) -> None:
+        refused = body.refusal()
+        if refused is not None:
+            raise BadRequest(refused[1], param=refused[0], code="unsupported_parameter")
 
     # --- from SamplingParams to an answer ------------------------------------------------------------------------
-    async def submit(self, prep: _Prepared) -> RequestHandle | JSONResponse:
-        """Hand the request to the engine thread: its handle, or the error response (429 full, 503 stopping)."""
+    async def submit(self, prep: _Prepared) -> list[RequestHandle] | JSONResponse:
+        """Hand the request's n choices to the engine thread: their handles, or the error response (429 full,
+        503 stopping, 400 refused by the engine). Choices 1.. wait in the loop for choice 0's prompt (see
+        EngineLoop.submit)."""
         loop, rejected = self.loop, self.metrics.rejected
+        handles: list[RequestHandle] = []
         try:
-            handle = loop.submit(prep.ids, prep.params)
+            for i in range(prep.n):
+                handles.append(loop.submit(prep.ids, prep.sample_params(i), after=handles[0] if handles else None))
         except Rejected as e:
+            for handle in handles:
+                loop.abort(handle)
             if not loop.accepting:
                 rejected.labels("shutting_down").inc()
                 return _error(503, str(e), type_="server_error", code="shutting_down")
             rejected.labels("queue_full").inc()
-            return _error(429, str(e), type_="rate_limit_error", code="queue_full")
-        first = await handle.queue.get()       # the engine thread's answer: refused, or accepted (no tokens yet)
+            return _error(429, str(e), type_="rate_limit_error", code="queue_full",
+                          headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+        first = await handles[0].queue.get()     # the engine thread's answer: refused, or accepted (no tokens yet)
         if first.refused:
+            for handle in handles[1:]:
+                loop.abort(handle)
             rejected.labels("invalid").inc()
             return _error(400, first.error or "refused", param="prompt", code="invalid_parameter")
-        return handle
+        self.metrics.extra_samples.inc(prep.n - 1)
+        return handles
 
     async def respond(self, request: Request, body, prep: _Prepared, chat: bool):
         got = await self.submit(prep)
         if isinstance(got, JSONResponse):
             return got
-        handle, rid = got, new_id("chatcmpl" if chat else "cmpl")
+        handles, rid = got, new_id("chatcmpl" if chat else "cmpl")
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self.stream(handle, rid, prep, chat, include_usage),
+            return StreamingResponse(self.stream(handles, rid, prep, chat, include_usage),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        task = asyncio.ensure_future(self.collect(handle, prep))
+        task = asyncio.ensure_future(self.collect(handles, prep, chat))
         while not task.done():          # a client that hangs up while waiting for a whole answer is aborted too
             await asyncio.wait({task}, timeout=0.25)
             if not task.done() and await request.is_disconnected():
                 task.cancel()
-                self.loop.abort(handle)
+                for handle in handles:
+                    self.loop.abort(handle)
                 return Response(status_code=499)
-        text, reason, n_out, error = task.result()
+        choices, n_out, error = task.result()
         if error:
             return _error(500, error, type_="server_error", code="engine_error")
         make = chat_response if chat else completion_response
-        return make(rid, self.model_name, text, reason, len(prep.ids), n_out)
+        return make(rid, self.model_name, choices, len(prep.ids), n_out)
 
-    async def collect(self, handle: RequestHandle, prep: _Prepared):
-        """The whole answer of a non-streamed request: (text, finish reason, output tokens, error or None)."""
-        text = TextStream(self.tokenizer, prep.stop)
-        pieces, n_out = [], 0
-        try:
+    async def events(self, handles: list[RequestHandle]):
+        """(choice index, Event) of all n choices as they come, until each has finished. The first event of each
+        handle (accepted) is skipped: choice 0's was read by submit."""
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, handle: RequestHandle) -> None:
+            skip = i > 0
             async for ev in handle.events():
-                if ev.error:
-                    return "", "error", n_out, ev.error
-                n_out += len(ev.tokens)
-                pieces.append(text.push(ev.tokens))
-                if text.stopped:
-                    return "".join(pieces), "stop", n_out, None
-                if ev.finished:
-                    pieces.append(text.flush())
-                    return "".join(pieces), FINISH_REASONS.get(ev.finish_reason, "stop"), n_out, None
-        finally:
-            if not handle.done:
-                self.loop.abort(handle)  # a stop string the engine did not see yet, or this task was cancelled
-        return "".join(pieces), "stop", n_out, None
+                if skip and not ev.finished and not ev.tokens:
+                    skip = False
+                    continue
+                skip = False
+                await merged.put((i, ev))
 
-    async def stream(self, handle: RequestHandle, rid: str, prep: _Prepared, chat: bool, include_usage: bool):
+        tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
+        left = len(handles)
+        try:
+            while left:
+                i, ev = await merged.get()
+                left -= ev.finished
+                yield i, ev
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def collect(self, handles: list[RequestHandle], prep: _Prepared, chat: bool):
+        """The whole answer of a non-streamed request: (choices, output tokens, error or None)."""
+        texts = [TextStream(self.tokenizer, prep.stop) for _ in handles]
+        pieces: list[list[str]] = [[] for _ in handles]
+        reasons: list[str | None] = [None] * len(handles)
+        lps = [_LogprobsOf(self.tokenizer) if prep.params.logprobs is not None else None for _ in handles]
+        n_out = 0
+        try:
+            async for i, ev in self.events(handles):
+                if reasons[i] is not None:
+                    continue                     # stopped by a stop string; its abort is on its way
+                if ev.error:
+                    return [], n_out, ev.error
+                n_out += len(ev.tokens)
+                if lps[i] is not None:
+                    lps[i].add(ev)
+                pieces[i].append(texts[i].push(ev.tokens))
+                if texts[i].stopped:
+                    reasons[i] = "stop"
+                    self.loop.abort(handles[i])
+                elif ev.finished:
+                    pieces[i].append(texts[i].flush())
+                    reasons[i] = FINISH_REASONS.get(ev.finish_reason, "stop")
+                if all(r is not None for r in reasons):
+                    break
+        finally:
+            for handle in handles:
+                if not handle.done:
+                    self.loop.abort(handle)  # a stop string the engine did not see yet, or this task was cancelled
+        choices = [Choice("".join(p), r or "stop", lp.whole(chat) if lp is not None else None)
+                   for p, r, lp in zip(pieces, reasons, lps)]
+        return choices, n_out, None
+
+    async def stream(self, handles: list[RequestHandle], rid: str, prep: _Prepared, chat: bool,
+                     include_usage: bool):
         """The SSE body. If the client goes away, Starlette stops iterating it: `finally` aborts the request."""
         t, name = int(time.time()), self.model_name
-        text = TextStream(self.tokenizer, prep.stop)
+        texts = [TextStream(self.tokenizer, prep.stop) for _ in handles]
+        lps = [_LogprobsOf(self.tokenizer) if prep.params.logprobs is not None else None for _ in handles]
+        done = [False] * len(handles)
         n_out = 0
 
-        def chunk(piece: str, reason: str | None, role: bool = False) -> str:
+        def chunk(i: int, piece: str, reason: str | None, role: bool = False, logprobs: dict | None = None) -> str:
             if chat:
                 delta = {"role": "assistant", "content": piece} if role else ({"content": piece} if piece or
                                                                               not reason else {})
-                return sse_event(chat_chunk(rid, name, t, delta, reason))
-            return sse_event(completion_chunk(rid, name, t, piece, reason))
+                return sse_event(chat_chunk(rid, name, t, delta, reason, i, logprobs))
+            return sse_event(completion_chunk(rid, name, t, piece, reason, i, logprobs))
 
         try:
             if chat:
-                yield chunk("", None, role=True)
-            async for ev in handle.events():
+                for i in range(len(handles)):
+                    yield chunk(i, "", None, role=True)
+            async for i, ev in self.events(handles):
+                if done[i]:
+                    continue
                 if ev.error:
                     yield sse_event(error_body(ev.error, "server_error", code="engine_error"))
                     break
                 n_out += len(ev.tokens)
+                text = texts[i]
                 piece = text.push(ev.tokens)
+                logprobs = lps[i].part(ev, chat) if lps[i] is not None and ev.tokens else None
                 reason = None
                 if text.stopped:
                     reason = "stop"
+                    self.loop.abort(handles[i])
                 elif ev.finished:
                     piece += text.flush()
                     reason = FINISH_REASONS.get(ev.finish_reason, "stop")
-                if piece:
-                    yield chunk(piece, None)
+                if piece or logprobs:
+                    yield chunk(i, piece, None, logprobs=logprobs)
                 if reason:
-                    yield chunk("", reason)
-                    if include_usage:
-                        yield sse_event({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                                         "created": t, "model": name, "choices": [],
-                                         "usage": usage(len(prep.ids), n_out)})
-                    break
+                    done[i] = True
+                    yield chunk(i, "", reason)
+                    if all(done):
+                        if include_usage:
+                            yield sse_event({"id": rid, "object": "chat.completion.chunk" if chat else
+                                             "text_completion", "created": t, "model": name, "choices": [],
+                                             "usage": usage(len(prep.ids), n_out)})
+                        break
             yield sse_event("[DONE]")
         finally:
-            if not handle.done:
-                self.loop.abort(handle)
+            for handle in handles:
+                if not handle.done:
+                    self.loop.abort(handle)
 
     # --- the routes (create_app maps them to URLs) ---------------------------------------------------------------
+    # Tokenizing and rendering a chat template take time proportional to the prompt (seconds for megabytes): they
+    # run in a worker thread, so the event loop goes on serving the other connections meanwhile.
+    def prepare_completion(self, body: CompletionRequest) -> _Prepared:
+        self.check_fields(body)
+        return self.prepare(body, self.completion_ids(body), body.max_tokens)
+
+    def prepare_chat(self, body: ChatCompletionRequest) -> _Prepared:
+        self.check_fields(body)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        return self.prepare(body, self.chat_ids(body), max_tokens)
+
     async def completions(self, request: Request, body: CompletionRequest):
-        return await self.respond(request, body, self.prepare(body, self.completion_ids(body), body.max_tokens),
-                                  chat=False)
+        return await self.respond(request, body, await run_in_threadpool(self.prepare_completion, body), chat=False)
 
     async def chat_completions(self, request: Request, body: ChatCompletionRequest):
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await self.respond(request, body, self.prepare(body, self.chat_ids(body), max_tokens), chat=True)
+        return await self.respond(request, body, await run_in_threadpool(self.prepare_chat, body), chat=True)
 
     async def models(self):
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
@@ -365,7 +505,7 @@ class OpenAIService:
                             status_code=200 if ok else 503)
 
     async def prometheus(self):
-        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return PlainTextResponse(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 # --- errors: every one an OpenAI-style body ------------------------------------------------------------------
@@ -391,12 +531,46 @@ async def _bad_request(request: Request, exc: BadRequest):
     return _error(400, str(exc), param=exc.param, code=exc.code)
 
 
-def create_app(engine: Engine, tokenizer, model_name: str, max_waiting: int = 64, kernels=None) -> FastAPI:
+ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+ERRORS = {400: "invalid request: bad JSON, a bad or unsupported field (`param` names it), a prompt too long",
+          401: "missing or wrong API key (--api-key)", 413: "body larger than --max-body-size",
+          429: "waiting queue full; see Retry-After", 503: "shutting down, or too many connections"}
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI documents a 422 for every body it validates; this server answers 400 in OpenAI's error shape
+    instead (see _invalid), and /metrics is Prometheus text, not JSON: the schema says what the server does."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for path, ops in schema["paths"].items():
+            for op in ops.values():
+                op["responses"].pop("422", None)
+                if path.startswith("/v1/") and "requestBody" in op:
+                    op["responses"].update({str(code): {"description": why, "content": {"application/json": {
+                        "schema": {"$ref": "#/components/schemas/Error"}}}} for code, why in ERRORS.items()})
+        schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"] = {
+            "text/plain; version=0.0.4": {"schema": {"type": "string"}}}
+        schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+        schemas["Error"] = ERROR_SCHEMA
+        for name in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def create_app(engine: Engine, tokenizer, model_name: str, max_waiting: int = 64, kernels=None,
+               limits: HttpLimits | None = None) -> FastAPI:
     """The FastAPI app serving `engine` under `model_name`. Its lifespan starts the engine thread and, at
     shutdown (after uvicorn has drained the connections), cancels whatever is still in. kernels (a jit.Kernels):
-    how the fast path's kernels came; while they compile in the background, the engine moves to them when ready."""
+    how the fast path's kernels came; while they compile in the background, the engine moves to them when ready.
+    limits: the API key, body size and timeouts (http_guard.py); ServerThread and main pass the timeouts on to
+    uvicorn from app.state.limits."""
     service = OpenAIService(engine, tokenizer, model_name, max_waiting, kernels)
     loop = service.loop
+    limits = limits or HttpLimits()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -412,14 +586,17 @@ def create_app(engine: Engine, tokenizer, model_name: str, max_waiting: int = 64
 
     app = FastAPI(title="tinyserve", lifespan=lifespan)
     app.state.service, app.state.loop, app.state.metrics, app.state.engine = service, loop, service.metrics, engine
+    app.state.limits = limits
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(BadRequest, _bad_request)
+    app.add_middleware(Guard, limits=limits, on_reject=lambda reason: service.metrics.rejected.labels(reason).inc())
     app.post("/v1/completions")(service.completions)
     app.post("/v1/chat/completions")(service.chat_completions)
     app.get("/v1/models")(service.models)
     app.get("/health")(service.health)
-    app.get("/metrics")(service.prometheus)
+    app.get("/metrics", response_class=PlainTextResponse)(service.prometheus)
+    app.openapi = lambda: _openapi(app)
     return app
 
 
@@ -435,7 +612,8 @@ class ServerThread:
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, drain_timeout: float | None = 10):
         import uvicorn
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
-                                timeout_graceful_shutdown=drain_timeout)
+                                timeout_graceful_shutdown=drain_timeout,
+                                **getattr(app.state, "limits", HttpLimits()).uvicorn_kwargs())
         self.server = uvicorn.Server(config)
         self.app = app
         self._thread = threading.Thread(target=self.server.run, name="tinyserve-http", daemon=True)
@@ -477,7 +655,8 @@ def build(args, log=None) -> tuple[FastAPI, str]:
         model, kernels = jit.prepare(model, "engine", args.compile == "background", log)
     engine = Engine(model, tokenizer=tok, prefix_caching=not args.no_prefix_cache, **engine_kwargs(args, model))
     name = args.served_model_name or name
-    return create_app(engine, tok, name, max_waiting=args.max_waiting, kernels=kernels), name
+    return create_app(engine, tok, name, max_waiting=args.max_waiting, kernels=kernels,
+                      limits=limits_from_args(args)), name
 
 
 def main(args) -> int:
@@ -485,6 +664,9 @@ def main(args) -> int:
     import uvicorn
 
     app, name = build(args)
+    if not is_loopback(args.host) and app.state.limits.api_key is None:
+        print(f"tinyserve: WARNING: serving on {args.host} without an API key: anyone who can reach this port can use "
+              f"the model. Set --api-key or TINYSERVE_API_KEY, or bind 127.0.0.1.", file=sys.stderr, flush=True)
     print(f"tinyserve: serving {name!r} on http://{args.host}:{args.port} with "
           f"{describe_backend(app.state.engine.model)} (OpenAI API under /v1; /health and /v1/models say which path "
           f"answers; /metrics)", file=sys.stderr, flush=True)
@@ -492,5 +674,5 @@ def main(args) -> int:
     # then cancel the rest (their finally blocks abort them in the engine) and run the lifespan shutdown, which
     # prints the summary. Then uvicorn re-raises the signal, so the process ends the way its sender expects.
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=args.drain_timeout)
+                timeout_graceful_shutdown=args.drain_timeout, **app.state.limits.uvicorn_kwargs())
     return 0

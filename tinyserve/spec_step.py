@@ -80,6 +80,8 @@ class Speculator:
 
     def attach(self, seq: Sequence) -> None:
         """A new request gets its own drafter (a model drafter holds a KV cache), stats and k controller."""
+        if seq.params.logprobs is not None:      # a verified draft's tokens are not sampled one by one
+            raise ValueError("logprobs are not reported with speculative decoding: serve without it")
         cfg = self.config
         drafter = self.make_drafter()
         seq.spec = SpecState(drafter, SpecStats(),

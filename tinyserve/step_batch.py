@@ -25,6 +25,7 @@ class StepOutput(NamedTuple):
     finished: bool
     finish_reason: str | None      # "eos" | "length" | "context" | "stop" | "error" | "abort" once finished
     error: str | None = None       # finish_reason "error": what went wrong (the rest of the batch carried on)
+    logprobs: list | None = None   # params.logprobs set: one sampling.token_logprobs result per new token
 
 
 @dataclass(frozen=True, slots=True)
