@@ -58,6 +58,18 @@ class Tokenizer:
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(i)
 
+    def token_bytes(self) -> list[bytes | None]:
+        """[V] the bytes each token stands for (byte-level BPE: a token may be part of a UTF-8 character), None for
+        the added (special) tokens, whose text is a marker, not bytes of the output. Constrained decoding needs it."""
+        byte_of = {ch: b for b, ch in enumerate(_byte_level_symbols())}
+        added = self._tok.get_added_tokens_decoder()
+        out: list[bytes | None] = []
+        for i in range(self.vocab_size):
+            piece = self._tok.id_to_token(i)
+            ok = i not in added and piece is not None and all(ch in byte_of for ch in piece)
+            out.append(bytes(byte_of[ch] for ch in piece) if ok else None)
+        return out
+
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
         """SmolLM2's ChatML template (the GGUF's Jinja template, written out in Python):
 
@@ -166,6 +178,9 @@ class CharTokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return "".join(chr(i) for i in ids if i >= 3 or not skip_special_tokens)
+
+    def token_bytes(self) -> list[bytes | None]:
+        return [None] * 3 + [chr(i).encode() for i in range(3, self.vocab_size)]
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
         return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant: " if add_generation_prompt
