@@ -28,6 +28,8 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default=())   # stop strings (checked on the decoded text)
     ignore_eos: bool = False
     seed: int | None = None
+    json_schema: dict | bool | None = None      # structured output: the text is JSON valid under this schema (a
+                                                # subset: constrained/schema.py); {} or True: any JSON value
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -56,6 +58,10 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         if self.seed is not None and (not is_int(self.seed) or self.seed < 0):
             bad(f"seed must be a non-negative integer or None, got {self.seed!r}")
+        if self.json_schema is not None:
+            from .constrained import compile_schema, schema_key
+            schema_key(self.json_schema)
+            compile_schema(self.json_schema)      # an unsupported schema is refused here, naming the keyword
 
     @property
     def greedy(self) -> bool:

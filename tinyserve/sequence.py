@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .constrained import ConstraintState
 from .drafters import Drafter
 from .sampling import SamplingParams
 from .speculative import AdaptiveK, SpecStats
@@ -58,6 +59,7 @@ class Sequence:
     first_scheduled_time: float | None = None
     token_times: list[float] = field(default_factory=list)   # when each output token was sampled
     spec: SpecState | None = None              # lesson 6: its speculation state (None: one token per step)
+    constraint: ConstraintState | None = None  # structured output: its place in its grammar (None: free text)
 
     @property
     def num_tokens(self) -> int:               # prompt + generated so far

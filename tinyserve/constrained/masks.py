@@ -108,6 +108,28 @@ class ConstraintState:
     def finished(self) -> bool:                # complete, and not one more byte could follow: stop now
         return self.eos_seen or (self.complete and not self.grammar.automaton.next_bytes(self.state))
 
+    def copy(self) -> "ConstraintState":
+        return ConstraintState(self.grammar, self.state, self.eos_seen)
+
+    def valid_prefix(self, tokens) -> int:
+        """How many of `tokens` the grammar allows in a row from here (a draft is cut there), not going past the
+        point where the value is finished."""
+        probe = self.copy()
+        for n, t in enumerate(tokens):
+            if probe.finished or not probe.allowed()[t]:
+                return n
+            probe.advance(int(t))
+        return len(tokens)
+
+    def apply_rows(self, logits: np.ndarray, tokens) -> np.ndarray:
+        """[k + 1, V] -> [k + 1, V]: row i masked for the state after tokens[:i] (a draft's verify rows)."""
+        probe, out = self.copy(), np.empty_like(logits)
+        for i in range(len(logits)):
+            out[i] = probe.apply(logits[i])
+            if i < len(tokens):
+                probe.advance(int(tokens[i]))
+        return out
+
     def forced_tokens(self) -> list[int]:
         """Jump-forward: the tokens of the bytes the grammar forces next (a key, a separator), to be appended
         without sampling. They are the tokenizer's own tokenization of the forced text, less its last token: the
