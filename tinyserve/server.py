@@ -35,6 +35,7 @@ from .engine_loop import EngineLoop, Observer, Rejected, RequestHandle
 from .protocol import (FINISH_REASONS, ChatCompletionRequest, CompletionRequest, TextStream, chat_chunk,
                        chat_response, completion_chunk, completion_response, error_body, new_id, sse_event, usage)
 from .sampling import SamplingParams
+from .structured_api import Structured, StructuredError, structured_output, tool_call_message
 from .tokenizer import CharTokenizer  # noqa: F401  (the tests and --model tiny import it from here too)
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -154,6 +155,7 @@ class _Prepared:
     ids: list[int]
     params: SamplingParams
     stop: tuple[str, ...]
+    structured: Structured = Structured()     # response_format / tools (structured_api.py)
 
 
 class OpenAIService:
@@ -230,15 +232,21 @@ class OpenAIService:
         if n + max_tokens > max_context:
             raise BadRequest(f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds this server's context "
                              f"of {max_context} tokens", param="max_tokens", code="context_length_exceeded")
+        extra = body.model_extra or {}
+        try:
+            structured = structured_output(extra.get("response_format"), extra.get("tools"),
+                                           extra.get("tool_choice"), body.stream)
+        except StructuredError as e:
+            raise BadRequest(str(e), param=e.param, code="invalid_parameter") from None
         try:
             stop = body.stop_strings()
             params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                     min_p=body.min_p, repetition_penalty=body.repetition_penalty,
                                     max_new_tokens=max_tokens, stop=stop, seed=body.seed,
-                                    ignore_eos=body.ignore_eos)
+                                    ignore_eos=body.ignore_eos, json_schema=structured.schema)
         except ValueError as e:
             raise BadRequest(str(e), param="stop" if "stop" in str(e) else None, code="invalid_parameter") from None
-        return _Prepared(prompt_ids, params, stop)
+        return _Prepared(prompt_ids, params, stop, structured)
 
     # --- from SamplingParams to an answer ------------------------------------------------------------------------
     async def submit(self, prep: _Prepared) -> RequestHandle | JSONResponse:
@@ -279,7 +287,11 @@ class OpenAIService:
         if error:
             return _error(500, error, type_="server_error", code="engine_error")
         make = chat_response if chat else completion_response
-        return make(rid, self.model_name, text, reason, len(prep.ids), n_out)
+        out = make(rid, self.model_name, text, reason, len(prep.ids), n_out)
+        if chat and prep.structured.is_tool_call:      # a forced tool call: its arguments are the answer
+            out["choices"][0]["message"] = tool_call_message(prep.structured, text)
+            out["choices"][0]["finish_reason"] = "tool_calls" if reason == "stop" else reason
+        return out
 
     async def collect(self, handle: RequestHandle, prep: _Prepared):
         """The whole answer of a non-streamed request: (text, finish reason, output tokens, error or None)."""
