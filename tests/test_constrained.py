@@ -54,6 +54,15 @@ def test_utf8_is_checked_byte_by_byte():
         assert not a.matches(bad), bad           # cut, overlong, surrogate, beyond U+10FFFF, never a lead byte
 
 
+@pytest.mark.parametrize("text,ok", [(r'"\uD83D\uDE00"', True), (r'"\ud83d\ude00"', True), (r'"\uD7FF\uE000"', True),
+                                     (r'"\uD83D"', False), (r'"\uDE00"', False), (r'"\uD83Dx"', False),
+                                     (r'"\uD83D\u0041"', False), (r'"\/"', False), ('"\x7f"', False),
+                                     (r'"\u00"', False)])
+def test_string_escapes_policy(text, ok):
+    """Surrogate escapes only as a pair, no \\/ and no raw DEL (llguidance's rules; raw UTF-8 says it all)."""
+    assert accepts({"type": "string"}, text) is ok
+
+
 def test_enum_const_anyof_and_bounds():
     assert accepts({"enum": ["red", 1, None]}, "null") and not accepts({"enum": ["red", 1, None]}, '"re"')
     assert accepts({"const": {"a": [1]}}, '{"a": [1]}')

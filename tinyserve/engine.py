@@ -33,13 +33,12 @@ import numpy as np
 
 from .attention_backends import KVLayout, get_paged_attention
 from .block_manager import BlockManager
-from .constrained import TokenGrammar, Vocabulary, compile_grammar, schema_key
 from .config import check_positive_int, is_int
 from .model import Model, check_token_ids, forward
 from .kv_sizing import max_kv_blocks, max_kv_positions
 from .interrupts import interrupts_deferred
 from .paged import KVPool, write_kv_unchecked
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, sample_tokens
 from .scheduler import bind, plan_step
 from .spec_step import SpecConfig, Speculator, Verdict
 from .speculative import SpecStats
@@ -77,8 +76,6 @@ class Engine:
         self._next_id = 0
         spec = SpecConfig.of(speculative, **spec_options)
         self.speculator = Speculator(model, spec) if spec is not None else None   # lesson 6 (None: off)
-        self._vocab: Vocabulary | None = None     # structured output: built at the first constrained request
-        self._grammars: dict[str, TokenGrammar] = {}   # schema -> grammar, so requests share its cached masks
 
     # --- requests --------------------------------------------------------------------------------------------
     def add_request(self, prompt_ids: Seq[int], params: SamplingParams | None = None) -> int:
@@ -103,25 +100,9 @@ class Engine:
                              f"(shorten the prompt or max_new_tokens, or give the engine more blocks)")
         stopper = StopChecker(self.config, params, self.tokenizer, prompt_len=len(ids))  # ValueError on stop w/o tok
         seq = Sequence(self._next_id, [int(t) for t in ids], params, stopper, params.make_rng())
-        if params.json_schema is not None:
-            seq.constraint = self.grammar(params.json_schema).start()
         if self.speculator is not None:
             self.speculator.attach(seq)
         return seq
-
-    def grammar(self, schema) -> TokenGrammar:
-        """The compiled grammar of a JSON schema over this engine's vocabulary (cached: its masks are shared)."""
-        if self.tokenizer is None or not hasattr(self.tokenizer, "token_bytes"):
-            raise ValueError("json_schema needs the engine's tokenizer (Engine(..., tokenizer=...)) to know what "
-                             "each token spells")
-        key = schema_key(schema)
-        if key not in self._grammars:
-            if self._vocab is None:
-                self._vocab = Vocabulary.of(self.tokenizer, self.config.vocab_size, self.config.eos_token_ids)
-            if len(self._grammars) >= 256:          # a server sees endless schemas: forget the oldest
-                self._grammars.pop(next(iter(self._grammars)))
-            self._grammars[key] = compile_grammar(schema, self._vocab)
-        return self._grammars[key]
 
     def add_prefilled(self, prompt_ids: Seq[int], params: SamplingParams | None, first_token: int, k: np.ndarray,
                       v: np.ndarray, rng_state: dict | None = None, first_token_time: float | None = None) -> int:
@@ -130,8 +111,6 @@ class Engine:
         if k.shape != v.shape or k.shape[1] != len(prompt_ids):
             raise ValueError(f"K/V for {len(prompt_ids)} prompt positions expected, got k {k.shape}, v {v.shape}")
         seq = self._new_sequence(prompt_ids, params)
-        if seq.constraint is not None:
-            seq.constraint.advance(int(first_token))   # ValueError if the prefill engine sampled it unconstrained
         self._next_id += 1
         with interrupts_deferred():          # the block table and the queues change together or not at all
             self.blocks.allocate(seq, len(seq.prompt_ids))
@@ -280,9 +259,7 @@ class Engine:
             try:
                 # the repetition penalty needs every token seen so far; skip building that list when it is off
                 seen = seq.prompt_ids + seq.output_ids if seq.params.repetition_penalty != 1.0 else ()
-                x = logits[row[b]] if seq.constraint is None else seq.constraint.apply(logits[row[b]])  # [V]
-                token = sample(x, seq.params, seq.rng, seen=seen)
-                new = [token] if seq.constraint is None else self._constrained_tokens(seq, token)
+                new = sample_tokens(seq, logits[row[b]], seen)   # [token] (+ a grammar's forced ones: sampling.py)
             except Exception as e:            # e.g. NaN logits: this request ends, the batch goes on
                 outputs.append(self._fail(seq, e))
                 continue
@@ -297,28 +274,10 @@ class Engine:
             except Exception as e:            # e.g. the tokenizer failed to decode for a stop string
                 outputs.append(self._fail(seq, e, new))
                 continue
-            if not done and seq.constraint is not None and seq.constraint.finished:
-                seq.stopper.reason, done = "stop", True   # the JSON value is complete: nothing may follow
             if done:
                 self._finish(seq)
             outputs.append(StepOutput(seq.request_id, new, done, seq.finish_reason))
         return outputs
-
-    def _constrained_tokens(self, seq: Sequence, token: int) -> list[int]:
-        """Advance seq's grammar by its sampled token, then jump forward: the tokens of the text the grammar forces
-        next join the output now (no sampling needed) and run through the model in the next step as one chunk,
-        like a prompt's (one forward for all of them instead of one per token). Never past max_new_tokens or
-        the context window."""
-        c = seq.constraint
-        c.advance(token)
-        if c.finished:
-            return [token]
-        room = min(seq.stopper.max_new_tokens - len(seq.output_ids),
-                   self.config.max_seq_len - seq.num_tokens - 1) - 1
-        forced = c.forced_tokens()[:max(room, 0)]
-        for t in forced:
-            c.advance(t)
-        return [token, *forced]
 
     def _conclude(self, seq: Sequence, verdict: Verdict) -> StepOutput:
         """Lesson 6: the StepOutput of a verified draft; a request that stopped or failed inside it is retired."""

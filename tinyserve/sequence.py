@@ -59,7 +59,10 @@ class Sequence:
     first_scheduled_time: float | None = None
     token_times: list[float] = field(default_factory=list)   # when each output token was sampled
     spec: SpecState | None = None              # lesson 6: its speculation state (None: one token per step)
-    constraint: ConstraintState | None = None  # structured output: its place in its grammar (None: free text)
+
+    @property
+    def constraint(self) -> ConstraintState | None:   # structured output: its place in its grammar (None: free text)
+        return self.stopper.constraint
 
     @property
     def num_tokens(self) -> int:               # prompt + generated so far
@@ -89,6 +92,8 @@ class Sequence:
         self.num_computed_tokens, self.status, self.first_scheduled_time = len(self.prompt_ids), Status.RUNNING, \
             time.perf_counter()
         self.output_ids.append(int(first_token))
+        if self.constraint is not None:  # ValueError if the prefill engine sampled it unconstrained
+            self.constraint.advance(int(first_token))
         self.token_times.append(first_token_time if first_token_time is not None else time.perf_counter())
         if rng_state is not None:        # continue the sampler's random stream where prefill left it
             self.rng.bit_generator.state = rng_state

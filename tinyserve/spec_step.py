@@ -173,9 +173,6 @@ class Speculator:
                 if seq.stopper.should_stop(seq.output_ids):
                     done = True
                     break
-                if seq.constraint is not None and seq.constraint.finished:
-                    seq.stopper.reason, done = "stop", True     # the JSON value is complete
-                    break
         except Exception as e:
             return Verdict(kept, True, e)
         # stopped inside the accepted run: the K/V of the tokens cut off go too (cache = every token but the newest)

@@ -22,6 +22,7 @@ allowed only once the value is complete).
 from __future__ import annotations
 
 import json
+import weakref
 
 from .automaton import Automaton, ITEM_SEP, KEY_SEP
 from .masks import ConstraintState, TokenGrammar
@@ -29,7 +30,7 @@ from .schema import SchemaError, compile_schema, dumps
 from .vocab import Vocabulary
 
 __all__ = ["Automaton", "ConstraintState", "TokenGrammar", "SchemaError", "Vocabulary", "compile_schema",
-           "compile_grammar", "dumps", "schema_key", "ITEM_SEP", "KEY_SEP"]
+           "compile_grammar", "dumps", "schema_key", "grammars_for", "GrammarCache", "ITEM_SEP", "KEY_SEP"]
 
 
 def schema_key(schema) -> str:
@@ -42,3 +43,37 @@ def schema_key(schema) -> str:
 
 def compile_grammar(schema, vocab: Vocabulary) -> TokenGrammar:
     return TokenGrammar(compile_schema(schema), vocab)
+
+
+class GrammarCache:
+    """The compiled grammars of one vocabulary, by schema: requests with the same schema share one grammar and so
+    its cached masks. The vocabulary (its trie: ~1 s for 49,152 tokens) is built at the first schema."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_ids, max_grammars: int = 256):
+        self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, tuple(eos_ids)
+        self.vocab: Vocabulary | None = None
+        self.grammars: dict[str, TokenGrammar] = {}
+        self.max_grammars = max_grammars
+
+    def get(self, schema) -> TokenGrammar:
+        key = schema_key(schema)
+        if key not in self.grammars:
+            if self.vocab is None:
+                self.vocab = Vocabulary.of(self.tokenizer, self.vocab_size, self.eos_ids)
+            if len(self.grammars) >= self.max_grammars:   # a server sees endless schemas: forget the oldest
+                self.grammars.pop(next(iter(self.grammars)))
+            self.grammars[key] = compile_grammar(schema, self.vocab)
+        return self.grammars[key]
+
+
+_CACHES: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
+
+
+def grammars_for(tokenizer, vocab_size: int, eos_ids) -> GrammarCache:
+    """The GrammarCache of this tokenizer (for a model of vocab_size V): one per tokenizer object, kept as long as
+    the tokenizer lives, so every engine and request using it share the vocabulary trie and the masks."""
+    per_tokenizer = _CACHES.setdefault(tokenizer, {})
+    key = (vocab_size, tuple(eos_ids))
+    if key not in per_tokenizer:
+        per_tokenizer[key] = GrammarCache(tokenizer, vocab_size, eos_ids)
+    return per_tokenizer[key]

@@ -75,14 +75,16 @@ def _utf8_lead(byte: int):
     return None                                # 0x80-0xC1, 0xF5-0xFF never start a character
 
 
-_ESCAPES = frozenset(b'"\\/bfnrt')
+_ESCAPES = frozenset(b'"\\bfnrt')      # JSON's, less the pointless \/ (llguidance refuses it too)
 _HEX = frozenset(b"0123456789abcdefABCDEF")
 BODY = "body"                                  # String's local state between characters (masks.py's fast path)
 
 
 @dataclass(eq=False)
 class String(Node):
-    """A JSON string: '"', then characters (no raw control characters, `"` and `\\` only escaped), then '"'."""
+    """A JSON string: '"', then characters, then '"'. Three rules stricter than JSON's, as llguidance's: no raw DEL
+    (0x7F) beside the control characters JSON forbids, no `\\/` escape, and a \\u escape of a UTF-16 surrogate only
+    as a pair (high \\uD800-\\uDBFF then low \\uDC00-\\uDFFF): a lone half is not a character."""
     def start(self):
         return "open"
 
@@ -97,17 +99,41 @@ class String(Node):
                 return "end"
             if b == 0x5C:
                 return "esc"
-            if b < 0x20:
+            if b < 0x20 or b == 0x7F:
                 return None
             return BODY if b < 0x80 else _utf8_lead(b)
         if local == "esc":
-            return BODY if b in _ESCAPES else (("hex", 4) if b == 0x75 else None)
+            return BODY if b in _ESCAPES else (("hex", 4, "") if b == 0x75 else None)
         if local[0] == "hex":
-            return None if b not in _HEX else (BODY if local[1] == 1 else ("hex", local[1] - 1))
+            return _hex_digit(local[1], local[2], b)
+        if local == "pair":                    # after a high surrogate's escape: the low half's must follow
+            return "pair-u" if b == 0x5C else None
+        if local == "pair-u":
+            return ("hex", 4, "low") if b == 0x75 else None
         _, due, lo, hi = local                 # inside a multi-byte UTF-8 character
         if not lo <= b <= hi:
             return None
         return BODY if due == 1 else ("u", due - 1, 0x80, 0xBF)
+
+
+def _hex_digit(due: int, kind: str, b: int):
+    """One hex digit of a \\uXXXX escape, `due` digits still to come. `kind` tracks UTF-16 surrogates: "D?" (the
+    escape began with D: a surrogate if the next digit is 8-F), "high" (D800-DBFF: a low half must follow), "low"
+    (the escape after a high half: it must be DC00-DFFF), "" (an ordinary character)."""
+    if b not in _HEX:
+        return None
+    first = due == 4
+    if kind == "low" and ((first and b not in b"dD") or (due == 3 and b not in b"cdefCDEF")):
+        return None
+    if kind == "D?":                           # the second digit decides: 8-B a high half, C-F a lone low half
+        if b in b"cdefCDEF":
+            return None
+        kind = "high" if b in b"89abAB" else ""
+    elif first and kind == "" and b in b"dD":
+        kind = "D?"
+    if due > 1:
+        return ("hex", due - 1, kind)
+    return "pair" if kind == "high" else BODY
 
 
 _DIGIT = frozenset(b"0123456789")

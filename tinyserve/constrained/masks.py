@@ -108,6 +108,16 @@ class ConstraintState:
     def finished(self) -> bool:                # complete, and not one more byte could follow: stop now
         return self.eos_seen or (self.complete and not self.grammar.automaton.next_bytes(self.state))
 
+    def accept(self, token: int, max_forced: int) -> list[int]:
+        """Advance by a sampled token, then jump forward: the tokens of the text the grammar forces next (up to
+        `max_forced`) are advanced too. Returns [token, *forced]: the Engine appends them all; the forced ones run
+        through the model in the next step as one chunk, like a prompt's, instead of one forward each."""
+        self.advance(token)
+        forced = [] if self.finished else self.forced_tokens()[:max(max_forced, 0)]
+        for t in forced:
+            self.advance(t)
+        return [token, *forced]
+
     def copy(self) -> "ConstraintState":
         return ConstraintState(self.grammar, self.state, self.eos_seen)
 

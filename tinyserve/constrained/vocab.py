@@ -28,12 +28,12 @@ def build_trie(items) -> TrieNode:
 
 def is_plain(data: bytes) -> bool:
     """True if these bytes, inside a JSON string, leave the string body as it was: whole UTF-8 characters, none of
-    them '"', '\\\\' or a control character."""
+    them '"', '\\\\', DEL or a control character."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         return False
-    return not any(c in '"\\' or c < " " for c in text)
+    return not any(c in '"\\\x7f' or c < " " for c in text)
 
 
 @dataclass
