@@ -47,6 +47,16 @@ def test_any_json_value(text, ok):
         json.loads(text)
 
 
+@pytest.mark.parametrize("text,ok", [("0", True), ("-0", True), ("01", False), ("1.5", True), ("1.", False),
+                                     (".5", False), ("1E+05", True), ("1e", False), ("1" * 15, True),
+                                     ("1" * 16, False), ("1." + "2" * 15, True), ("1." + "2" * 16, False),
+                                     ("1e123", True), ("1e1234", False), ("-12.5e-3", True)])
+def test_numbers_and_their_digit_bound(text, ok):
+    """JSON's number syntax, with at most 15 + 15 + 3 digits: a greedy model must not write digits forever."""
+    assert accepts({"type": "number"}, text) is ok
+    assert accepts({"type": "integer"}, text) is (ok and text.lstrip("-").isdigit())
+
+
 def test_utf8_is_checked_byte_by_byte():
     a = Automaton(compile_schema({"type": "string"}))
     assert a.matches('"ü€😀"'.encode())

@@ -172,7 +172,7 @@ def test_real_model_20_schemas_validate_and_do_not_depend_on_the_batch(smol_srv)
 
     def ask(i):
         r = client.chat.completions.create(
-            model="smol", messages=[{"role": "user", "content": REAL_PROMPTS[i]}], temperature=0, max_tokens=96,
+            model="smol", messages=[{"role": "user", "content": REAL_PROMPTS[i]}], temperature=0, max_tokens=64,
             response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": REAL_SCHEMAS[i],
                                                                      "strict": True}})
         return r.choices[0].message.content, r.choices[0].finish_reason

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import weakref
 
-from .automaton import Automaton, ITEM_SEP, KEY_SEP
+from .automaton import DEAD, Automaton, ITEM_SEP, KEY_SEP
 from .masks import ConstraintState, TokenGrammar
 from .schema import SchemaError, compile_schema, dumps
 from .vocab import Vocabulary

@@ -139,37 +139,47 @@ def _hex_digit(due: int, kind: str, b: int):
 _DIGIT = frozenset(b"0123456789")
 
 
+# A number's digits are bounded, as whitespace is: unbounded, a greedy model can write "1111..." until max_tokens cuts
+# the value off, invalid. 15 digits hold every integer a float64 stores exactly (< 2^53) and its precision.
+MAX_INT_DIGITS, MAX_FRAC_DIGITS, MAX_EXP_DIGITS = 15, 15, 3
+
+
 @dataclass(eq=False)
 class Number(Node):
-    """A JSON number, -?(0|[1-9][0-9]*)(.[0-9]+)?([eE][+-]?[0-9]+)?; `integer`: without fraction and exponent."""
+    """A JSON number, -?(0|[1-9][0-9]{0,14})(.[0-9]{1,15})?([eE][+-]?[0-9]{1,3})?; `integer`: without fraction and
+    exponent. Local states: "start", "minus", "zero", "frac0", "exp0", "exp1", or (part, digits so far)."""
     integer: bool = False
-    _ends = frozenset({"zero", "int", "frac", "exp"})   # states where the number may be over
 
     def start(self):
         return "start"
 
     def moves(self, local):
-        return [("read",), ("pop",)] if local in self._ends else [("read",)]
+        done = local == "zero" or isinstance(local, tuple)
+        return [("read",), ("pop",)] if done else [("read",)]
 
     def read(self, s, b):
         digit = b in _DIGIT
         if s in ("start", "minus"):
             if b == 0x2D and s == "start":
                 return "minus"
-            return ("zero" if b == 0x30 else "int") if digit else None
-        if s in ("zero", "int"):
-            if digit and s == "int":
-                return "int"
-            if self.integer:
-                return None
-            return "frac0" if b == 0x2E else ("exp0" if b in (0x65, 0x45) else None)
-        if s in ("frac0", "frac"):
-            if digit:
-                return "frac"
-            return "exp0" if s == "frac" and b in (0x65, 0x45) else None
-        if s == "exp0" and b in (0x2B, 0x2D):
+            return ("zero" if b == 0x30 else ("int", 1)) if digit else None
+        if digit:                              # one more digit of the part we are in, within its bound
+            if s in ("frac0", "exp0", "exp1"):
+                return ("frac" if s == "frac0" else "exp", 1)
+            if s == "zero":
+                return None                    # no leading zeros
+            part, n = s
+            limit = {"int": MAX_INT_DIGITS, "frac": MAX_FRAC_DIGITS, "exp": MAX_EXP_DIGITS}[part]
+            return (part, n + 1) if n < limit else None
+        if self.integer:
+            return None
+        if b == 0x2E and (s == "zero" or s[0] == "int"):
+            return "frac0"
+        if b in (0x65, 0x45) and (s == "zero" or (isinstance(s, tuple) and s[0] in ("int", "frac"))):
+            return "exp0"
+        if b in (0x2B, 0x2D) and s == "exp0":
             return "exp1"
-        return "exp" if digit else None        # exp0, exp1, exp
+        return None
 
 
 @dataclass(eq=False)

@@ -41,6 +41,7 @@ class TokenGrammar:
         self.masks: dict[int, np.ndarray] = {}      # state id -> [V] bool
         self.max_cached = max_cached
         self.mask_computations = 0                  # how many masks were computed (not served from the cache)
+        self.jump_forward = True                    # off: forced text is sampled token by token (to measure it)
 
     def mask(self, sid: int) -> np.ndarray:
         """[V] bool: the tokens allowed in state `sid` (EOS only when the value is complete)."""
@@ -113,7 +114,8 @@ class ConstraintState:
         `max_forced`) are advanced too. Returns [token, *forced]: the Engine appends them all; the forced ones run
         through the model in the next step as one chunk, like a prompt's, instead of one forward each."""
         self.advance(token)
-        forced = [] if self.finished else self.forced_tokens()[:max(max_forced, 0)]
+        jump = self.grammar.jump_forward and not self.finished
+        forced = self.forced_tokens()[:max(max_forced, 0)] if jump else []
         for t in forced:
             self.advance(t)
         return [token, *forced]
