@@ -38,7 +38,7 @@ from .model import Model, check_token_ids, forward
 from .kv_sizing import max_kv_blocks, max_kv_positions
 from .interrupts import interrupts_deferred
 from .paged import KVPool, write_kv_unchecked
-from .sampling import SamplingParams, sample_tokens
+from .sampling import SamplingParams, sample, sample_tokens
 from .scheduler import bind, plan_step
 from .spec_step import SpecConfig, Speculator, Verdict
 from .speculative import SpecStats
@@ -259,7 +259,7 @@ class Engine:
             try:
                 # the repetition penalty needs every token seen so far; skip building that list when it is off
                 seen = seq.prompt_ids + seq.output_ids if seq.params.repetition_penalty != 1.0 else ()
-                new = sample_tokens(seq, logits[row[b]], seen)   # [token] (+ a grammar's forced ones: sampling.py)
+                new = sample_tokens(seq, logits[row[b]], seen, sample)   # [token] (+ a grammar's forced ones)
             except Exception as e:            # e.g. NaN logits: this request ends, the batch goes on
                 outputs.append(self._fail(seq, e))
                 continue

@@ -141,15 +141,16 @@ def _check_best(best: float) -> float:
     return best
 
 
-def sample_tokens(seq, logits: np.ndarray, seen: Sequence[int] = ()) -> list[int]:
+def sample_tokens(seq, logits: np.ndarray, seen: Sequence[int] = (), sampler=None) -> list[int]:
     """The Engine's sampling step for one request (a sequence.Sequence): [one token] from logits [V], or, with a
     json_schema, a token drawn from the logits masked by its grammar (disallowed tokens -inf, so the distribution is
     renormalised over the allowed ones) followed by the tokens the grammar then forces (jump-forward, constrained/),
-    never more than max_new_tokens or the context window leave room for."""
+    never more than max_new_tokens or the context window leave room for. `sampler`: `sample` unless given."""
+    sampler = sampler or sample
     c = seq.constraint
     if c is None:
-        return [sample(logits, seq.params, seq.rng, seen=seen)]
-    token = sample(c.apply(logits), seq.params, seq.rng, seen=seen)
+        return [sampler(logits, seq.params, seq.rng, seen=seen)]
+    token = sampler(c.apply(logits), seq.params, seq.rng, seen=seen)
     stop = seq.stopper
     room = min(stop.max_new_tokens - len(seq.output_ids), stop.config.max_seq_len - seq.num_tokens - 1) - 1
     return c.accept(token, max_forced=room)
