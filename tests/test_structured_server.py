@@ -99,6 +99,17 @@ def test_what_is_refused_gets_a_400_naming_the_parameter(client, kw, param):
     assert e.value.body["param"] == param, e.value.body
 
 
+def test_completions_take_response_format_but_not_tools(client):
+    r = client.completions.create(model="tiny", prompt="hi", max_tokens=60, temperature=0,
+                                  extra_body={"response_format": {"type": "json_schema", "json_schema": {
+                                      "name": "p", "schema": PERSON}}})
+    jsonschema.validate(json.loads(r.choices[0].text), PERSON)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="hi", max_tokens=5,
+                                  extra_body={"tools": [WEATHER], "tool_choice": "required"})
+    assert e.value.body["param"] == "tools"
+
+
 def test_structured_output_reduction():
     assert structured_output().schema is None and structured_output({"type": "text"}).schema is None
     assert structured_output({"type": "json_object"}).schema == {"type": "object"}

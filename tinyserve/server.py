@@ -233,6 +233,8 @@ class OpenAIService:
             raise BadRequest(f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds this server's context "
                              f"of {max_context} tokens", param="max_tokens", code="context_length_exceeded")
         extra = body.model_extra or {}
+        if isinstance(body, CompletionRequest) and extra.get("tools") is not None:
+            raise BadRequest("tools are for /v1/chat/completions (the answer is a tool_calls message)", param="tools")
         try:
             structured = structured_output(extra.get("response_format"), extra.get("tools"),
                                            extra.get("tool_choice"), body.stream)

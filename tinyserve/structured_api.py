@@ -14,7 +14,8 @@ Engine (SamplingParams.json_schema), and a tool call's answer message. Pure: no 
 
 Refused (400, naming the parameter): tool_choice "auto" or absent with tools (the model would choose between free
 text and a call: not one grammar), `stream` with a forced tool call (its deltas would be tool_calls fragments),
-`response_format` next to a forced tool call, and any schema constrained/schema.py does not support.
+`response_format` next to a forced tool call, `tools` on /v1/completions (server.py), and any schema
+constrained/schema.py does not support.
 """
 from __future__ import annotations
 
