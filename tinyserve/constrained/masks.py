@@ -18,6 +18,12 @@ from .automaton import DEAD, Automaton, Node
 from .vocab import TrieNode, Vocabulary
 
 
+def apply_mask(logits: np.ndarray, allowed: np.ndarray) -> np.ndarray:   # [V], [V] bool -> [V]
+    """-inf on every token not allowed: exp(-inf) = 0, so every sampler renormalises over the allowed tokens (a
+    0 instead would leave them in the running: a logit of 0 beats an allowed -5)."""
+    return np.where(allowed, logits, -np.inf).astype(logits.dtype, copy=False)
+
+
 def walk_trie(root: TrieNode, automaton: Automaton, sid: int, out: list[int]) -> None:
     """Append to `out` every token of the trie whose bytes the automaton can read from state `sid`."""
     step = automaton.next
@@ -86,7 +92,7 @@ class ConstraintState:
         return self.grammar.mask(self.state)
 
     def apply(self, logits: np.ndarray) -> np.ndarray:   # [V] -> [V]: -inf on every token not allowed
-        return np.where(self.allowed(), logits, -np.inf)
+        return apply_mask(logits, self.allowed())
 
     def advance(self, token: int) -> None:
         """Read one sampled token. Raises ValueError for a token the mask did not allow."""
