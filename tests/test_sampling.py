@@ -249,8 +249,8 @@ def test_sample_step_reports_logprobs_only_when_asked():
     from tinyserve.sampling import sample_step
     logits = np.array([1.0, 3.0, 2.0, 0.0], dtype=np.float32)                   # [V]
     logp = logits - np.log(np.exp(logits.astype(np.float64)).sum())
-    assert sample_step(logits, SamplingParams(temperature=0), np.random.default_rng(0)) == (1, None)
-    token, [(lp, top)] = sample_step(logits, SamplingParams(temperature=0, logprobs=2), np.random.default_rng(0))
+    assert sample_step(logits, SamplingParams(temperature=0), np.random.default_rng(0)) == ([1], None)
+    [token], [(lp, top)] = sample_step(logits, SamplingParams(temperature=0, logprobs=2), np.random.default_rng(0))
     assert token == 1 and lp == pytest.approx(logp[1])
     assert [i for i, _ in top] == [1, 2] and [v for _, v in top] == pytest.approx(logp[[1, 2]])
     # the model's distribution, not the sampling one: temperature and top-k do not change the numbers
@@ -259,3 +259,5 @@ def test_sample_step_reports_logprobs_only_when_asked():
     assert lp_hot == pytest.approx(logp[1]) and [i for i, _ in top_all] == [1, 2, 0, 3]
     with pytest.raises(ValueError, match="logprobs"):
         SamplingParams(logprobs=21)
+    with pytest.raises(ValueError, match="logprobs with json_schema"):      # forced tokens have no logprobs
+        SamplingParams(logprobs=1, json_schema={"type": "object"})

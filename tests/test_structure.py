@@ -77,7 +77,9 @@ def test_one_positive_int_check():
 LAYERS = (
     # 0. foundations: shapes, numbers, the CPU, the wire format; nothing of the model
     ("config", "layers", "measure", "interrupts", "kv_sizing", "protocol", "roofline", "course", "queueing",
-     "kernels.isa"),
+     "kernels.isa",
+     # the JSON grammar of structured output: bytes and token masks, nothing of the model (sampling applies it)
+     "constrained", "constrained.automaton", "constrained.masks", "constrained.schema", "constrained.vocab"),
     # 1. the readable reference: the float32 model and what every strategy shares
     ("model", "attention_backends", "sampling", "gqa"),
     # 2. the quantisation modes and their NumPy references
@@ -93,7 +95,7 @@ LAYERS = (
      "block_hash_cache", "scheduler", "sequence", "drafters", "speculative", "spec_step", "block_manager",
      "step_batch", "engine", "engine_loop", "tensor_parallel", "orchestrators"),
     # 6. the programs: the compile swap, the command line and what it runs
-    ("jit", "cli_options", "bench", "chat", "http_guard", "server", "speed", "loadgen", "__main__", ""),
+    ("jit", "cli_options", "bench", "chat", "http_guard", "structured_api", "server", "speed", "loadgen", "__main__", ""),
 )
 
 

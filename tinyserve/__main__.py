@@ -56,10 +56,13 @@ def check_generate_args(args):
     from .sampling import SamplingParams
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             repetition_penalty=args.repetition_penalty, max_new_tokens=args.max_new_tokens,
-                            seed=args.seed, stop=tuple(args.stop or ()))
-    strategy = args.strategy or default_strategy()
-    if strategy not in strategies():
-        raise ValueError(f"unknown strategy {strategy!r}; choose from {sorted(strategies())}")
+                            seed=args.seed, stop=tuple(args.stop or ()), json_schema=json_schema_arg(args))
+    table = strategies()
+    strategy = args.strategy or ("paged" if params.json_schema is not None else default_strategy())
+    if strategy not in table:
+        raise ValueError(f"unknown strategy {strategy!r}; choose from {sorted(table)}")
+    if params.json_schema is not None and strategy != "paged":
+        raise ValueError(f"--json-schema / --json-object run on the Engine: use --strategy paged, not {strategy!r}")
     prompt = args.prompt
     if prompt == "-":   # `generate -`: the prompt comes from stdin (a file, a pipe), without its final newline
         prompt = sys.stdin.read().removesuffix("\n")
@@ -249,6 +252,19 @@ def kernels_json(kernels, n_slow: int, fast) -> dict:
             "fast_ttft_s": fast[0] if fast else None, "fast_tokens_per_s": fast[1] if fast else None}
 
 
+def json_schema_arg(args):
+    """The schema of --json-schema FILE (or {"type": "object"} for --json-object), None without them."""
+    if args.json_object:
+        return {"type": "object"}
+    if args.json_schema is None:
+        return None
+    try:
+        with open(args.json_schema, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--json-schema {args.json_schema}: cannot read a JSON schema from it ({e})") from None
+
+
 def cmd_compile(args) -> int:
     from . import jit
     return jit.main(args)
@@ -304,6 +320,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    s_ = g.add_mutually_exclusive_group()
+    s_.add_argument("--json-schema", metavar="FILE", default=None,
+                    help="structured output: the answer is JSON valid under the JSON schema in FILE (a subset: "
+                         "tinyserve/constrained/schema.py says which)")
+    s_.add_argument("--json-object", action="store_true", help="structured output: the answer is a JSON object")
     add_model_options(g)
     add_backend_options(g)
     g.add_argument("--compile", default="background", choices=["background", "wait", "finish"],

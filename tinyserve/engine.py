@@ -39,7 +39,7 @@ from .model import Model, check_token_ids
 from .kv_sizing import max_kv_blocks, max_kv_positions
 from .interrupts import interrupts_deferred
 from .paged import KVPool, write_kv_unchecked
-from .sampling import SamplingParams, sample_step
+from .sampling import SamplingParams, sample_tokens
 from .scheduler import bind, plan_step
 from .spec_step import SpecConfig, Speculator, Verdict
 from .speculative import SpecStats
@@ -64,7 +64,7 @@ class Engine:
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
         self.backend = backend or model.backend   # the attention kernel follows the model's backend (lesson 7)
-        self.tokenizer = tokenizer                # only needed for stop strings
+        self.tokenizer = tokenizer                # only needed for stop strings and json_schema
         self._attend = get_paged_attention(self.backend, checked=False)   # each step checks its batch once
         self.pool = KVPool.create(self.config, num_blocks, block_size)   # [L, num_blocks, bs, K, H] x2
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)  # all block bookkeeping
@@ -260,24 +260,24 @@ class Engine:
             try:
                 # the repetition penalty needs every token seen so far; skip building that list when it is off
                 seen = seq.prompt_ids + seq.output_ids if seq.params.repetition_penalty != 1.0 else ()
-                token, logprobs = sample_step(logits[row[b]], seq.params, seq.rng, seen=seen)
+                new, logprobs = sample_tokens(seq, logits[row[b]], seen)   # [token] (+ a grammar's forced ones)
             except Exception as e:            # e.g. NaN logits: this request ends, the batch goes on
                 outputs.append(self._fail(seq, e))
                 continue
-            seq.output_ids.append(token)
-            seq.token_times.append(now)
+            seq.output_ids.extend(new)
+            seq.token_times.extend([now] * len(new))
             if seq.spec is not None:          # a step without a draft (prefill, or k = 0): one token, no verdict
-                self.speculator.record(seq, 0, 0, 1)
+                self.speculator.record(seq, 0, 0, len(new))
             seq.num_computed_tokens += n
             self.blocks.commit(seq)
             try:
                 done = seq.stopper.should_stop(seq.output_ids)
             except Exception as e:            # e.g. the tokenizer failed to decode for a stop string
-                outputs.append(self._fail(seq, e, [token]))
+                outputs.append(self._fail(seq, e, new))
                 continue
             if done:
                 self._finish(seq)
-            outputs.append(StepOutput(seq.request_id, [token], done, seq.finish_reason, logprobs=logprobs))
+            outputs.append(StepOutput(seq.request_id, new, done, seq.finish_reason, logprobs=logprobs))
         return outputs
 
     def _conclude(self, seq: Sequence, verdict: Verdict) -> StepOutput:

@@ -30,6 +30,8 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None       # None means off; k >= 0: report each token's log-probability and the k best
+    json_schema: dict | bool | None = None      # structured output: the text is JSON valid under this schema (a
+                                                # subset: constrained/schema.py); {} or True: any JSON value
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -60,6 +62,13 @@ class SamplingParams:
             bad(f"seed must be a non-negative integer or None, got {self.seed!r}")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.json_schema is not None:
+            from .constrained import compile_schema, schema_key
+            schema_key(self.json_schema)
+            compile_schema(self.json_schema)      # an unsupported schema is refused here, naming the keyword
+        if self.logprobs is not None and self.json_schema is not None:
+            bad("logprobs with json_schema: a grammar's forced tokens are emitted without a forward pass, so they "
+                "have no log-probabilities")
 
     @property
     def greedy(self) -> bool:
@@ -139,6 +148,22 @@ def _check_best(best: float) -> float:
     return best
 
 
+def sample_tokens(seq, logits: np.ndarray, seen: Sequence[int] = (), sampler=None) -> tuple[list[int], list | None]:
+    """The Engine's sampling step for one request (a sequence.Sequence): ([one token], its logprobs if the request
+    asks) from logits [V], or, with a json_schema, a token drawn from the logits masked by its grammar (disallowed
+    tokens -inf, so the distribution is renormalised over the allowed ones) followed by the tokens the grammar then
+    forces (jump-forward, constrained/), never more than max_new_tokens or the context window leave room for.
+    `sampler`: `sample` unless given."""
+    sampler = sampler or sample
+    c = seq.constraint
+    if c is None:
+        return sample_step(logits, seq.params, seq.rng, seen, sampler)
+    token = sampler(c.apply(logits), seq.params, seq.rng, seen=seen)
+    stop = seq.stopper
+    room = min(stop.max_new_tokens - len(seq.output_ids), stop.config.max_seq_len - seq.num_tokens - 1) - 1
+    return c.accept(token, max_forced=room), None      # (SamplingParams refuses logprobs with a json_schema)
+
+
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, seen: Sequence[int] = ()) -> int:
     """One token id from one row of logits [V]."""
     if params.greedy:
@@ -155,10 +180,10 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
 
 
 def sample_step(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
-                seen: Sequence[int] = ()) -> tuple[int, list | None]:
-    """The engine's sampling of one row [V]: the token, and [token_logprobs(...)] if params.logprobs asks."""
-    token = sample(logits, params, rng, seen=seen)
-    return token, None if params.logprobs is None else [token_logprobs(logits, token, params.logprobs)]
+                seen: Sequence[int] = (), sampler=None) -> tuple[list[int], list | None]:
+    """One row [V] without a grammar: ([the token], [token_logprobs(...)] if params.logprobs asks, else None)."""
+    token = (sampler or sample)(logits, params, rng, seen=seen)
+    return [token], None if params.logprobs is None else [token_logprobs(logits, token, params.logprobs)]
 
 
 def token_logprobs(logits: np.ndarray, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:

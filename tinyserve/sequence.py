@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .constrained import ConstraintState
 from .drafters import Drafter
 from .sampling import SamplingParams
 from .speculative import AdaptiveK, SpecStats
@@ -60,6 +61,10 @@ class Sequence:
     spec: SpecState | None = None              # lesson 6: its speculation state (None: one token per step)
 
     @property
+    def constraint(self) -> ConstraintState | None:   # structured output: its place in its grammar (None: free text)
+        return self.stopper.constraint
+
+    @property
     def num_tokens(self) -> int:               # prompt + generated so far
         return len(self.prompt_ids) + len(self.output_ids)
 
@@ -87,6 +92,8 @@ class Sequence:
         self.num_computed_tokens, self.status, self.first_scheduled_time = len(self.prompt_ids), Status.RUNNING, \
             time.perf_counter()
         self.output_ids.append(int(first_token))
+        if self.constraint is not None:  # ValueError if the prefill engine sampled it unconstrained
+            self.constraint.advance(int(first_token))
         self.token_times.append(first_token_time if first_token_time is not None else time.perf_counter())
         if rng_state is not None:        # continue the sampler's random stream where prefill left it
             self.rng.bit_generator.state = rng_state

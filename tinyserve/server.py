@@ -46,6 +46,7 @@ from .protocol import (FINISH_REASONS, ChatCompletionRequest, Choice, Completion
                        chat_chunk, chat_response, completion_chunk, completion_response, error_body, new_id, sse_event,
                        usage)
 from .sampling import SamplingParams
+from .structured_api import Structured, StructuredError, structured_output, tool_call_message
 from .tokenizer import CharTokenizer  # noqa: F401  (the tests and --model tiny import it from here too)
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -192,6 +193,7 @@ class _Prepared:
     params: SamplingParams
     stop: tuple[str, ...]
     n: int = 1
+    structured: Structured = Structured()     # response_format / tools (structured_api.py)
 
     def sample_params(self, i: int) -> SamplingParams:
         """Choice i's parameters: a seeded request gives its choices seeds seed, seed + 1, ... (reproducible, yet
@@ -287,6 +289,14 @@ class OpenAIService:
         if n + max_tokens > max_context:
             raise BadRequest(f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds this server's context "
                              f"of {max_context} tokens", param="max_tokens", code="context_length_exceeded")
+        extra = body.model_extra or {}
+        if isinstance(body, CompletionRequest) and extra.get("tools") is not None:
+            raise BadRequest("tools are for /v1/chat/completions (the answer is a tool_calls message)", param="tools")
+        try:
+            structured = structured_output(extra.get("response_format"), extra.get("tools"),
+                                           extra.get("tool_choice"), body.stream)
+        except StructuredError as e:
+            raise BadRequest(str(e), param=e.param, code="invalid_parameter") from None
         try:
             stop = body.stop_strings()
         except ValueError as e:
@@ -295,12 +305,12 @@ class OpenAIService:
             params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                     min_p=body.min_p, repetition_penalty=body.repetition_penalty,
                                     max_new_tokens=max_tokens, stop=stop, seed=body.seed,
-                                    ignore_eos=body.ignore_eos, logprobs=k)
+                                    ignore_eos=body.ignore_eos, logprobs=k, json_schema=structured.schema)
         except ValueError as e:        # SamplingParams names the field first: "SamplingParams: top_k must be ..."
             field = str(e).removeprefix("SamplingParams: ").split(" ", 1)[0]
             raise BadRequest(str(e), param=field if field in type(body).model_fields else None,
                              code="invalid_parameter") from None
-        return _Prepared(prompt_ids, params, stop, body.n)
+        return _Prepared(prompt_ids, params, stop, body.n, structured)
 
     def check_fields(self, body) -> None:
         refused = body.refusal()
@@ -357,7 +367,12 @@ class OpenAIService:
         if error:
             return _error(500, error, type_="server_error", code="engine_error")
         make = chat_response if chat else completion_response
-        return make(rid, self.model_name, choices, len(prep.ids), n_out)
+        out = make(rid, self.model_name, choices, len(prep.ids), n_out)
+        if chat and prep.structured.is_tool_call:      # a forced tool call: its arguments are the answer
+            for c, choice in zip(choices, out["choices"]):
+                choice["message"] = tool_call_message(prep.structured, c.text)
+                choice["finish_reason"] = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+        return out
 
     async def events(self, handles: list[RequestHandle]):
         """(choice index, Event) of all n choices as they come, until each has finished. The first event of each

@@ -120,6 +120,9 @@ class Speculator:
             except Exception as e:            # a broken drafter ends its own request, not the batch
                 failed.append((seq, e))
                 continue
+            if seq.constraint is not None:      # structured output: verify only what the grammar allows
+                n = seq.constraint.valid_prefix(draft.tokens)
+                draft = Draft(draft.tokens[:n], draft.probs[:n] if draft.probs is not None else None)
             if not draft.tokens:
                 continue
             spare -= blocks.blocks_needed(seq, 1 + len(draft)) - base
@@ -152,6 +155,8 @@ class Speculator:
         draft = Draft(spec.draft, spec.draft_probs)
         seq.drop_draft()                            # output_ids: the verified tokens only
         try:
+            if seq.constraint is not None:          # row i is masked by the grammar's state after draft[:i]
+                logits = seq.constraint.apply_rows(logits, draft.tokens)
             new = verify(logits, draft, seq.params, seq.rng, seq.prompt_ids + seq.output_ids)
         except Exception as e:
             return Verdict([], True, e)
@@ -165,6 +170,8 @@ class Speculator:
                 seq.output_ids.append(token)
                 seq.token_times.append(now)
                 kept.append(token)
+                if seq.constraint is not None:
+                    seq.constraint.advance(token)
                 if seq.stopper.should_stop(seq.output_ids):
                     done = True
                     break

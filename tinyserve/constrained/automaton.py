@@ -1,0 +1,398 @@
+"""The grammar as a pushdown automaton over bytes, determinised lazily into numbered states.
+
+A compiled grammar is a graph of `Node`s (schema.py builds it). Only three kinds read bytes — `Literal` (one of a
+few exact byte strings: `true`, `{`, `", "`, an enum value), `String` (any JSON string, UTF-8 checked byte by byte)
+and `Number` — the others (`Array`, `Object`, `AnyObject`, `AnyOf`) only decide which child comes next. A *frame*
+is (node, local state); a *stack* is a tuple of frames, the innermost last. Before reading a byte, a stack is
+expanded through its epsilon moves ("push this child", "this frame is done, pop it") until its top frame is one
+that reads; a stack that pops its last frame means "the value is complete" and is kept as the empty tuple.
+
+Choices (an optional property present or not, `anyOf`, "more digits or is the number over?") make the automaton
+nondeterministic, so a state is the *set* of stacks it may be in. States are interned as small integers and their
+byte transitions memoised (`Automaton.next`), so the pushdown automaton becomes, lazily, a DFA over the states the
+text actually visits: the trie walk of masks.py follows an int -> int table instead of re-expanding stacks.
+
+Whitespace: none, except one space after every `,` and `:` (the layout of Python's json.dumps, which the model has
+seen a lot). Free whitespace would let a model pad forever without the grammar ever ending.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+ITEM_SEP, KEY_SEP = b", ", b": "
+DEAD = -1                                      # the state id of "no stack survives": that byte is not allowed
+
+Frame = tuple                                  # (node, local state): local is a small hashable value
+Stack = tuple                                  # tuple[Frame, ...], innermost last; () = the value is complete
+
+
+class Node:
+    """A grammar symbol. `start()` is a new frame's local state; `moves(local)` lists its epsilon moves:
+    ("read",) it reads the next byte itself, ("pop",) it is done, ("push", child, local_after) it hands over to
+    `child` and resumes in `local_after` when the child pops. Reading nodes implement `read(local, byte)`."""
+    def start(self):
+        return 0
+
+    def moves(self, local) -> list[tuple]:
+        raise NotImplementedError
+
+    def read(self, local, byte: int):          # -> the new local state, or None: this byte is not allowed here
+        return None
+
+
+@dataclass(eq=False)                           # identity hash: nodes are graph vertices, the graph may be cyclic
+class Literal(Node):
+    options: tuple[bytes, ...]                 # the frame's local state is the prefix read so far
+
+    def start(self):
+        return b""
+
+    def moves(self, prefix):
+        out = [("read",)] if any(len(o) > len(prefix) for o in self.options if o.startswith(prefix)) else []
+        return out + [("pop",)] if prefix in self.options else out
+
+    def read(self, prefix, byte):
+        p = prefix + bytes((byte,))
+        return p if any(o.startswith(p) for o in self.options) else None
+
+
+def _utf8_lead(byte: int):
+    """The local state after the first byte of a multi-byte UTF-8 character: (continuation bytes still due,
+    the allowed range of the next one). The narrowed ranges exclude overlong forms, surrogates and > U+10FFFF."""
+    if 0xC2 <= byte <= 0xDF:
+        return ("u", 1, 0x80, 0xBF)
+    if byte == 0xE0:
+        return ("u", 2, 0xA0, 0xBF)
+    if 0xE1 <= byte <= 0xEF:
+        return ("u", 2, 0x80, 0x9F if byte == 0xED else 0xBF)
+    if byte == 0xF0:
+        return ("u", 3, 0x90, 0xBF)
+    if 0xF1 <= byte <= 0xF3:
+        return ("u", 3, 0x80, 0xBF)
+    if byte == 0xF4:
+        return ("u", 3, 0x80, 0x8F)
+    return None                                # 0x80-0xC1, 0xF5-0xFF never start a character
+
+
+_ESCAPES = frozenset(b'"\\bfnrt')      # JSON's, less the pointless \/ (llguidance refuses it too)
+_HEX = frozenset(b"0123456789abcdefABCDEF")
+BODY = "body"                                  # String's local state between characters (masks.py's fast path)
+
+
+@dataclass(eq=False)
+class String(Node):
+    """A JSON string: '"', then characters, then '"'. Three rules stricter than JSON's, as llguidance's: no raw DEL
+    (0x7F) beside the control characters JSON forbids, no `\\/` escape, and a \\u escape of a UTF-16 surrogate only
+    as a pair (high \\uD800-\\uDBFF then low \\uDC00-\\uDFFF): a lone half is not a character."""
+    def start(self):
+        return "open"
+
+    def moves(self, local):
+        return [("pop",)] if local == "end" else [("read",)]
+
+    def read(self, local, b):
+        if local == "open":
+            return BODY if b == 0x22 else None
+        if local == BODY:
+            if b == 0x22:
+                return "end"
+            if b == 0x5C:
+                return "esc"
+            if b < 0x20 or b == 0x7F:
+                return None
+            return BODY if b < 0x80 else _utf8_lead(b)
+        if local == "esc":
+            return BODY if b in _ESCAPES else (("hex", 4, "") if b == 0x75 else None)
+        if local[0] == "hex":
+            return _hex_digit(local[1], local[2], b)
+        if local == "pair":                    # after a high surrogate's escape: the low half's must follow
+            return "pair-u" if b == 0x5C else None
+        if local == "pair-u":
+            return ("hex", 4, "low") if b == 0x75 else None
+        _, due, lo, hi = local                 # inside a multi-byte UTF-8 character
+        if not lo <= b <= hi:
+            return None
+        return BODY if due == 1 else ("u", due - 1, 0x80, 0xBF)
+
+
+def _hex_digit(due: int, kind: str, b: int):
+    """One hex digit of a \\uXXXX escape, `due` digits still to come. `kind` tracks UTF-16 surrogates: "D?" (the
+    escape began with D: a surrogate if the next digit is 8-F), "high" (D800-DBFF: a low half must follow), "low"
+    (the escape after a high half: it must be DC00-DFFF), "" (an ordinary character)."""
+    if b not in _HEX:
+        return None
+    first = due == 4
+    if kind == "low" and ((first and b not in b"dD") or (due == 3 and b not in b"cdefCDEF")):
+        return None
+    if kind == "D?":                           # the second digit decides: 8-B a high half, C-F a lone low half
+        if b in b"cdefCDEF":
+            return None
+        kind = "high" if b in b"89abAB" else ""
+    elif first and kind == "" and b in b"dD":
+        kind = "D?"
+    if due > 1:
+        return ("hex", due - 1, kind)
+    return "pair" if kind == "high" else BODY
+
+
+_DIGIT = frozenset(b"0123456789")
+
+
+# A number's digits are bounded, as whitespace is: unbounded, a greedy model can write "1111..." until max_tokens cuts
+# the value off, invalid. 15 digits hold every integer a float64 stores exactly (< 2^53) and its precision.
+MAX_INT_DIGITS, MAX_FRAC_DIGITS, MAX_EXP_DIGITS = 15, 15, 3
+
+
+@dataclass(eq=False)
+class Number(Node):
+    """A JSON number, -?(0|[1-9][0-9]{0,14})(.[0-9]{1,15})?([eE][+-]?[0-9]{1,3})?; `integer`: without fraction and
+    exponent. Local states: "start", "minus", "zero", "frac0", "exp0", "exp1", or (part, digits so far)."""
+    integer: bool = False
+
+    def start(self):
+        return "start"
+
+    def moves(self, local):
+        done = local == "zero" or isinstance(local, tuple)
+        return [("read",), ("pop",)] if done else [("read",)]
+
+    def read(self, s, b):
+        digit = b in _DIGIT
+        if s in ("start", "minus"):
+            if b == 0x2D and s == "start":
+                return "minus"
+            return ("zero" if b == 0x30 else ("int", 1)) if digit else None
+        if digit:                              # one more digit of the part we are in, within its bound
+            if s in ("frac0", "exp0", "exp1"):
+                return ("frac" if s == "frac0" else "exp", 1)
+            if s == "zero":
+                return None                    # no leading zeros
+            part, n = s
+            limit = {"int": MAX_INT_DIGITS, "frac": MAX_FRAC_DIGITS, "exp": MAX_EXP_DIGITS}[part]
+            return (part, n + 1) if n < limit else None
+        if self.integer:
+            return None
+        if b == 0x2E and (s == "zero" or s[0] == "int"):
+            return "frac0"
+        if b in (0x65, 0x45) and (s == "zero" or (isinstance(s, tuple) and s[0] in ("int", "frac"))):
+            return "exp0"
+        if b in (0x2B, 0x2D) and s == "exp0":
+            return "exp1"
+        return None
+
+
+@dataclass(eq=False)
+class AnyOf(Node):
+    options: tuple[Node, ...] = ()             # filled in after construction for the recursive "any value"
+
+    def moves(self, local):
+        return [("pop",)] if local == 1 else [("push", o, 1) for o in self.options]
+
+
+@dataclass(eq=False)
+class Array(Node):
+    """'[' item (', ' item)* ']' with min_items <= count <= max_items (None: unbounded)."""
+    item: Node | None = None
+    min_items: int = 0
+    max_items: int | None = None
+
+    def moves(self, n):                        # local: -1 before '[', n >= 0 items so far, "end" after ']'
+        if n == "end":
+            return [("pop",)]
+        if n == -1:
+            return [("push", _OPEN_ARR, 0)]
+        out = []
+        if n >= self.min_items:
+            out.append(("push", _CLOSE_ARR, "end"))
+        if self.max_items is None or n < self.max_items:
+            out.append(("push", self.item if n == 0 else self._rest, n + 1))
+        return out
+
+    def start(self):
+        return -1
+
+    def __post_init__(self):
+        self._rest = _SepThen(self.item)       # one node for "', ' item", so the states it makes stay few
+
+
+@dataclass(eq=False)
+class _SepThen(Node):
+    """', ' then `node`: an array's second and later items."""
+    node: Node
+
+    def moves(self, local):
+        return [("push", _ITEM_SEP, 1)] if local == 0 else \
+            [("push", self.node, 2)] if local == 1 else [("pop",)]
+
+
+@dataclass(eq=False)
+class Property:
+    key: str
+    value: Node
+    required: bool
+
+
+@dataclass(eq=False)
+class Object(Node):
+    """'{' then the properties in the schema's order, each optional one present or not, then '}'. Keys come in
+    schema order (a fixed order keeps the automaton small; JSON objects are unordered, so nothing valid is lost
+    but the order). No other keys (additionalProperties: false)."""
+    props: tuple[Property, ...] = ()
+    _keys: dict = field(default_factory=dict)
+
+    def start(self):
+        return "open"
+
+    def moves(self, local):
+        if local == "open":
+            return [("push", _OPEN_OBJ, (0, False))]
+        if local == "end":
+            return [("pop",)]
+        if local[0] == "value":                # the key is out: its value follows
+            return [("push", self.props[local[1]].value, (local[1] + 1, True))]
+        i, emitted = local                     # next candidate property, whether one was written already
+        out = []
+        for j in range(i, len(self.props)):    # any of the next properties up to the first required one
+            out.append(("push", self._key(j, emitted), ("value", j)))
+            if self.props[j].required:
+                return out
+        return out + [("push", _CLOSE_OBJ, "end")]
+
+    def _key(self, j: int, emitted: bool) -> Literal:
+        """The literal before property j's value: ', ' if one came before, then '"key": '."""
+        lit = self._keys.get((j, emitted))
+        if lit is None:
+            from json import dumps
+            key = dumps(self.props[j].key, ensure_ascii=False).encode() + KEY_SEP
+            lit = self._keys[(j, emitted)] = Literal(((ITEM_SEP if emitted else b"") + key,))
+        return lit
+
+
+@dataclass(eq=False)
+class AnyObject(Node):
+    """Any JSON object: '{' ( '}' | string ': ' value (', ' string ': ' value)* '}' )."""
+    value: Node | None = None                  # the "any value" node (set after construction: it is recursive)
+
+    def start(self):
+        return "open"
+
+    def moves(self, s):
+        return {"open": [("push", _OPEN_OBJ, "first")],
+                "first": [("push", _CLOSE_OBJ, "end"), ("push", _KEY, "colon")],
+                "colon": [("push", _KEY_SEP, "value")],
+                "value": [("push", self.value, "after")],
+                "after": [("push", _CLOSE_OBJ, "end"), ("push", _ITEM_SEP, "key")],
+                "key": [("push", _KEY, "colon")],
+                "end": [("pop",)]}[s]
+
+
+_OPEN_ARR, _CLOSE_ARR = Literal((b"[",)), Literal((b"]",))
+_OPEN_OBJ, _CLOSE_OBJ = Literal((b"{",)), Literal((b"}",))
+_ITEM_SEP, _KEY_SEP, _KEY = Literal((ITEM_SEP,)), Literal((KEY_SEP,)), String()
+
+
+def any_value() -> Node:
+    """Any JSON value (objects and arrays nest to any depth)."""
+    value = AnyOf()
+    value.options = (_KEY, Number(), Literal((b"true", b"false", b"null")), AnyObject(value), Array(value))
+    return value
+
+
+def _closure(stack: Stack, out: set, depth: int = 0) -> None:
+    """Follow epsilon moves from `stack` until every branch has a reading frame on top (or is complete: ())."""
+    if depth > 10_000:
+        raise ValueError("the grammar loops without reading a byte")
+    if not stack:
+        out.add(())
+        return
+    node, local = stack[-1]
+    for move in node.moves(local):
+        if move[0] == "read":
+            out.add(stack)
+        elif move[0] == "pop":
+            _closure(stack[:-1], out, depth + 1)
+        else:
+            _, child, after = move
+            _closure(stack[:-1] + ((node, after), (child, child.start())), out, depth + 1)
+
+
+@dataclass
+class Automaton:
+    """The lazily determinised automaton of one grammar: state ids, their stack sets, memoised transitions."""
+    root: Node
+    stacks: list[frozenset] = field(default_factory=list)     # state id -> its set of stacks
+    ids: dict[frozenset, int] = field(default_factory=dict)   # the inverse
+    edges: list[dict[int, int]] = field(default_factory=list)  # state id -> {byte: next state id}
+
+    def __post_init__(self):
+        start: set = set()
+        _closure(((self.root, self.root.start()),), start)
+        self.start = self.intern(frozenset(start))
+
+    def intern(self, stacks: frozenset) -> int:
+        if not stacks:
+            return DEAD
+        sid = self.ids.get(stacks)
+        if sid is None:
+            sid = self.ids[stacks] = len(self.stacks)
+            self.stacks.append(stacks)
+            self.edges.append({})
+        return sid
+
+    def next(self, sid: int, byte: int) -> int:
+        """The state after reading `byte` in state `sid` (DEAD if no stack can read it)."""
+        edges = self.edges[sid]
+        nxt = edges.get(byte)
+        if nxt is None:
+            out: set = set()
+            for stack in self.stacks[sid]:
+                if stack:
+                    node, local = stack[-1]
+                    new = node.read(local, byte)
+                    if new is not None:
+                        _closure(stack[:-1] + ((node, new),), out)
+            nxt = edges[byte] = self.intern(frozenset(out))
+        return nxt
+
+    def walk(self, sid: int, data: bytes) -> int:
+        for b in data:
+            if sid == DEAD:
+                break
+            sid = self.next(sid, b)
+        return sid
+
+    def is_complete(self, sid: int) -> bool:
+        """The text so far is a whole value (it may still go on, e.g. a top-level number)."""
+        return sid != DEAD and () in self.stacks[sid]
+
+    def next_bytes(self, sid: int) -> list[int]:
+        return [b for b in range(256) if self.next(sid, b) != DEAD]
+
+    def forced(self, sid: int, limit: int = 256) -> bytes:
+        """The bytes that must come next whatever the model does (a key, a separator, the rest of `true`):
+        the run of states with exactly one way on and not complete."""
+        out = bytearray()
+        while len(out) < limit and not self.is_complete(sid):
+            nxt = self.next_bytes(sid)
+            if len(nxt) != 1:
+                break
+            out.append(nxt[0])
+            sid = self.next(sid, nxt[0])
+        return bytes(out)
+
+    def string_split(self, sid: int) -> tuple[int, int]:
+        """(the state of just the stacks sitting in a string's body, the state of the others): masks.py allows
+        every "plain" token in the first at once (they leave a string body unchanged) and walks the trie only
+        for the rest."""
+        inside, other = set(), set()
+        for stack in self.stacks[sid]:
+            (inside if stack and isinstance(stack[-1][0], String) and stack[-1][1] == BODY else other).add(stack)
+        return self.intern(frozenset(inside)), self.intern(frozenset(other))
+
+    def matches(self, data: bytes) -> bool:
+        return self.is_complete(self.walk(self.start, data))
+
+    def describe(self, sid: int) -> Iterator[str]:
+        for stack in self.stacks[sid]:
+            yield " > ".join(f"{type(n).__name__}:{loc!r}" for n, loc in stack) or "(complete)"
