@@ -17,7 +17,7 @@ QUANTS = (AUTO, *QUANT_MODES)        # quant.py's registry: one spelling of ever
 
 def add_backend_options(p: argparse.ArgumentParser) -> None:
     # auto by default: the fastest mode within int8's accuracy bounds on this CPU (quant.default_quant): W4A8 for
-    # weights that are Q4_1 already (SmolLM2's: the model's own weights, 4.5 bits each) on the x86 variants, where it
+    # weights that are Q4_1 already (SmolLM2's: the model's own weights, 5 bits each) on the x86 variants, where it
     # measured fastest at decode, else W8A8-64 where the kernels have a byte dot product, else int8; lesson 7's
     # tables measure them
     p.add_argument("--quant", default=AUTO, choices=QUANTS,

@@ -21,7 +21,8 @@ Four int8 modes (`quantize_model(model, mode)`), and a 4-bit one:
   weights instead: `smooth_model`.)
 - "w4a8": the layers' weights as SmolLM2's GGUF ships them, Q4_1 (4-bit, a scale and a minimum per 32 inputs),
   recovered exactly from the float32 weights (`quantize_q4_1`), times int8 activations per 32: the model's own
-  weights at 4.5 bits each, so a decode step reads ~95 MB instead of int8's ~135 (see "W4A8" below). The default
+  weights at 5 bits each (4-bit values plus a float16 scale and minimum per 32), so a decode step reads ~95 MB
+  instead of int8's ~135 (see "W4A8" below). The default
   (`default_quant`) for weights that are Q4_1 already, on the instruction sets where it measured fastest.
 Why the int8 weights keep one scale per output channel, not per group of 32/64 inputs: it costs little accuracy on
 SmolLM2 (lesson 7 measures both), and one weight scale per output keeps each block's sum an integer dot product.
@@ -171,8 +172,9 @@ def matmul_reference(x: np.ndarray, q: QuantizedLinear) -> np.ndarray:
 # SmolLM2's only offline copy stores every layer matrix as Q4_1 (weights.py): per run of 32 inputs of an output
 # channel, 32 nibbles q in 0..15 and two float16, d and m, with w = d * q + m. The float32 weights are those values
 # exactly, so `quantize_q4_1` (llama.cpp's rule: m = min, d = (max - min) / 15 rounded to float16, q = round((w -
-# m) / d)) gets back the very blocks, and w4a8 computes with the model's own weights at 4.5 bits each: ~66 MB for
-# the layers where int8 reads ~106 MB. Only the activations are rounded (int8 per run of 32, as w8a8-64 per 64):
+# m) / d)) gets back the very blocks, and w4a8 computes with the model's own weights at 5 bits each (4-bit values
+# plus a float16 scale and minimum per 32): ~66 MB for the layers where int8 reads ~106 MB. Only the activations
+# are rounded (int8 per run of 32, as w8a8-64 per 64):
 #     y[t, o] = sum_b float32(sum_{i in b} xq[t, i] q[i, o]) * (d[b, o] sx[t, b]) + m[b, o] * xs[t, b]
 #     xs[t, b] = sx[t, b] * sum_{i in b} xq[t, i]
 # each block's dot product an exact integer, the blocks added in float32 in order: kernels/int4_dot.py's tile
@@ -426,7 +428,7 @@ def is_q4_1(model: Model) -> bool:
 
 
 # Where quant="auto" picks w4a8 for Q4_1 weights: the variants where it measured faster than w8a8-64 at batch 1
-# (the step that streams every weight: 4.5 bits a weight against 8) and level at batch 16 (docs/performance.md, "The
+# (the step that streams every weight: 5 bits a weight against 8) and level at batch 16 (docs/performance.md, "The
 # quantisation modes, measured"). With VNNI's one instruction per 64 byte multiply-adds, W4A8's float epilogue per 32
 # inputs weighs more than the bytes it saves once the tile is compute-bound, so it prefills slower there; decode is
 # what a chat waits for, so auto takes W4A8 and `--quant w8a8-64` remains for prefill. neon is left out until a
