@@ -351,7 +351,8 @@ def test_a_speculative_verify_of_up_to_max_rows_runs_fused(tiny_fast, mode, monk
     monkeypatch.setattr(decode_step, "decode_step", lambda m, t, lay: calls.append(len(t)) or real(m, t, lay))
     prompt = [5, 17, 99, 3, 42, 250, 7, 7, 128, 60] * 3
     k = decode_step.MAX_ROWS - 1
-    params = SamplingParams(temperature=0.0, ignore_eos=True, max_new_tokens=16)
+    # the prefill gives the first token; then room for one whole verify of k drafts (k + 1 tokens)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_new_tokens=1 + decode_step.MAX_ROWS)
     want = kv_cache.generate(model, prompt, params=params)
     calls.clear()
     # the target drafting for itself: every draft is whole and accepted, so the verifies have k + 1 rows

@@ -60,11 +60,13 @@ from .simd import prefetch_l2
 from .matmul import BLOCK, COLS, ROWS, _quantize_row, rope_head, w8a8_blocks, w8a32_blocks
 from .spin import FAILED, HAS_CLOCK, SYNC_SIZE, TIMEOUT_CYCLES, barrier
 
-# rows per fused step: two weight tiles' worth (matmul.ROWS = 4 rows a tile), so that a speculative verify of k <= 7
-# drafts (k + 1 rows) runs fused like the decode steps it is compared with. The fused step's lead shrinks with the rows:
-# every thread norms and quantises every row for itself; at 8 rows it still leads (docs/performance.md, "Why the
-# kernels' constants are what they are").
-MAX_ROWS = 2 * ROWS
+# rows per fused step: four weight tiles' worth (matmul.ROWS = 4 rows a tile), so that decode at batch 16 and a
+# speculative verify of k <= 15 drafts (k + 1 rows) run fused. The fused step's lead over the three-call path shrinks
+# with the rows (every thread norms and quantises every row for itself) and is level at 16 rows on a quiet machine;
+# but the three-call path starts ~120 parallel loops a step, and when another program holds one of the cores each of
+# them waits for it: there batch 16 ran ~5x slower three-call than fused (docs/performance.md, "Why the kernels'
+# constants are what they are").
+MAX_ROWS = 4 * ROWS
 
 
 @njit(cache=True)
