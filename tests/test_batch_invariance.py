@@ -19,11 +19,49 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tinyserve as ts
 from tinyserve import kv_cache, quant
 from tinyserve.engine import Engine
+from tinyserve.kernels.attention import paged_attention_numba
+from tinyserve.kernels.dense_attention import causal_attention
 from tinyserve.sampling import SamplingParams
+
+
+# --- the kernels: every way of computing a row gives the same bits --------------------------------------------
+
+@settings(max_examples=20, deadline=None)
+@given(S=st.integers(1, 200), cuts=st.lists(st.integers(1, 199), max_size=3), bs=st.sampled_from([1, 4, 16]),
+       H=st.sampled_from([16, 64]), seed=st.integers(0, 10**6))
+def test_attention_kernels_agree_bit_for_bit(S, cuts, bs, H, seed):
+    """S rows of one sequence over its own S keys, computed as: one dense prefill (tiled from 16 rows, the few-rows
+    kernel below), dense rows one at a time, one paged prefill over shuffled blocks, the same cut into chunks at
+    `cuts`, and S decode rows (one per sequence, the decode kernel): the same bits everywhere."""
+    rng = np.random.default_rng(seed)
+    N, K = 6, 2
+    q = rng.standard_normal((S, N, H)).astype(np.float32) * 2
+    k = rng.standard_normal((S, K, H)).astype(np.float32)
+    v = rng.standard_normal((S, K, H)).astype(np.float32)
+    want = causal_attention(q, k, v)
+    rows = np.stack([causal_attention(q[i:i + 1], k[:i + 1], v[:i + 1])[0] for i in range(S)])
+    assert np.array_equal(rows, want), "dense: one row at a time != all rows at once"
+    nb = -(-S // bs)
+    table = rng.permutation(nb)                                            # block i of the sequence -> pool block
+    k_pool, v_pool = np.zeros((nb, bs, K, H), np.float32), np.zeros((nb, bs, K, H), np.float32)
+    for i in range(nb):
+        k_pool[table[i], :len(k[i * bs:(i + 1) * bs])] = k[i * bs:(i + 1) * bs]
+        v_pool[table[i], :len(v[i * bs:(i + 1) * bs])] = v[i * bs:(i + 1) * bs]
+    tables = table[None].astype(np.int64)
+    assert np.array_equal(paged_attention_numba(q, k_pool, v_pool, tables, [S], [0, S]), want), "paged prefill"
+    bounds = [0, *sorted({c for c in cuts if c < S}), S]
+    chunked = np.concatenate([paged_attention_numba(q[a:b], k_pool, v_pool, tables, [b], [0, b - a])
+                              for a, b in zip(bounds, bounds[1:])])
+    assert np.array_equal(chunked, want), f"paged prefill in chunks {bounds}"
+    decode = paged_attention_numba(q, k_pool, v_pool, np.repeat(tables, S, axis=0), np.arange(1, S + 1),
+                                   np.arange(S + 1))
+    assert np.array_equal(decode, want), "paged decode rows"
 
 
 class Recorder:
