@@ -30,13 +30,13 @@ from .matmul import block_sums, pack_vnni, pack_w4a8, pack_w8a32
 
 
 # SiLU's exp on the three-call W8A8 path. None (the default): fast_exp.exp32 inside mlp_down, the fused decode step's
-# own, so a prompt's rows and a decode step's row compute SiLU alike (their attention still adds in other orders:
-# speculative.generate_stream prefills the whole prompt for that reason). np.exp: NumPy's, which makes the path the
-# NumPy W8A8 reference bit for bit (tests/test_quant.py and others set it to prove that; the reference's SiLU is
+# own, so a prompt's rows and a decode step's row compute SiLU alike (and attention adds in one order for both:
+# kernels/key_chunks.py), a row's logits the same bits whoever shares its step. np.exp: NumPy's, which makes the path
+# the NumPy W8A8 reference bit for bit (tests/test_quant.py and others set it to prove that; the reference's SiLU is
 # np.exp, and a last-bit difference before rounding to int8 can move an activation a whole int8 step). Why not NumPy
-# by default: on a 2-core Zen 3 it was 67-86 ms of a 512-token prefill (~6 %) on one thread while the other idled,
-# the cost that kept W8A8-64 level with int8 there; exp32 runs in the kernel's parallel row loop. Called as
-# silu_exp(x, out=x), into a buffer the forward keeps for all layers.
+# by default: on a 2-core Zen 3 it was 67-86 ms of a 512-token prefill (~6 %) on one thread while the other idled, the
+# cost that kept W8A8-64 level with int8 there; exp32 runs in the kernel's parallel row loop. Called as silu_exp(x,
+# out=x), into a buffer the forward keeps for all layers.
 silu_exp = None
 
 # From this many rows on, a W8A32 forward multiplies float32 copies of the dequantised weights with BLAS instead of
