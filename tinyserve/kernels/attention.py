@@ -31,7 +31,7 @@ from numba import njit, prange
 
 from ..attention_backends import check_paged_inputs
 from . import check_threading_layer
-from .key_chunks import CHUNK, LANES, chunk_softmax, combine, finish, fma32
+from .key_chunks import CHUNK, LANES, chunk_softmax, combine, finish, fma32, transpose16
 
 TILE = CHUNK      # positions per step inside an item: kt is K*H*TILE*4 = 48 KiB for SmolLM2, cache-resident
 ROWS = 16         # query rows per work item: they share each transposed K chunk
@@ -161,6 +161,8 @@ def decode_attention_heads(q, k_rows, v_rows, block_tables, bs, context_lens, b,
     scale = np.float32(1.0 / math.sqrt(H))
     S = context_lens[b]
     kt = np.empty((H, CHUNK), np.float32)                     # the chunk's keys of head kh, transposed
+    ktf, kf = kt.ravel(), k_rows.reshape(-1)
+    offs = np.empty(16, np.int64)
     slots = np.empty(CHUNK, np.int64)
     s = np.empty((n, CHUNK), np.float32)                      # scores, then exp weights
     pv = np.empty((n, H), np.float32)
@@ -174,9 +176,18 @@ def decode_attention_heads(q, k_rows, v_rows, block_tables, bs, context_lens, b,
         for j in range(nc):
             pos = c0 + j
             slots[j] = block_tables[b, pos // bs] * bs + pos % bs
-        for j in range(nc):                                   # transpose: the scores then run 16 keys a vector
-            for d in range(H):
-                kt[d, j] = k_rows[slots[j], kh, d]
+        if H % 16 == 0:                                       # transpose: the scores then run 16 keys a vector
+            for j0 in range(0, nc, 16):                       # (16 x 16 blocks in registers; a block's rows past
+                for r in range(16):                           # the context repeat its first, never read)
+                    offs[r] = (slots[j0 + r if j0 + r < nc else j0] * K + kh) * H
+                for d0 in range(0, H, 16):
+                    transpose16(kf, offs, ktf, d0 * CHUNK + j0, CHUNK)
+                    for r in range(16):
+                        offs[r] += 16
+        else:
+            for j in range(nc):
+                for d in range(H):
+                    kt[d, j] = k_rows[slots[j], kh, d]
         for r in range(n):                                    # 1. scores, 2. the softmax step
             h = kh * g + r_lo + r
             for j in range(nc):

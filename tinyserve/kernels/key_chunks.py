@@ -101,3 +101,51 @@ def finish(acc, l, out):
     inv = np.float32(1.0) / l
     for d in range(acc.shape[0]):
         out[d] = acc[d] * inv
+
+
+_F32 = ir.FloatType()
+_VF16 = ir.VectorType(_F32, 16)
+_I32 = ir.IntType(32)
+
+
+def _transpose_masks():
+    """The four two-source shuffles of a 16 x 16 transpose: at step b (8, 4, 2, 1) rows i and i + b (bit b of i
+    clear) swap their off-diagonal b x b blocks."""
+    steps = []
+    for b in (8, 4, 2, 1):
+        lo = [l if not l & b else 16 + l - b for l in range(16)]        # row i:     its own lanes, then i+b's
+        hi = [l + b if not l & b else 16 + l for l in range(16)]        # row i + b: i's upper lanes, then its own
+        steps.append((b, lo, hi))
+    return steps
+
+
+@intrinsic
+def transpose16(typingctx, src, offs, dst, dst_off, dst_stride):
+    """dst[dst_off + i * dst_stride + r] = src[offs[r] + i] for r, i < 16: sixteen rows of 16 floats (anywhere in
+    src, e.g. 16 keys' head dims in a paged pool) become 16 rows of 16 keys, in registers (64 shuffles where a
+    scalar loop moves 256 floats one by one). Only moves bits."""
+    sig = types.void(src, offs, dst, dst_off, dst_stride)
+
+    def codegen(context, builder, signature, args):
+        src_a, offs_a, dst_a, d_off, d_stride = args
+        ty = signature.args
+        sp = cgutils.create_struct_proxy(ty[0])(context, builder, src_a).data
+        op = cgutils.create_struct_proxy(ty[1])(context, builder, offs_a).data
+        dp = cgutils.create_struct_proxy(ty[2])(context, builder, dst_a).data
+        rows = []
+        for r in range(16):
+            off = builder.load(builder.gep(op, [ir.Constant(ir.IntType(64), r)]))
+            rows.append(builder.load(builder.bitcast(builder.gep(sp, [off]), _VF16.as_pointer()), align=4))
+        for b, lo, hi in _transpose_masks():
+            out = list(rows)
+            for i in range(16):
+                if i & b:
+                    continue
+                out[i] = builder.shuffle_vector(rows[i], rows[i + b], ir.Constant(ir.VectorType(_I32, 16), lo))
+                out[i + b] = builder.shuffle_vector(rows[i], rows[i + b], ir.Constant(ir.VectorType(_I32, 16), hi))
+            rows = out
+        for i in range(16):
+            at = builder.add(d_off, builder.mul(d_stride, ir.Constant(d_off.type, i)))
+            builder.store(rows[i], builder.bitcast(builder.gep(dp, [at]), _VF16.as_pointer()), align=4)
+        return context.get_dummy_value()
+    return sig, codegen
