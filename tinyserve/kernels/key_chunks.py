@@ -12,7 +12,7 @@ step of kernels/decode_step.py also runs) computes each (query row, head) with e
     [0, 64), [64, 128), ... (the last one cut at p + 1), in ascending order, with m = -inf, l = 0, acc = 0:
         s_j   = sum_d q[d] k_j[d]         one fused multiply-add per d, d = 0, 1, ..., starting from 0
         m'    = max(m, scale * max_j s_j)                                (exact: a max does not round)
-        alpha = exp(m - m')                                              (math.exp; 0 for the first chunk)
+        alpha = exp32(m - m')                                  (~1e-38 for the first chunk, where l = acc = 0)
         e_j   = exp32(scale * s_j - m')                                  (fast_exp.exp32, no fused multiply-add)
         l'    = l * alpha + lane_sum(e)                                  (lane_sum: below)
         pv[d] = sum_j e_j v_j[d]          one fused multiply-add per j, in ascending j, starting from 0
@@ -29,8 +29,6 @@ bits are the ones the rule says on every instruction set. The float32 NumPy refe
 exempt: BLAS picks GEMV or GEMM by the row count, so it adds in a batch-dependent order of its own.
 """
 from __future__ import annotations
-
-import math
 
 import numpy as np
 from llvmlite import ir
@@ -82,7 +80,7 @@ def chunk_softmax(s, n, scale, m, l, lanes):
     """The rule's softmax step for one (row, head) and one chunk: s[:n] scores -> e_j in place. Returns (m', alpha,
     l'). m = -inf and l = 0 before the first chunk."""
     m_new = max(m, scale * row_max(s, n))
-    alpha = np.float32(math.exp(m - m_new))
+    alpha = exp32(m - m_new)            # inline arithmetic, not a libm call: once per (row, head, chunk) of a prefill
     for j in range(n):
         s[j] = exp32(scale * s[j] - m_new)
     return m_new, alpha, l * alpha + lane_sum(s, n, lanes)
