@@ -86,7 +86,7 @@ LAYERS = (
     ("quant",),
     # 3. the Numba kernels: they compute what the reference defines
     ("kernels", "kernels.simd", "kernels.fast_exp", "kernels.int8_dot", "kernels.int4_dot", "kernels.matmul",
-     "kernels.layer", "kernels.spin", "kernels.attention", "kernels.dense_attention", "kernels.decode_step",
+     "kernels.layer", "kernels.spin", "kernels.key_chunks", "kernels.attention", "kernels.dense_attention", "kernels.decode_step",
      "kernels.forward"),
     # 4. which forward runs for a model: the reference or the kernels
     ("backend",),

@@ -34,7 +34,7 @@ def forward(model: Model, tokens: np.ndarray, positions: np.ndarray, attention: 
     """model.forward's contract (logits [len(logit_rows) or T, V] float32), on the model's path.
 
     `kv_layout`: where the step's K/V live, given only with the strategy's default attention; it lets the kernels
-    run a decode step of up to 8 rows as one call that writes the K/V itself instead of calling `attention`
+    run a decode step of up to 16 rows as one call that writes the K/V itself instead of calling `attention`
     (kernels/decode_step.py). The reference has no use for it."""
     if runs_on_kernels(model):
         from .kernels.forward import fast_forward

@@ -9,11 +9,17 @@ What it does differently from the NumPy reference:
 - work items are (query head, block of ROWS query rows), run in parallel; a block computes scores only for the
   keys its last row can see (the causal mask skips the rest instead of computing and discarding it);
 - Q K^T and P V run on the register-tiled FMA microkernel (kernels/simd.py), K transposed once per call so a
-  tile's 64 keys are contiguous;
+  tile's 64 keys are contiguous (a 4-row P V tile gives a row that does not see a key the weight 0: fma(0, v, x)
+  is x, the rule's sum unchanged);
 - float sums in another order than BLAS and a vectorisable exp (kernels/fast_exp.py, within 2e-7 relative of
   the true exp): results match the reference within rtol 1e-4 (as the paged kernel; tests/test_kernels.py).
-Below FEW_ROWS new rows (decode) a second, serial kernel does the same with plain loops: one row is too little
-work to wake the thread pool for.
+Below FEW_ROWS new rows (decode) a second, serial kernel runs each row as the paged kernel's decode row does.
+
+The order of every sum is kernels/key_chunks.py's rule, the paged kernels' too: keys in chunks of 64 positions in
+ascending order, one online-softmax update per chunk, each score one fma chain over d (the microkernel's order),
+each chunk's P V one fma chain over its keys (the microkernel again, into a scratch) joined to the running sum as
+acc * alpha + pv. A prompt's row therefore gets the bits a decode row at its position gets, in either kernel here
+or in the paged ones, so `generate` (this contiguous cache) and the Engine (paged) give the same logits.
 """
 from __future__ import annotations
 
@@ -22,24 +28,11 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .fast_exp import exp_row, row_max
+from .attention import decode_attention_heads
+from .key_chunks import CHUNK, LANES, chunk_softmax, combine, finish
 from .simd import make_fma_microkernel
 
 ROWS = 16                        # query rows per work item
-
-
-@njit(cache=True)
-def _softmax_row(x, see, width, scale):
-    """x[:see] <- exp(scale * (x[:see] - max)), x[see:width] <- 0 (masked keys and padding); returns 1 / their sum
-    (the caller scales the row of P V by it: 64 multiplies instead of `see`).
-
-    Two passes LLVM vectorises 16 keys wide: the max (fast_exp.row_max: an integer max over the floats' ordered
-    bits; a float max reduction stays scalar, ~5x slower here), and exp + sum in one loop (fast_exp.exp_row).
-    """
-    total = exp_row(x, see, scale, scale * row_max(x, see))
-    for j in range(see, width):
-        x[j] = 0.0
-    return np.float32(1.0) / total
 
 
 _qk_4x4 = make_fma_microkernel(4, 4, b_int8=False)   # 4 rows x 64 keys
@@ -54,12 +47,12 @@ def _attention(q, k, v, out):
     m, N, H = q.shape
     S, K, _ = k.shape
     g = N // K
-    S_pad = (S + 63) // 64 * 64
+    S_pad = (S + CHUNK - 1) // CHUNK * CHUNK
     kt = np.zeros((K, H, S_pad), np.float32)                  # [K, H, S_pad]: keys contiguous per (head, dim)
     for kd in prange(K * H):
         for j in range(S):
             kt[kd // H, kd % H, j] = k[j, kd // H, kd % H]
-    qf, ktf, vf, of = q.ravel(), kt.ravel(), v.ravel(), out.ravel()
+    qf, ktf, vf = q.ravel(), kt.ravel(), v.ravel()
     scale = np.float32(1.0 / math.sqrt(H))
     n_blocks = (m + ROWS - 1) // ROWS
     for item in prange(N * n_blocks):
@@ -68,12 +61,12 @@ def _attention(q, k, v, out):
         r0 = rb * ROWS
         nr = min(ROWS, m - r0)
         visible = S - m + r0 + nr                              # keys the block's last row sees
-        width = (visible + 63) // 64 * 64
-        p = np.zeros((ROWS, width), np.float32)                # scores, then probabilities
+        width = (visible + CHUNK - 1) // CHUNK * CHUNK
+        p = np.zeros((ROWS, width), np.float32)                # scores, then exp weights
         pf = p.ravel()
         r = 0
-        while r < nr:                                          # Q K^T, 4 rows x 64 keys per microkernel call
-            for kb in range(width // 64):
+        while r < nr:                                          # Q K^T, 4 rows x 64 keys per microkernel call: each
+            for kb in range(width // 64):                      # score one fma chain over d from 0 (the rule's)
                 if nr - r >= 4:
                     _qk_4x4(qf, ((r0 + r) * N + h) * H, N * H, ktf, kh * H * S_pad + kb * 64, 16, H, S_pad,
                             pf, r * width + kb * 64, width)
@@ -81,55 +74,57 @@ def _attention(q, k, v, out):
                     _qk_1x4(qf, ((r0 + r) * N + h) * H, N * H, ktf, kh * H * S_pad + kb * 64, 16, H, S_pad,
                             pf, r * width + kb * 64, width)
             r += 4 if nr - r >= 4 else 1
-        inv = np.empty(ROWS, np.float32)
-        for rr in range(nr):                                   # softmax over the keys row rr may see
-            inv[rr] = _softmax_row(p[rr], S - m + r0 + rr + 1, width, scale)
-        r = 0
-        while r < nr:                                          # P V, 4 rows x 16 dims per call
-            if H == 64 and nr - r >= 4:
-                _pv_4x4(pf, r * width, width, vf, kh * H, 16, visible, K * H, of, ((r0 + r) * N + h) * H, N * H)
-                r += 4
-                continue
-            for c in range(H // 16):
-                if nr - r >= 4:
-                    _pv_4x1(pf, r * width, width, vf, kh * H + c * 16, 16, visible, K * H,
-                            of, ((r0 + r) * N + h) * H + c * 16, N * H)
-                else:
-                    _pv_1x1(pf, r * width, width, vf, kh * H + c * 16, 16, visible, K * H,
-                            of, ((r0 + r) * N + h) * H + c * 16, N * H)
-            r += 4 if nr - r >= 4 else 1
-        for rr in range(nr):                                   # normalise: (P V) / sum(P)
-            for d in range(H):
-                out[r0 + rr, h, d] *= inv[rr]
+        pv = np.empty((ROWS, H), np.float32)                   # a chunk's weights * V, per row
+        pvf = pv.ravel()
+        acc = np.zeros((ROWS, H), np.float32)                  # the rule's m, l, acc per row
+        mx = np.full(ROWS, -np.inf, np.float32)
+        sm = np.zeros(ROWS, np.float32)
+        alpha = np.empty(ROWS, np.float32)
+        lanes = np.empty(LANES, np.float32)
+        for c0 in range(0, visible, CHUNK):                    # the key chunks, in ascending order
+            for rr in range(nr):                               # the softmax step of every row that sees the chunk;
+                nt = min(CHUNK, S - m + r0 + rr + 1 - c0)      # weights of keys it does not see are 0 (the 4-row
+                if nt > 0:                                     # P V tile below adds them: fma(0, v, x) = x)
+                    mx[rr], alpha[rr], sm[rr] = chunk_softmax(p[rr, c0:c0 + CHUNK], nt, scale, mx[rr], sm[rr],
+                                                              lanes)
+                for j in range(max(nt, 0), CHUNK):
+                    p[rr, c0 + j] = 0.0
+            r = 0
+            while r < nr:                                      # P V over the chunk, 4 rows x 16 dims per call
+                four = nr - r >= 4
+                n_keys = min(CHUNK, S - m + r0 + r + (4 if four else 1) - c0)   # the group's last row's keys
+                if n_keys > 0:
+                    if H == 64 and four:
+                        _pv_4x4(pf, r * width + c0, width, vf, c0 * K * H + kh * H, 16, n_keys, K * H, pvf, r * H, H)
+                    else:
+                        for c in range(H // 16):
+                            if four:
+                                _pv_4x1(pf, r * width + c0, width, vf, c0 * K * H + kh * H + c * 16, 16, n_keys,
+                                        K * H, pvf, r * H + c * 16, H)
+                            else:
+                                _pv_1x1(pf, r * width + c0, width, vf, c0 * K * H + kh * H + c * 16, 16, n_keys,
+                                        K * H, pvf, r * H + c * 16, H)
+                r += 4 if four else 1
+            for rr in range(nr):
+                if S - m + r0 + rr + 1 - c0 > 0:
+                    combine(acc[rr], alpha[rr], pv[rr])
+        for rr in range(nr):
+            finish(acc[rr], sm[rr], out[r0 + rr, h])
 
 
-@njit(cache=True, fastmath={"reassoc", "contract"})
+@njit(cache=True)
 def _few_rows_attention(q, k, v, out):
     """The same for a few new rows (decode: m = 1), on one thread: one row is ~0.1 M multiply-adds per layer at a
     context of 100, less than waking the thread pool costs, and ~30x less than NumPy's ten calls per layer spend on
-    dispatch. A row's scores are plain dot products ("reassoc": 16 lanes wide), then _softmax_row and P V."""
-    m, N, H = q.shape
+    dispatch. Each row is a decode row of the paged kernel (attention.decode_attention_heads) over a cache of one
+    block: the contiguous K/V."""
+    m, N, _ = q.shape
     S, K, _ = k.shape
-    g = N // K
-    scale = np.float32(1.0 / math.sqrt(H))
-    p = np.empty(S, np.float32)
-    acc = np.empty(H, np.float32)
+    block_tables = np.zeros((m, 1), np.int64)
+    context_lens = np.arange(S - m + 1, S + 1)                # row r sees S - m + r + 1 keys
     for r in range(m):
-        see = S - m + r + 1
-        for h in range(N):
-            kh = h // g
-            for j in range(see):
-                s = np.float32(0.0)
-                for d in range(H):
-                    s += q[r, h, d] * k[j, kh, d]
-                p[j] = s
-            inv = _softmax_row(p, see, see, scale)
-            acc[:] = 0.0
-            for j in range(see):
-                for d in range(H):
-                    acc[d] += p[j] * v[j, kh, d]
-            for d in range(H):
-                out[r, h, d] = acc[d] * inv
+        for kh in range(K):
+            decode_attention_heads(q, k, v, block_tables, S, context_lens, r, kh, 0, N // K, out)
 
 
 FEW_ROWS = 16    # below this many new rows: _few_rows_attention (serial), from it on: _attention (parallel, tiled)

@@ -1,5 +1,5 @@
-"""float32 loops LLVM can vectorise when written this way: exp (attention's softmax, the W8A32 layer's SiLU), a
-softmax row's exp + sum, and the max of a row (the softmax's shift).
+"""float32 loops LLVM can vectorise when written this way: exp (attention's softmax, the SiLU of the MLP) and the max
+of a row (the softmax's shift). Attention's exp + sum of a chunk is kernels/key_chunks.py's chunk_softmax.
 
 exp(x) = 2^(x log2 e) = 2^k * 2^f with k = round(x log2 e) and |f| <= 1/2; 2^f = e^(f ln 2) by its Taylor series
 to degree 6 (relative error < 2e-7, about float32's epsilon). Why not math.exp: LLVM can only call it one number at
@@ -48,15 +48,3 @@ def row_max(x, n):
     for j in range(n):
         top = max(top, ordered(float_bits(x[j])))
     return bits_float(ordered(top))
-
-
-@njit(cache=True, fastmath={"reassoc", "contract"})
-def exp_row(x, n, scale, shift):
-    """x[:n] <- exp(scale * x[:n] - shift) in place; returns their sum. "reassoc" lets the sum run in 16 lanes (so it
-    adds in another order than a plain loop); without it the loop would be one key at a time."""
-    total = np.float32(0.0)
-    for j in range(n):
-        e = exp32(scale * x[j] - shift)
-        x[j] = e
-        total += e
-    return total

@@ -11,7 +11,7 @@ What it does differently, and why each pays (lesson 7 measures them):
 - The O and down projections add into the residual stream in place (`accumulate=True`): no temporary.
 - Everything runs on Numba's thread pool; NumPy's BLAS (used by the attention reference) is held at one thread
   for the whole forward, so two pools never fight over the 2 cores (docs/performance.md: that trap costs ~10x).
-- A step of up to 8 rows that all need logits (decodes of up to 8 sequences, or a speculative verify) whose strategy
+- A step of up to 16 rows that all need logits (decodes of up to 16 sequences, or a speculative verify) whose strategy
   says where its K/V live (backend.forward's `kv_layout`) runs as one call for all layers (kernels/decode_step.py):
   1.2-1.5x faster at batch 1 than the three calls per layer.
 """
@@ -30,9 +30,9 @@ from .matmul import block_sums, pack_vnni, pack_w4a8, pack_w8a32
 
 
 # SiLU's exp on the three-call W8A8 path. None (the default): fast_exp.exp32 inside mlp_down, the fused decode step's
-# own, so a prompt's rows and a decode step's row compute SiLU alike (their attention still adds in other orders:
-# speculative.generate_stream prefills the whole prompt for that reason). np.exp: NumPy's, which makes the path the
-# NumPy W8A8 reference bit for bit (tests/test_quant.py and others set it to prove that; the reference's SiLU is
+# own, so a prompt's rows and a decode step's row compute SiLU alike (and attention adds in one order for both:
+# kernels/key_chunks.py), a row's logits the same bits whoever shares its step. np.exp: NumPy's, which makes the path
+# the NumPy W8A8 reference bit for bit (tests/test_quant.py and others set it to prove that; the reference's SiLU is
 # np.exp, and a last-bit difference before rounding to int8 can move an activation a whole int8 step). Why not NumPy
 # by default: it ran on one thread while the other idled (~6 % of a prefill; docs/performance.md, "Why the kernels'
 # constants are what they are"); exp32 runs in the kernel's parallel row loop. Called as
