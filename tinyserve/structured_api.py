@@ -99,16 +99,20 @@ def _functions(tools) -> dict[str, dict]:
     return out
 
 
+# OpenAI's tool_choice words (not to be mistaken for quant modes of the same spelling)
+NO_TOOL, MODEL_CHOOSES, SOME_TOOL = "none", "auto", "required"
+
+
 def _tool_choice(choice, functions: dict[str, dict]) -> Structured | None:
-    if choice == "none" or (choice is None and not functions):
+    if choice == NO_TOOL or (choice is None and not functions):
         return None
-    if choice in (None, "auto"):
+    if choice in (None, MODEL_CHOOSES):
         raise StructuredError("tool_choice 'auto' (the default with tools) is not supported by tinyserve: name a "
                               "function ({'type': 'function', 'function': {'name': ...}}), or send 'required' or "
                               "'none'", "tool_choice")
     if not functions:
         raise StructuredError("tool_choice given without tools", "tool_choice")
-    if choice == "required":
+    if choice == SOME_TOOL:
         if len(functions) == 1:
             name, = functions
             return Structured(functions[name], tool=name)
