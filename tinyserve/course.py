@@ -8,7 +8,10 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
 
 from .measure import time_repeated
 
@@ -32,6 +35,72 @@ def record(finding: str, lesson: int | None = None, **numbers) -> None:
     with open(build_dir(lesson) / "findings.jsonl", "a") as f:
         f.write(json.dumps({"finding": finding, **numbers}) + "\n")
     print(finding)
+
+
+# --- predictions as checked claims ------------------------------------------------------------------------------
+# Every lesson predicts before it measures. The rule that turns the pair into a verdict is stated once, here:
+#   a number prediction holds when the measurement lies within TOLERANCE (1.5x) of it, either way;
+#   a comparison ("A takes ~r times B") holds when the median ratio lies within TOLERANCE of r AND every interleaved
+#   round falls on the same side of 1 as r (a noisy machine may blur the size of a gap, not flip its sign).
+# The verdict text is written from the numbers; a cell that gets "does not hold" must say why, next to it.
+
+TOLERANCE = 1.5
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One prediction against its measurement. `rounds`: per-round measured ratios, when the claim is a comparison."""
+    what: str
+    predicted: float
+    measured: float
+    unit: str = ""
+    tolerance: float = TOLERANCE
+    rounds: tuple[float, ...] = ()
+
+    @property
+    def ratio(self) -> float:
+        """measured / predicted."""
+        return self.measured / self.predicted if self.predicted else float("inf")
+
+    @property
+    def same_side(self) -> bool:
+        """Every round on the predicted side of 1 (true for a plain number, or a predicted tie: they have no side)."""
+        if not self.rounds or self.predicted == 1:
+            return True
+        return all((r > 1) == (self.predicted > 1) and r != 1 for r in self.rounds)
+
+    @property
+    def holds(self) -> bool:
+        return 1 / self.tolerance <= self.ratio <= self.tolerance and self.same_side
+
+    def __str__(self) -> str:
+        u = f" {self.unit}" if self.unit else ""
+        text = (f"{self.what}: predicted {self.predicted:.3g}{u}, measured {self.measured:.3g}{u} "
+                f"(measured/predicted {self.ratio:.2f}x)")
+        if self.rounds:
+            text += f", rounds {min(self.rounds):.2f}-{max(self.rounds):.2f}"
+        if self.holds:
+            return text + f" -> holds (within {self.tolerance:g}x" + (", every round on one side)" if self.rounds else ")")
+        why = [] if 1 / self.tolerance <= self.ratio <= self.tolerance else [f"outside {self.tolerance:g}x"]
+        if not self.same_side:
+            why.append("rounds on both sides of 1")
+        return text + " -> DOES NOT HOLD (" + ", ".join(why) + ")"
+
+
+def check_prediction(what: str, predicted: float, measured: float, unit: str = "", *,
+                     rounds: Sequence[float] = (), tolerance: float = TOLERANCE,
+                     lesson: int | None = None) -> Verdict:
+    """Judge a prediction by the course's rule, print the verdict and record it with its numbers.
+
+    For a comparison pass the predicted ratio, the median measured ratio and every interleaved round's ratio:
+    `check_prediction("paged / contiguous step time", 1.0, med, rounds=per_round)`.
+    """
+    if not (np.isfinite(predicted) and np.isfinite(measured)) or predicted <= 0 or measured < 0:
+        raise ValueError(f"{what}: a prediction needs a positive predicted and a non-negative measured number, "
+                         f"got predicted={predicted!r}, measured={measured!r}")
+    v = Verdict(what, float(predicted), float(measured), unit, float(tolerance), tuple(float(r) for r in rounds))
+    record(str(v), lesson, predicted=v.predicted, measured=v.measured, holds=v.holds)
+    return v
 
 
 def median_time(fn: Callable[[], object], repeat: int = 5, warmup: int = 1) -> float:

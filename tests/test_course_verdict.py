@@ -1,0 +1,46 @@
+"""The course's prediction rule (course.check_prediction): within 1.5x holds, outside does not, and a comparison
+whose interleaved rounds fall on both sides of 1 does not hold whatever its median says."""
+import json
+
+import pytest
+
+from tinyserve import course
+
+
+@pytest.fixture
+def build(tmp_path, monkeypatch):
+    monkeypatch.setenv("TINYSERVE_BUILD", str(tmp_path))
+    return tmp_path
+
+
+def test_a_number_within_the_tolerance_holds_either_way(build):
+    assert course.check_prediction("step", 10.0, 14.9, "ms").holds
+    assert course.check_prediction("step", 10.0, 6.7, "ms").holds
+    assert not course.check_prediction("step", 10.0, 15.1, "ms").holds
+    assert not course.check_prediction("step", 10.0, 6.6, "ms").holds
+
+
+def test_a_comparison_needs_every_round_on_the_predicted_side(build):
+    assert course.check_prediction("grouped / repeat", 0.5, 0.6, rounds=[0.55, 0.6, 0.7]).holds
+    flipped = course.check_prediction("grouped / repeat", 0.8, 0.95, rounds=[0.9, 0.95, 1.05])
+    assert not flipped.holds, "a round above 1 contradicts 'grouped is faster', though the median is within 1.5x"
+    assert "both sides" in str(flipped)
+    assert not course.check_prediction("faster", 2.0, 1.0, rounds=[1.0, 1.0]).holds  # a tie is not 'faster'
+
+
+def test_the_verdict_is_printed_and_recorded_with_its_numbers(build, capsys):
+    v = course.check_prediction("bandwidth", 30.0, 90.0, "GB/s")
+    out = capsys.readouterr().out
+    assert "DOES NOT HOLD" in out and "3.00x" in out and not v.holds
+    row = json.loads((build / "findings.jsonl").read_text().splitlines()[-1])
+    assert row["predicted"] == 30.0 and row["measured"] == 90.0 and row["holds"] is False
+
+
+@pytest.mark.parametrize("predicted, measured", [(0.0, 1.0), (-1.0, 1.0), (1.0, float("nan")), (1.0, -2.0)])
+def test_nonsense_numbers_are_refused(build, predicted, measured):
+    with pytest.raises(ValueError, match="prediction needs"):
+        course.check_prediction("x", predicted, measured)
+
+
+def test_a_predicted_tie_is_judged_by_the_tolerance_alone(build):
+    assert course.check_prediction("paged / contiguous", 1.0, 1.1, rounds=[0.9, 1.1, 1.2]).holds
