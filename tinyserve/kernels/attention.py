@@ -32,9 +32,18 @@ from numba import njit, prange
 from ..attention_backends import check_paged_inputs
 from . import check_threading_layer
 from .key_chunks import CHUNK, LANES, chunk_softmax, combine, finish, fma32, transpose16
+from .simd import make_fma_microkernel
 
 TILE = CHUNK      # positions per step inside an item: kt is K*H*TILE*4 = 48 KiB for SmolLM2, cache-resident
 ROWS = 16         # query rows per work item: they share each transposed K chunk
+
+# A decode row's Q K^T and P V on the register-tiled microkernel (kernels/simd.py): its accumulators stay in
+# registers for the whole chain over d (scores) or j (P V). Written as loops over memory, s[j] = fma(q[d], kt[d, j],
+# s[j]) stores and reloads every score at every d, and each fma then waits for the store before it: ~3x slower.
+# Same fma chains in the same order, from 0, so the same bits (key_chunks' rule).
+_scores_1x4 = make_fma_microkernel(1, CHUNK // 16, b_int8=False)    # one head x the chunk's 64 keys
+_pv_1x4 = make_fma_microkernel(1, 4, b_int8=False)                   # one head x 64 of the head dim
+_pv_1x1 = make_fma_microkernel(1, 1, b_int8=False)                   # one head x 16 of the head dim
 
 
 @njit(cache=True)
@@ -160,12 +169,15 @@ def decode_attention_heads(q, k_rows, v_rows, block_tables, bs, context_lens, b,
     n = r_hi - r_lo
     scale = np.float32(1.0 / math.sqrt(H))
     S = context_lens[b]
-    kt = np.empty((H, CHUNK), np.float32)                     # the chunk's keys of head kh, transposed
-    ktf, kf = kt.ravel(), k_rows.reshape(-1)
+    tiled = H % 16 == 0                                       # the microkernels' 16-lane blocks
+    kt = np.zeros((H, CHUNK), np.float32)                     # the chunk's keys of head kh, transposed
+    vt = np.empty((CHUNK, H), np.float32)                     # the chunk's values of head kh, gathered
+    ktf, kf, vtf, qf = kt.ravel(), k_rows.reshape(-1), vt.ravel(), q.reshape(-1)
     offs = np.empty(16, np.int64)
     slots = np.empty(CHUNK, np.int64)
     s = np.empty((n, CHUNK), np.float32)                      # scores, then exp weights
     pv = np.empty((n, H), np.float32)
+    sf, pvf = s.ravel(), pv.ravel()
     acc = np.zeros((n, H), np.float32)
     mx = np.full(n, -np.inf, np.float32)
     sm = np.zeros(n, np.float32)
@@ -176,7 +188,7 @@ def decode_attention_heads(q, k_rows, v_rows, block_tables, bs, context_lens, b,
         for j in range(nc):
             pos = c0 + j
             slots[j] = block_tables[b, pos // bs] * bs + pos % bs
-        if H % 16 == 0:                                       # transpose: the scores then run 16 keys a vector
+        if tiled:                                             # transpose: the scores then run 16 keys a vector
             for j0 in range(0, nc, 16):                       # (16 x 16 blocks in registers; a block's rows past
                 for r in range(16):                           # the context repeat its first, never read)
                     offs[r] = (slots[j0 + r if j0 + r < nc else j0] * K + kh) * H
@@ -184,26 +196,43 @@ def decode_attention_heads(q, k_rows, v_rows, block_tables, bs, context_lens, b,
                     transpose16(kf, offs, ktf, d0 * CHUNK + j0, CHUNK)
                     for r in range(16):
                         offs[r] += 16
+            for j in range(nc):                               # (indexed by loop counters: a slice assignment
+                vrow = v_rows[slots[j], kh]                       # or a computed flat index compiles to
+                for d in range(H):                                # element-wise copies or gathers)
+                    vt[j, d] = vrow[d]
         else:
             for j in range(nc):
                 for d in range(H):
                     kt[d, j] = k_rows[slots[j], kh, d]
         for r in range(n):                                    # 1. scores, 2. the softmax step
             h = kh * g + r_lo + r
-            for j in range(nc):
-                s[r, j] = 0.0
-            for d in range(H):
-                qd = q[b, h, d]
+            if tiled:                                         # all 64 columns; those past nc are never read
+                _scores_1x4(qf, (b * N + h) * H, H, ktf, 0, 16, H, CHUNK, sf, r * CHUNK, CHUNK)
+            else:
                 for j in range(nc):
-                    s[r, j] = fma32(qd, kt[d, j], s[r, j])
-            mx[r], alpha[r], sm[r] = chunk_softmax(s[r], nc, scale, mx[r], sm[r], lanes)
-        pv[:] = 0.0                                           # 3. P V: each V row serves the n heads
-        for j in range(nc):
-            vrow = v_rows[slots[j], kh]
-            for r in range(n):
-                w = s[r, j]
+                    s[r, j] = 0.0
                 for d in range(H):
-                    pv[r, d] = fma32(w, vrow[d], pv[r, d])
+                    qd = q[b, h, d]
+                    for j in range(nc):
+                        s[r, j] = fma32(qd, kt[d, j], s[r, j])
+            mx[r], alpha[r], sm[r] = chunk_softmax(s[r], nc, scale, mx[r], sm[r], lanes)
+        if tiled:                                             # 3. P V: pv[r, d] = one fma chain over the nc keys
+            for r in range(n):
+                d0 = 0
+                while d0 + 64 <= H:
+                    _pv_1x4(sf, r * CHUNK, CHUNK, vtf, d0, 16, nc, H, pvf, r * H + d0, H)
+                    d0 += 64
+                while d0 < H:
+                    _pv_1x1(sf, r * CHUNK, CHUNK, vtf, d0, 16, nc, H, pvf, r * H + d0, H)
+                    d0 += 16
+        else:
+            pv[:] = 0.0                                       # each V row serves the n heads
+            for j in range(nc):
+                vrow = v_rows[slots[j], kh]
+                for r in range(n):
+                    w = s[r, j]
+                    for d in range(H):
+                        pv[r, d] = fma32(w, vrow[d], pv[r, d])
         for r in range(n):
             combine(acc[r], alpha[r], pv[r])
     for r in range(n):
