@@ -215,6 +215,18 @@ def test_disaggregated_decode_rate_with_an_odd_output_length():
     assert r.decode == approx(32 / (511 * step)), "the mean context is prompt_len + output_len / 2 = 8447.5 (not 8447)"
 
 
+@pytest.mark.exercise("disaggregated_rates")
+def test_disaggregated_unequal_groups_and_a_short_prompt():
+    # 8 prefill chips, 24 decode chips, a 100-token prompt: its FLOPs 2 * 70e9 * 100 / (8 * 1.97e14) = 8.88 ms take
+    # less than reading the weights once, 70e9 / (8 * 8.1e11) = 10.80 ms: a short prefill is memory-bound
+    r = impl.disaggregated_rates(V5E, 8, 24, 100, 37, 20, 70e9, KV70, 1, 4.5e10)
+    assert r.prefill == approx(8 * 8.1e11 / 70e9), (
+        f"prefill {r.prefill:.2f}/s: a prefill is at least one weight read (10.80 ms on 8 chips), not only its FLOPs")
+    step = 70e9 / (24 * 8.1e11) + 20 * (100 + 18.5) * KV70 / (24 * 8.1e11)
+    assert r.decode == approx(20 / (37 * step)), "the decode group has its own 24 chips (not the prefill group's 8)"
+    assert r.handover == approx(4.5e10 / (100 * KV70))
+
+
 # --- the ring all-reduce ---------------------------------------------------------------------------------------
 
 @pytest.mark.exercise("all_reduce")
