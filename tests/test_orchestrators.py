@@ -92,3 +92,25 @@ def test_disaggregated_hands_kv_over_and_counts_the_bytes(tiny, trace, reference
 def test_a_worker_that_dies_fails_the_run_at_once(trace):
     with pytest.raises(RuntimeError, match="exited with code"):
         run_disaggregated(ModelSpec("smollm2", weights="/nonexistent/weights"), trace[:2], 40.0, timeout=120)
+
+
+def test_compare_designs_bounds_every_design_by_max_batch(monkeypatch):
+    """One prediction with max_batch speaks for all three designs only if all three run at most max_batch at once."""
+    from tinyserve import orchestrators as orch
+    seen = {}
+
+    def fake(design):
+        def run(model_or_spec, trace, rate, **kw):
+            seen[design] = kw
+            timings = [orch.Timing(r.arrival, [r.arrival + 0.1, r.arrival + 0.2], [1, 2]) for r in trace]
+            return orch.DesignResult(design, rate, timings, 1.0)
+        return run
+
+    for name in ("batched", "interleaved", "disaggregated"):
+        monkeypatch.setattr(orch, f"run_{name}", fake(name))
+    rows = orch.compare_designs(ModelSpec("tiny"), [2.0], num_requests=4, max_batch=3, token_budget=16)
+    assert seen["batched"]["max_batch"] == 3
+    assert seen["interleaved"]["max_running"] == 3 and seen["disaggregated"]["max_running"] == 3
+    assert [r["offered_tokens_per_s"] for r in rows] == [4.0] * 3, "2 requests/s x 2 tokens each"
+    assert all(r["itl_mean_ms"] == pytest.approx(100.0) for r in rows)
+    assert "offered_tok/s" in orch.format_rows(rows) and "ttft_p90_ms" in orch.format_rows(rows)

@@ -97,13 +97,20 @@ class DesignResult:
     def tokens_per_s(self) -> float:
         return sum(len(t.tokens) for t in self.timings) / self.seconds
 
+    @property
+    def offered_tokens_per_s(self) -> float:
+        """What the trace asks for: the arrival rate times the mean output length. A server that keeps up delivers
+        this (tokens_per_s, less the ramp at both ends of a finite trace); one past its capacity delivers less."""
+        return self.rate * sum(len(t.tokens) for t in self.timings) / len(self.timings)
+
     def row(self) -> dict:
         p = lambda a, q: float(np.percentile(a, q) * 1e3) if len(a) else float("nan")  # noqa: E731
         ttft, itl = self.ttft, self.itl
         return {"design": self.design, "rate": self.rate, "ttft_p50_ms": p(ttft, 50), "ttft_p90_ms": p(ttft, 90),
                 "ttft_p99_ms": p(ttft, 99), "itl_p50_ms": p(itl, 50), "itl_p90_ms": p(itl, 90),
-                "itl_p99_ms": p(itl, 99), "tokens_per_s": self.tokens_per_s, "seconds": self.seconds,
-                "kv_mb_moved": self.kv_bytes_moved / 2**20}
+                "itl_p99_ms": p(itl, 99), "itl_mean_ms": float(itl.mean() * 1e3) if len(itl) else float("nan"),
+                "offered_tokens_per_s": self.offered_tokens_per_s, "tokens_per_s": self.tokens_per_s,
+                "seconds": self.seconds, "kv_mb_moved": self.kv_bytes_moved / 2**20}
 
 
 # --- batched and interleaved: one engine, one process -----------------------------------------------------------
@@ -363,16 +370,18 @@ def compare_designs(spec: ModelSpec, rates: list[float], num_requests: int = 24,
     """Every design at every rate on the same trace; one row (DesignResult.row) per run. The batched and
     interleaved designs run in this process (the BLAS threads as configured); the disaggregated one in two
     processes with one BLAS thread each. Runs are interleaved by rate, so slow drift of a shared machine hits all
-    three designs alike."""
+    three designs alike. max_batch bounds the running requests of every design alike (a static batch's size, the
+    others' max_running), so one prediction with that limit speaks for all three."""
     engine_kw = engine_kw or {}
     model = spec.load()
     rows = []
     for rate in rates:
         trace = poisson_trace(rate, num_requests, prompt_len, output_len, model.config.vocab_size, seed)
         for result in (run_batched(model, trace, rate, max_batch=max_batch, **engine_kw),
-                       run_interleaved(model, trace, rate, token_budget=token_budget, **engine_kw),
+                       run_interleaved(model, trace, rate, token_budget=token_budget, max_running=max_batch,
+                                       **engine_kw),
                        run_disaggregated(spec, trace, rate, token_budget=max(token_budget, prompt_len[1]),
-                                         **engine_kw)):
+                                         max_running=max_batch, **engine_kw)):
             rows.append(result.row())
             if progress is not None:
                 progress(format_rows(rows[-1:], header=len(rows) == 1))
@@ -380,9 +389,10 @@ def compare_designs(spec: ModelSpec, rates: list[float], num_requests: int = 24,
 
 
 def format_rows(rows: list[dict], header: bool = True) -> str:
-    cols = ["design", "rate", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tokens_per_s",
-            "kv_mb_moved"]
+    cols = ["design", "rate", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p90_ms", "offered_tokens_per_s",
+            "tokens_per_s", "kv_mb_moved"]
     fmt = lambda v: f"{v:.1f}" if isinstance(v, float) else str(v)  # noqa: E731
-    lines = ["  ".join(f"{c:>13}" for c in cols)] if header else []
-    lines += ["  ".join(f"{fmt(r[c]):>13}" for c in cols) for r in rows]
+    names = {"offered_tokens_per_s": "offered_tok/s", "tokens_per_s": "delivered_tok/s"}
+    lines = ["  ".join(f"{names.get(c, c):>15}" for c in cols)] if header else []
+    lines += ["  ".join(f"{fmt(r[c]):>15}" for c in cols) for r in rows]
     return "\n".join(lines)

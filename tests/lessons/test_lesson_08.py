@@ -42,8 +42,37 @@ def test_sse_escapes_what_would_break_a_line():
     assert frame.startswith("data: ") and frame.endswith("\n\n") and "\n" not in body
     assert body.isascii(), "non-ASCII must be escaped: clients that split with str.splitlines break at U+2028"
     assert list(parse_sse(frame.splitlines())) == [{"text": "two\nlines \u2028 caf\u00e9 \x85"}]
-    with pytest.raises(ValueError):
-        impl.sse_event("raw\ntext")
+    for raw in ("raw\ntext", "raw\rtext", "raw\r\ntext"):
+        with pytest.raises(ValueError):
+            impl.sse_event(raw)        # SSE ends a line at CR, LF or CRLF: any of them would split the data line
+
+
+def _sse_events(stream: str) -> list[str]:
+    """The WHATWG event-stream parser, reduced to data: lines ending at CR, LF or CRLF; one optional space after
+    the colon is dropped; a blank line dispatches the event (its data lines joined by LF); data without a closing
+    blank line is never dispatched."""
+    import re
+    events, data = [], None
+    for line in re.split(r"\r\n|\r|\n", stream):
+        if line == "":
+            if data is not None:
+                events.append("\n".join(data))
+            data = None
+        elif line.startswith("data:"):
+            value = line[5:]
+            data = (data or []) + [value[1:] if value.startswith(" ") else value]
+    return events
+
+
+@pytest.mark.exercise("sse_event")
+def test_sse_frames_make_a_stream_a_client_splits_into_events():
+    chunks = [{"id": 1, "text": "Par"}, {"id": 2, "text": "is\r"}, {"id": 3, "text": ""}]
+    stream = "".join(impl.sse_event(c) for c in chunks) + impl.sse_event("[DONE]")
+    events = _sse_events(stream)
+    assert events[-1] == "[DONE]", f"the stream must end with the event data: [DONE], got {events[-1:]}"
+    assert [json.loads(e) for e in events[:-1]] == chunks, (
+        f"a client that splits the stream at blank lines must get each chunk as one event, got {events}")
+    assert all(impl.sse_event(c).startswith("data: ") for c in chunks), "the field is 'data: ' (with its space)"
 
 
 @pytest.mark.exercise("sse_event")
@@ -129,6 +158,30 @@ def test_export_kv_equals_a_contiguous_cache(tiny, n_prompt, block_size):
     np.testing.assert_allclose(v, cache.v[:, :n_prompt], rtol=1e-5, atol=1e-5)
     k3, _ = impl.export_kv(engine, seq, 3)
     np.testing.assert_array_equal(k3, k[:, :3])
+
+
+@pytest.mark.exercise("export_kv")
+@pytest.mark.parametrize("n_prompt,block_size", [(37, 8), (40, 16), (29, 4)])
+def test_export_kv_follows_a_block_table_with_gaps(tiny, n_prompt, block_size):
+    """A decoding tenant takes a new block while the prompt is prefilled in chunks of 8 tokens, so the prompt's
+    blocks are not consecutive in the pool: only the block table says where its positions live."""
+    prompt = [int(t) for t in np.random.default_rng(n_prompt).integers(3, 256, n_prompt)]
+    engine = Engine(tiny, num_blocks=32, block_size=block_size, max_batch_tokens=8)
+    engine.add_request(list(range(3, 2 + block_size)), SamplingParams(temperature=0, max_new_tokens=60,
+                                                                      ignore_eos=True))
+    rid = engine.add_request(prompt, SamplingParams(temperature=0, max_new_tokens=8))
+    while engine.sequence(rid).num_computed_tokens < n_prompt:
+        engine.step()
+    seq = engine.sequence(rid)
+    table = list(seq.block_table)
+    assert table != list(range(table[0], table[0] + len(table))), f"the test needs a table with gaps, got {table}"
+    k, v = impl.export_kv(engine, seq, n_prompt)
+    cache = KVCache.allocate(tiny.config, max_len=64)
+    prefill(tiny, cache, prompt)
+    np.testing.assert_allclose(k, cache.k[:, :n_prompt], rtol=1e-5, atol=1e-5,
+                               err_msg=f"block table {table}: position p lives in block table[p // bs], not in "
+                                       f"the p // bs-th block after the first")
+    np.testing.assert_allclose(v, cache.v[:, :n_prompt], rtol=1e-5, atol=1e-5)
 
 
 # --- predict_load --------------------------------------------------------------------------------------------

@@ -100,6 +100,21 @@ def test_step_time_two_regimes_plus_kv():
     assert impl.decode_step_time(chip, 4, 10, P, 1e8, 2) == approx(0.5e-3 + 0.25e-3)   # default: all 4 chips
 
 
+@pytest.mark.exercise("decode_step_time")
+def test_step_time_compute_bound_with_kv_on_fewer_shards():
+    # non-round numbers, a compute-bound step AND a KV read, the cache on 3 of 6 chips (3 KV heads, replicated twice)
+    chip = Chip("odd", 1e10, 7e11, 3.3e13)
+    P, B, kv_seq = 1.3e9, 37, 2.7e7
+    weights = P * 1.5 / (6 * 7e11)                 # 0.464 ms: each chip reads its sixth of the weights
+    flops = 2 * P * B / (6 * 3.3e13)               # 0.486 ms: the matmuls bind (compute-bound)
+    kv = B * kv_seq / (3 * 7e11)                   # 0.476 ms: each of the 3 KV shards reads a third of the cache
+    assert flops > weights
+    got = impl.decode_step_time(chip, 6, B, P, kv_seq, 1.5, kv_shards=3)
+    assert got == approx(flops + kv), (
+        f"{got * 1e3:.4f} ms: the KV read adds to the max(weights, matmuls) even when the matmuls bind, and the "
+        f"cache is split over kv_shards = 3 chips, the weights over all 6: {flops * 1e3:.4f} + {kv * 1e3:.4f} ms")
+
+
 KV70 = 2 * 80 * 8 * 128             # 70B model, int8 KV: 163,840 B per token
 
 
@@ -170,6 +185,11 @@ def test_largest_batch_within_on_a_toy_chip():
     assert impl.largest_batch_within(toy, 1, 100, 10, 5, 2) == 16, "bf16: w = 20 s, (100 - 20) / 5 = 16"
     assert impl.largest_batch_within(toy, 1, 20, 10, 0, 2) == 1000, (
         "no KV read and a step exactly as long as the weight read: the FLOPs bound, 20 / 0.02 = 1000")
+    # 4 chips share the weights, but the KV cache lives whole on each (kv_shards=1: one KV head, replicated):
+    # w = 10 * 2 / 4 = 5 s, k = 3 / 1 = 3 s per sequence, c = 2 * 10 / 4000 = 0.005 s -> min(95 / 3, 100 / 3.005)
+    assert impl.largest_batch_within(toy, 4, 100, 10, 3, 2, kv_shards=1) == 31, (
+        "the weights split 4 ways (5 s), the KV read not split at all (kv_shards=1: 3 s a sequence): (100 - 5) / 3")
+    assert impl.largest_batch_within(toy, 4, 100, 10, 3, 2, kv_shards=2) == 63, "(100 - 5) / (3 / 2) = 63.3"
 
 
 # --- disaggregated serving -------------------------------------------------------------------------------------
@@ -193,6 +213,18 @@ def test_disaggregated_decode_rate_with_an_odd_output_length():
     r = impl.disaggregated_rates(V5E, 16, 16, 8192, 511, 32, 70e9, KV70, 1, 4.5e10)
     step = 70e9 / (16 * 8.1e11) + 32 * (8192 + 255.5) * KV70 / (16 * 8.1e11)
     assert r.decode == approx(32 / (511 * step)), "the mean context is prompt_len + output_len / 2 = 8447.5 (not 8447)"
+
+
+@pytest.mark.exercise("disaggregated_rates")
+def test_disaggregated_unequal_groups_and_a_short_prompt():
+    # 8 prefill chips, 24 decode chips, a 100-token prompt: its FLOPs 2 * 70e9 * 100 / (8 * 1.97e14) = 8.88 ms take
+    # less than reading the weights once, 70e9 / (8 * 8.1e11) = 10.80 ms: a short prefill is memory-bound
+    r = impl.disaggregated_rates(V5E, 8, 24, 100, 37, 20, 70e9, KV70, 1, 4.5e10)
+    assert r.prefill == approx(8 * 8.1e11 / 70e9), (
+        f"prefill {r.prefill:.2f}/s: a prefill is at least one weight read (10.80 ms on 8 chips), not only its FLOPs")
+    step = 70e9 / (24 * 8.1e11) + 20 * (100 + 18.5) * KV70 / (24 * 8.1e11)
+    assert r.decode == approx(20 / (37 * step)), "the decode group has its own 24 chips (not the prefill group's 8)"
+    assert r.handover == approx(4.5e10 / (100 * KV70))
 
 
 # --- the ring all-reduce ---------------------------------------------------------------------------------------

@@ -56,7 +56,8 @@ def test_greedy_and_sampling_pick_only_allowed_tokens():
 
 @pytest.mark.exercise("is_plain")
 @pytest.mark.parametrize("data, plain", [(b"hello", True), (b" the", True), ("é".encode(), True),
-                                         ("日本".encode(), True), (b"~", True)])
+                                         ("日本".encode(), True), (b"~", True), (b" ", True),
+                                         (b"a b", True)])
 def test_whole_characters_without_quote_or_backslash_are_plain(data, plain):
     assert impl.is_plain(data) is plain
 
@@ -65,6 +66,8 @@ def test_whole_characters_without_quote_or_backslash_are_plain(data, plain):
 @pytest.mark.parametrize("data, why", [(b'a"', "a quote ends the string"), (b"\\n", "a backslash starts an escape"),
                                        (b"a\n", "a raw newline is not allowed in a JSON string"),
                                        (b"\t", "nor a tab (any byte < 0x20)"), (b"\x7f", "nor DEL (0x7f)"),
+                                       (b"a\x01", "nor U+0001: every byte below 0x20, not only \\b \\f \\n \\r \\t"),
+                                       (b"\x1f", "nor U+001F, the last control character (0x1f < 0x20)"),
                                        (b"\xc3", "half of 'é': the string body is left mid-character"),
                                        (b"\xa9", "a continuation byte alone"), (b"\xff", "never valid UTF-8")])
 def test_these_are_not_plain(data, why):
