@@ -89,7 +89,7 @@ def matmul_w8a8(xu: np.ndarray, sx: np.ndarray, wp: np.ndarray, wsum: np.ndarray
 
     Write the loops in an @njit(parallel=True) function (prange over output blocks) and call it from here. Keep
     the accumulator int32: `acc += np.int32(a) * np.int32(b)` alone is widened to int64 by Numba (2-3x slower;
-    the notebook measures it): write `acc = np.int32(acc + np.int32(a) * np.int32(b))`.
+    docs/performance.md, "Traps"): write `acc = np.int32(acc + np.int32(a) * np.int32(b))`.
     """
     raise NotImplementedError(
         "matmul_w8a8: which loop is independent across threads (so it can be the prange), and where in wp does "
@@ -99,7 +99,7 @@ def matmul_w8a8(xu: np.ndarray, sx: np.ndarray, wp: np.ndarray, wsum: np.ndarray
 
 
 def smoothing_factors(x_amax: np.ndarray, w_amax: np.ndarray, alpha: float = 0.5) -> np.ndarray:
-    """SmoothQuant's per-input-channel factors s [D] float32 (the notebook's section "Outliers").
+    """SmoothQuant's per-input-channel factors s [D] float32 (notebook 7b, "Outliers").
 
     x_amax [D]: max |x[:, j]| of the activations entering a matrix (over calibration tokens); w_amax [D]: max |W[j, :]|
     over that matrix's outputs (its row j). Dividing channel j of x by s[j] and multiplying row j of W by s[j]
