@@ -2,7 +2,8 @@
 """Execute a lesson notebook headless: `make lesson-N` (or `all`); `make lesson-N LEARNER=1` on your own code.
 
 Prints one line per code cell as it finishes (its time and first line), then what the lesson found. The executed
-copy and its figures go to build/lesson-NN/. Plots use the non-interactive Agg backend here (MPLBACKEND), so the
+copy and its figures go to build/lesson-NN/. A lesson folder may hold more than one notebook (lesson 7: lesson_7a.ipynb,
+lesson_7b.ipynb): they run in name order, one kernel each, into the same build folder. Plots use the non-interactive Agg backend here (MPLBACKEND), so the
 notebooks themselves never pick a backend: opened in Jupyter (`make notebook`) they show their plots inline.
 """
 from __future__ import annotations
@@ -25,8 +26,12 @@ ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_PER_CELL = 900
 
 
-def notebooks() -> dict[int, Path]:
-    return {int(p.parent.name[:2]): p for p in sorted((ROOT / "lessons").glob("[0-9][0-9]_*/lesson.ipynb"))}
+def notebooks() -> dict[int, list[Path]]:
+    """{lesson: its notebooks}: lessons/NN_*/lesson*.ipynb, in name order."""
+    out: dict[int, list[Path]] = {}
+    for p in sorted((ROOT / "lessons").glob("[0-9][0-9]_*/lesson*.ipynb")):
+        out.setdefault(int(p.parent.name[:2]), []).append(p)
+    return out
 
 
 def first_line(source: str) -> str:
@@ -59,11 +64,24 @@ class ProgressClient(NotebookClient):
               f"cell {cell_index:>2}: {first_line(cell.source)}", flush=True)
 
 
-def run(n: int, path: Path) -> bool:
+def run(n: int, paths: list[Path]) -> bool:
     out = ROOT / "build" / f"lesson-{n:02d}"
     out.mkdir(parents=True, exist_ok=True)
     (out / "findings.jsonl").unlink(missing_ok=True)
     os.environ["TINYSERVE_BUILD"] = str(out)
+    ok = all([run_notebook(n, path, out) for path in paths])      # every notebook, even after one fails
+    findings = out / "findings.jsonl"
+    if findings.exists():
+        print("   what the lesson found:")
+        for line in findings.read_text().splitlines():
+            print("    -", json.loads(line)["finding"])
+    figures = sorted(out.glob("*.png"))
+    if figures:
+        print("   figures:", ", ".join(str(f.relative_to(ROOT)) for f in figures))
+    return ok
+
+
+def run_notebook(n: int, path: Path, out: Path) -> bool:
     os.environ["MPLBACKEND"] = "Agg"             # headless; the notebooks do not choose a backend themselves
     os.environ["PYTHONWARNINGS"] = "ignore::DeprecationWarning"
     nb = nbformat.read(path, as_version=4)
@@ -89,16 +107,8 @@ def run(n: int, path: Path) -> bool:
         finally:
             if km.has_kernel:             # a kernel manager we made is ours to stop (nbclient stops only its own)
                 km.shutdown_kernel(now=True)
-    nbformat.write(nb, out / "lesson.ipynb")
-    print(f"   executed in {time.perf_counter() - t0:.0f} s -> {(out / 'lesson.ipynb').relative_to(ROOT)}")
-    findings = out / "findings.jsonl"
-    if findings.exists():
-        print("   what the lesson found:")
-        for line in findings.read_text().splitlines():
-            print("    -", json.loads(line)["finding"])
-    figures = sorted(out.glob("*.png"))
-    if figures:
-        print("   figures:", ", ".join(str(f.relative_to(ROOT)) for f in figures))
+    nbformat.write(nb, out / path.name)
+    print(f"   executed in {time.perf_counter() - t0:.0f} s -> {(out / path.name).relative_to(ROOT)}")
     return ok
 
 

@@ -1,10 +1,12 @@
 """Lesson 7 exercises: int8 quantisation (weights per output channel, activations per row), the int8 matmul it
-defines, the VNNI weight layout, an int8 matmul in Numba with int32 accumulation, and SmoothQuant's factors.
+defines, the VNNI weight layout, an int8 matmul in Numba with int32 accumulation (notebook 7a), attention over paged
+KV blocks with an online softmax (7a, FlashAttention's rule), and SmoothQuant's factors (7b).
 
 Replace each `raise NotImplementedError(...)`, then run `make check-7`: it runs tests/lessons/test_lesson_07.py
 against this file and tells you, exercise by exercise, what passes. The reference answers are in
 tinyserve/quant.py (quantize_weight, quantize_rows, matmul_reference, smoothing_factors) and
-tinyserve/kernels/matmul.py (pack_vnni, matmul_w8a8): try first, compare after.
+tinyserve/kernels/matmul.py (pack_vnni, matmul_w8a8), tinyserve/online_attention.py (online_attention): try first,
+compare after.
 
 Conventions (as in tinyserve): a weight matrix is [D, O] (y = x @ W); int8 values live in [-127, 127] (-128 is
 never used, so the range is symmetric); a scale of 0 would divide by zero, so an all-zero column or row gets scale 1.
@@ -87,7 +89,7 @@ def matmul_w8a8(xu: np.ndarray, sx: np.ndarray, wp: np.ndarray, wsum: np.ndarray
 
     Write the loops in an @njit(parallel=True) function (prange over output blocks) and call it from here. Keep
     the accumulator int32: `acc += np.int32(a) * np.int32(b)` alone is widened to int64 by Numba (2-3x slower;
-    the notebook measures it): write `acc = np.int32(acc + np.int32(a) * np.int32(b))`.
+    docs/performance.md, "Traps"): write `acc = np.int32(acc + np.int32(a) * np.int32(b))`.
     """
     raise NotImplementedError(
         "matmul_w8a8: which loop is independent across threads (so it can be the prange), and where in wp does "
@@ -97,7 +99,7 @@ def matmul_w8a8(xu: np.ndarray, sx: np.ndarray, wp: np.ndarray, wsum: np.ndarray
 
 
 def smoothing_factors(x_amax: np.ndarray, w_amax: np.ndarray, alpha: float = 0.5) -> np.ndarray:
-    """SmoothQuant's per-input-channel factors s [D] float32 (the notebook's section "Outliers").
+    """SmoothQuant's per-input-channel factors s [D] float32 (notebook 7b, "Outliers").
 
     x_amax [D]: max |x[:, j]| of the activations entering a matrix (over calibration tokens); w_amax [D]: max |W[j, :]|
     over that matrix's outputs (its row j). Dividing channel j of x by s[j] and multiplying row j of W by s[j]
@@ -110,3 +112,24 @@ def smoothing_factors(x_amax: np.ndarray, w_amax: np.ndarray, alpha: float = 0.5
     raise NotImplementedError(
         "smoothing_factors: which of the two maxima should s grow with, and which shrink it? Check your answer "
         "against the two spans in the docstring. What must come out for a channel that is all zeros?")
+
+
+def online_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_table: np.ndarray,
+                     context_len: int) -> np.ndarray:
+    """Causal attention of one sequence's m newest rows over its paged K/V, block by block, with an online softmax.
+
+    q [m, N, H]: the queries of positions context_len - m .. context_len - 1 (row t is position context_len - m + t
+    and sees positions 0 .. context_len - m + t, itself included). k_cache, v_cache [num_blocks, bs, K, H]: the
+    pool (lesson 4), already holding the new rows' K/V; position p is slot p % bs of block block_table[p // bs].
+    Query head h reads K/V head h // (N // K) (lesson 3). Scores are q.k / sqrt(H). -> [m, N, H] float32.
+
+    Walk the blocks in order and never hold a score per position of the whole context: keep per (row, head) the
+    largest score so far mx, l = sum of exp(s - mx) and acc = sum of exp(s - mx) * v; per block
+        mx' = max(mx, max_j s_j);  a = exp(mx - mx');  l = a * l + sum_j exp(s_j - mx');  acc = a * acc + sum_j exp(s_j - mx') v_j
+    and return acc / l. Raise ValueError unless m <= context_len <= len(block_table) * bs.
+    """
+    raise NotImplementedError(
+        "online_attention: what must mx start at so that the first block's a = exp(mx - mx') is 0? How many blocks "
+        "does a context of context_len positions fill, and how many positions does the last one hold? Which "
+        "positions may row t see? When a block raises the max, what happens to everything summed so far: l only, "
+        "acc only, or both?")

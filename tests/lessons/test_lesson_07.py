@@ -1,5 +1,6 @@
 """Lesson 7 self-checks: per-channel weight quantisation, per-row activation quantisation, the int8 matmul they
-define, the VNNI layout, and the W8A8 matmul in Numba (bit-exact).
+define, the VNNI layout, the W8A8 matmul in Numba (bit-exact), SmoothQuant's factors and online-softmax attention over
+paged KV blocks.
 
 `make check-7` runs these against lessons/07_kernels/exercises.py; `make test` runs them against tinyserve.
 Where a check compares with tinyserve's own function it says why that function is the truth (the kernels and the
@@ -13,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.lessons.impl import CHECKS, load_impl
-from tinyserve import quant
+from tinyserve import paged, quant
 from tinyserve.kernels import matmul as kernels
 
 REFERENCE = {
@@ -23,6 +24,7 @@ REFERENCE = {
     "pack_vnni": "tinyserve.kernels.matmul:pack_vnni",
     "matmul_w8a8": "tinyserve.kernels.matmul:matmul_w8a8",
     "smoothing_factors": "tinyserve.quant:smoothing_factors",
+    "online_attention": "tinyserve.online_attention:online_attention",
 }
 impl = load_impl(7, REFERENCE)
 
@@ -44,6 +46,19 @@ def test_quantize_weight_by_hand():
     assert q.wq[:, 0].tolist() == [50, -127, 25]          # 1 / 0.02 = 50, 0.5 / 0.02 = 25
     assert q.wq[:, 1].tolist() == [-127, 64, 51]          # 63.5 -> 64 and 50.8 -> 51 (float32 w / scale)
     assert q.wq[:, 2].tolist() == [0, 0, 0]
+
+
+@pytest.mark.exercise("quantize_weight")
+def test_quantize_weight_rounds_ties_to_even():
+    """Every column's maximum is 127, so its scale is exactly 1 and w / scale is w: the .5 ties below are exact.
+    np.rint takes a tie to the even neighbour; floor(v + 0.5) (half up, what quantize_rows does) and C's round()
+    (half away from zero) each differ from it on some of these ties."""
+    ties = np.array([2.5, -2.5, -3.5, 0.5, -0.5, 1.5, -1.5, 126.5], np.float32)
+    w = np.stack([np.append(ties, 127.0), np.append(-ties, -127.0)], axis=1)     # [D=9, O=2]
+    q = impl.quantize_weight(w)
+    assert q.scale.tolist() == [1.0, 1.0]
+    assert q.wq[:-1, 0].tolist() == [2, -2, -4, 0, 0, 2, -2, 126], "np.rint: ties to even (2.5 -> 2, -3.5 -> -4)"
+    assert q.wq[:-1, 1].tolist() == [-2, 2, 4, 0, 0, -2, 2, -126], "np.rint: ties to even (-2.5 -> -2, 3.5 -> 4)"
 
 
 @pytest.mark.exercise("quantize_weight")
@@ -96,6 +111,26 @@ def test_quantize_rows_matches_the_kernel_exactly(T, D, seed):
     assert np.array_equal(xq.astype(np.int16), xu.astype(np.int16) - 128)
 
 
+@pytest.mark.exercise("quantize_rows")
+def test_quantize_rows_divides_by_the_scale_near_every_tie():
+    """Values within a few float32 steps of every half-step v = (j + 0.5) * sx: there x / sx and x * (127 / amax)
+    (the same on paper) round to different float32 numbers, and land on different int8 steps. The kernel divides."""
+    rows = []
+    for amax in (3.0, 0.7, 11.3):
+        sx = np.float32(amax) / np.float32(127)
+        half = (np.arange(-126, 126) + 0.5).astype(np.float32) * sx              # the ties, as float32
+        near = np.concatenate([half, np.nextafter(half, np.float32(np.inf)), np.nextafter(half, np.float32(-np.inf))])
+        rows.append(np.concatenate([[np.float32(amax)], near]).astype(np.float32))
+    x = np.stack(rows)                                                           # [3, 1 + 3 * 252]
+    xq, sx = impl.quantize_rows(x)
+    xu, sx_kernel = np.empty(x.shape, np.uint8), np.empty(len(x), np.float32)
+    kernels.quantize_rows(x, xu, sx_kernel)
+    assert np.array_equal(sx, sx_kernel)
+    bad = np.flatnonzero(xq.astype(np.int16) != xu.astype(np.int16) - 128)
+    assert bad.size == 0, (f"{bad.size} values near a tie land on another step than the kernel's floor(x / sx + 0.5) "
+                           "(divide by sx: multiplying by 127 / amax rounds differently)")
+
+
 # --- matmul_reference ----------------------------------------------------------------------------------------------
 
 @pytest.mark.exercise("matmul_reference")
@@ -116,6 +151,24 @@ def test_matmul_reference_w8a8_by_hand():
     acc = 127 * 127 - 63 * 127 - 32 * 127       # -63.5 rounds half up to -63; the sum is an exact integer: 4064
     want = np.float32(acc) * (np.float32(2) / np.float32(127)) * (np.float32(1) / np.float32(127))
     assert impl.matmul_reference(x, q)[0, 0] == want
+
+
+@pytest.mark.exercise("matmul_reference")
+def test_matmul_reference_w8a8_applies_the_scales_in_order():
+    """Rows and columns with scales of every size (non-uniform, unlike the cases above): float32 multiplication is
+    not associative, so float32(acc) * sx * scale, (float32(acc) * scale) * sx and float32(acc) * (sx * scale) differ
+    in the last bit of some outputs, as do scales applied in float64 or inside the sum. The kernels compute the first,
+    bit for bit: the reference must too."""
+    T, D, O = 24, 192, 48
+    x = rand((T, D), seed=8) * (10.0 ** np.random.default_rng(9).uniform(-2, 2, (T, 1))).astype(np.float32)
+    w = rand((D, O), seed=10) * (10.0 ** np.random.default_rng(11).uniform(-3, 1, O)).astype(np.float32)
+    q = quant.quantize_weight(w, "w8a8")
+    xq, sx = quant.quantize_rows(x)
+    acc = (xq.astype(np.int64) @ q.wq.astype(np.int64)).astype(np.int32)        # the exact integer sums
+    want = (acc.astype(np.float32) * sx[:, None]) * q.scale                      # row scale, then column scale
+    got = impl.matmul_reference(x, q)
+    bad = int((got != want).sum())
+    assert bad == 0, f"{bad} of {want.size} outputs differ from (float32(acc) * sx[t]) * scale[o] (in that order)"
 
 
 @pytest.mark.exercise("matmul_reference")
@@ -263,3 +316,98 @@ def test_smoothing_factors_give_each_side_its_share(alpha):
         f"alpha = {alpha}: the activations' range after smoothing should be (x_amax * w_amax)^(1 - alpha)"))
     np.testing.assert_allclose(w_amax * s, prod ** alpha, rtol=1e-5, err_msg=(
         f"alpha = {alpha}: the weights' range after smoothing should be (x_amax * w_amax)^alpha"))
+
+
+# --- online_attention: FlashAttention's rule over paged blocks -----------------------------------------------------
+
+def paged_case(ctx, m, *, bs=4, K=2, g=3, H=8, seed=0, spare=3):
+    """One sequence of ctx positions in a pool of shuffled blocks (block i of the table is not block i of the pool),
+    K = 2 KV heads for N = 6 query heads. The slots past ctx and the blocks it does not own hold large numbers, as a
+    real pool holds other sequences' keys: a row that reads them is visibly wrong."""
+    rng = np.random.default_rng(seed)
+    n_blocks = -(-ctx // bs)
+    nb = n_blocks + spare
+    k_cache = np.full((nb, bs, K, H), 50.0, np.float32)
+    v_cache = np.full((nb, bs, K, H), 1e3, np.float32)
+    table = rng.permutation(nb)[:n_blocks]
+    k_seq, v_seq = rng.standard_normal((2, ctx, K, H)).astype(np.float32)
+    for p in range(ctx):
+        k_cache[table[p // bs], p % bs], v_cache[table[p // bs], p % bs] = k_seq[p], v_seq[p]
+    q = rng.standard_normal((m, K * g, H)).astype(np.float32)
+    return q, k_cache, v_cache, table, k_seq, v_seq
+
+
+def two_pass(q, k_cache, v_cache, table, ctx):
+    """The truth: lesson 4's paged_attention (gather, then lesson 3's grouped attention over all scores at once),
+    which the engine runs and tests/test_paged_attention.py checks against the contiguous model."""
+    return paged.paged_attention(q, k_cache, v_cache, np.asarray([table]), np.asarray([ctx]), np.asarray([0, len(q)]))
+
+
+def write(k_cache, v_cache, table, k_seq, v_seq):
+    bs = k_cache.shape[1]
+    for p in range(len(k_seq)):
+        k_cache[table[p // bs], p % bs], v_cache[table[p // bs], p % bs] = k_seq[p], v_seq[p]
+
+
+@pytest.mark.exercise("online_attention")
+@pytest.mark.parametrize("ctx,m", [(1, 1), (23, 1), (23, 7), (22, 22), (16, 3)],
+                         ids=["one position", "decode, last block partial", "7 new rows", "prefill", "full blocks"])
+def test_online_attention_equals_the_two_pass_reference(ctx, m):
+    q, k_cache, v_cache, table, *_ = paged_case(ctx, m, seed=ctx * 10 + m)
+    got = np.asarray(impl.online_attention(q, k_cache, v_cache, table, ctx))
+    assert got.shape == q.shape and got.dtype == np.float32
+    np.testing.assert_allclose(got, two_pass(q, k_cache, v_cache, table, ctx), rtol=1e-4, atol=1e-5, err_msg=(
+        "row t is position ctx - m + t and sees positions 0 .. ctx - m + t (itself included); position p lives in "
+        "block block_table[p // bs], slot p % bs; the last block holds only ctx - (blocks - 1) * bs positions"))
+
+
+@pytest.mark.exercise("online_attention")
+def test_online_attention_when_the_max_grows_block_after_block():
+    """Every block's scores sit ~6 above the previous block's: each block raises the running max, so whatever was
+    summed before must be rescaled by exp(m - m'), the sum l and the accumulator acc alike."""
+    ctx, m, bs = 21, 2, 4
+    q, k_cache, v_cache, table, k_seq, v_seq = paged_case(ctx, m, bs=bs, seed=3)
+    u = np.ones(8, np.float32) / np.sqrt(8)
+    q[:] = np.sqrt(8) * u                                                       # every head: scale * q.k = k.u
+    k_seq = (np.arange(ctx) // bs * 6.0)[:, None, None] * u + 0.3 * k_seq       # block i scores ~6 i
+    v_seq = v_seq + (np.arange(ctx) // bs)[:, None, None]                       # each block's V its own level
+    write(k_cache, v_cache, table, k_seq, v_seq)
+    want = two_pass(q, k_cache, v_cache, table, ctx)
+    got = np.asarray(impl.online_attention(q, k_cache, v_cache, table, ctx))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=(
+        "when a block raises the max from m to m', the sum l and the accumulator acc both need * exp(m - m')"))
+
+
+@pytest.mark.exercise("online_attention")
+def test_online_attention_with_every_score_far_below_zero():
+    """Scores near -200: exp(s - 0) is 0 in float32, so a running max that starts at 0 instead of -inf (or any
+    shift that is not the scores' own max) sums nothing and divides 0 by 0."""
+    ctx, m = 10, 3
+    q, k_cache, v_cache, table, k_seq, v_seq = paged_case(ctx, m, seed=4)
+    u = np.ones(8, np.float32) / np.sqrt(8)
+    q[:] = -20 * u
+    write(k_cache, v_cache, table, 30 * u[None, None, :] + 0.5 * k_seq, v_seq)   # scale * q.k ~ -212
+    want = two_pass(q, k_cache, v_cache, table, ctx)
+    got = np.asarray(impl.online_attention(q, k_cache, v_cache, table, ctx))
+    assert np.isfinite(got).all(), "NaN or inf: the running max must start at -inf and follow the scores"
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.exercise("online_attention")
+@settings(CHECKS, max_examples=25)
+@given(st.integers(1, 40), st.integers(1, 8), st.sampled_from([(1, 1), (1, 4), (2, 3), (3, 1)]), st.data())
+def test_online_attention_on_random_layouts(ctx, bs, heads, data):
+    m = data.draw(st.integers(1, ctx))
+    K, g = heads
+    q, k_cache, v_cache, table, *_ = paged_case(ctx, m, bs=bs, K=K, g=g, seed=ctx * 1000 + bs * 10 + m)
+    got = np.asarray(impl.online_attention(q, k_cache, v_cache, table, ctx))
+    np.testing.assert_allclose(got, two_pass(q, k_cache, v_cache, table, ctx), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.exercise("online_attention")
+@pytest.mark.parametrize("ctx,m,blocks", [(9, 1, 2), (3, 4, 1)], ids=["table too short", "more rows than positions"])
+def test_online_attention_refuses_what_it_cannot_attend(ctx, m, blocks):
+    rng = np.random.default_rng(0)
+    pool = rng.standard_normal((4, 4, 2, 8)).astype(np.float32)
+    with pytest.raises(ValueError):
+        impl.online_attention(rng.standard_normal((m, 6, 8)).astype(np.float32), pool, pool, np.arange(blocks), ctx)
