@@ -55,7 +55,7 @@ def fma32(typingctx, a, b, c):
     return sig, codegen
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def lane_sum(x, n, lanes):
     """sum(x[:n]) in a fixed order: lane i adds x[i], x[i + 16], ... in turn (vectorisable without reassociation),
     then the 16 lanes fold in halves (i + 8, then i + 4, ...). lanes: float32 scratch [16]."""
@@ -75,7 +75,7 @@ def lane_sum(x, n, lanes):
     return lanes[0]
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def chunk_softmax(s, n, scale, m, l, lanes):
     """The rule's softmax step for one (row, head) and one chunk: s[:n] scores -> e_j in place. Returns (m', alpha,
     l'). m = -inf and l = 0 before the first chunk."""
@@ -86,14 +86,14 @@ def chunk_softmax(s, n, scale, m, l, lanes):
     return m_new, alpha, l * alpha + lane_sum(s, n, lanes)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def combine(acc, alpha, pv):
     """acc <- acc * alpha + pv: a chunk's weighted V sum joins the running one (both [H])."""
     for d in range(acc.shape[0]):
         acc[d] = acc[d] * alpha + pv[d]
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def finish(acc, l, out):
     """out <- acc * (1 / l) ([H])."""
     inv = np.float32(1.0) / l
