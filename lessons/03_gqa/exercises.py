@@ -1,4 +1,4 @@
-"""Lesson 3 exercises: grouped-query attention and the KV-size formulas. Then run `make check-3`.
+"""Lesson 3 exercises: grouped-query attention and the bytes decode attention moves. Then run `make check-3`.
 
 The reference answers are in tinyserve/gqa.py and tinyserve/roofline.py: try first, peek later. Shapes use the
 legend of tinyserve/config.py (N query heads, K kv heads, g = N // K, H head_dim, S keys, m new rows).
@@ -25,12 +25,18 @@ def grouped_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray
         "is per new token: which rows of your scores belong to new token i?")
 
 
-def kv_bytes_per_token(config: ModelConfig, bytes_per_value: int = 4) -> int:
-    """Bytes of KV cache one token occupies: 2 (K and V) * L * K * H * bytes per value."""
+def attention_decode_bytes(config: ModelConfig, context: int, bytes_per_value: int = 4,
+                           repeat_kv: bool = False) -> int:
+    """Bytes one decode step's attention moves through memory, all layers: one new query row over `context` cached
+    positions, every value `bytes_per_value` bytes.
+
+    repeat_kv=False: grouped attention (yours above): every cached K and V value is read once.
+    repeat_kv=True: lesson 2's attention (kv_cache.rectangular_attention): it also makes the np.repeat copies, writes
+    them to memory and reads them back for its matmuls. Count that traffic too.
+    Ignore the query, the output and the scores: they are a few per cent of the cache traffic.
+    For SmolLM2, repeat_kv=True should come out ~7x repeat_kv=False: derive the factor, do not type it.
+    """
     raise NotImplementedError(
-        "kv_bytes_per_token: the fields are config.n_layers, config.n_kv_heads and config.head_dim")
-
-
-def kv_cache_bytes(config: ModelConfig, n_tokens: int, n_seqs: int = 1, bytes_per_value: int = 4) -> int:
-    """Bytes of KV cache for n_seqs sequences of n_tokens tokens each."""
-    raise NotImplementedError("kv_cache_bytes: build on kv_bytes_per_token")
+        "attention_decode_bytes: per layer and per cached position, how many values of K and of V does the cache "
+        "hold? With repeat_kv, what shape does np.repeat return, and how many times does that copy cross memory? "
+        "Which heads count there: the ones the cache stores, or the ones the queries have?")

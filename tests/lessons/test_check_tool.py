@@ -15,16 +15,13 @@ ROOT = Path(__file__).resolve().parents[2]
 STUB = ROOT / "lessons" / "03_gqa" / "exercises.py"
 SOLVED = """
 from tinyserve.gqa import grouped_attention as _g
-from tinyserve.roofline import kv_bytes_per_token as _b, kv_cache_bytes as _c
+from tinyserve.roofline import attention_decode_bytes as _b
 
 def grouped_attention(q, k, v):
     return _g(q, k, v)
 
-def kv_bytes_per_token(config, bytes_per_value=4):
-    return _b(config, bytes_per_value)
-
-def kv_cache_bytes(config, n_tokens, n_seqs=1, bytes_per_value=4):
-    return _c(config, n_tokens, n_seqs, bytes_per_value)
+def attention_decode_bytes(config, context, bytes_per_value=4, repeat_kv=False):
+    return _b(config, context, bytes_per_value, repeat_kv)
 """
 
 
@@ -38,8 +35,8 @@ def check(path: Path, *args: str) -> tuple[int, str]:
 
 def test_a_syntax_error_is_shown_with_file_and_line(tmp_path):
     bad = tmp_path / "exercises.py"
-    bad.write_text(STUB.read_text().replace("def kv_cache_bytes(", "def kv_cache_bytes(:", 1))
-    line = next(i for i, t in enumerate(bad.read_text().splitlines(), 1) if "def kv_cache_bytes(:" in t)
+    bad.write_text(STUB.read_text().replace("def attention_decode_bytes(", "def attention_decode_bytes(:", 1))
+    line = next(i for i, t in enumerate(bad.read_text().splitlines(), 1) if "def attention_decode_bytes(:" in t)
     code, out = check(bad)
     assert code == 1
     assert f"exercises.py:{line}: SyntaxError" in out, out
@@ -49,25 +46,25 @@ def test_a_syntax_error_is_shown_with_file_and_line(tmp_path):
 def test_the_stubs_are_todo_and_never_well_done():
     code, out = check(STUB)
     assert code == 1
-    assert out.count("TODO") == 3 and "0 of 3 exercises pass" in out and "Well done" not in out, out
+    assert out.count("TODO") == 2 and "0 of 2 exercises pass" in out and "Well done" not in out, out
     assert "PASSED" not in out and "FAILED" not in out and "%]" not in out, "no raw pytest output"
 
 
 def test_half_solved_says_what_each_failing_check_expected(tmp_path):
     half = tmp_path / "exercises.py"
-    half.write_text(STUB.read_text() + SOLVED.replace("return _b(config, bytes_per_value)",
-                                                      "return _b(config, bytes_per_value) // 2"))
+    half.write_text(STUB.read_text() + SOLVED.replace("return _b(config, context, bytes_per_value, repeat_kv)",
+                                                      "return _b(config, context, bytes_per_value, repeat_kv) // 2"))
     code, out = check(half)
     assert code == 1
-    assert "PASS  grouped_attention" in out and "FAIL  kv_bytes_per_token" in out, out
+    assert "PASS  grouped_attention" in out and "FAIL  attention_decode_bytes" in out, out
     assert "2 (K and V) * 30 layers" in out, "the check's own words explain the expectation"
-    assert "2 of 3 exercises pass" in out and "Well done" not in out
+    assert "1 of 2 exercises pass" in out and "Well done" not in out
 
 
 @pytest.mark.parametrize("one", [False, True])
 def test_solved_is_well_done(tmp_path, one):
     solved = tmp_path / "exercises.py"
     solved.write_text(STUB.read_text() + SOLVED)
-    code, out = check(solved, *(["--ex", "kv_cache_bytes"] if one else []))
+    code, out = check(solved, *(["--ex", "attention_decode_bytes"] if one else []))
     assert code == 0 and "Well done!" in out, out
-    assert ("1 of 1" if one else "3 of 3") in out
+    assert ("1 of 1" if one else "2 of 2") in out

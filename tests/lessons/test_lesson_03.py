@@ -1,10 +1,11 @@
-"""Lesson 3 self-checks: grouped-query attention and the KV-size formulas.
+"""Lesson 3 self-checks: grouped-query attention and the bytes decode attention moves.
 
 `make check-3` runs these against lessons/03_gqa/exercises.py; `make test` runs them against tinyserve.
 """
 from __future__ import annotations
 
 import tracemalloc
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -16,14 +17,11 @@ from tinyserve.kv_cache import rectangular_attention
 
 REFERENCE = {
     "grouped_attention": "tinyserve.gqa:grouped_attention",
-    "kv_bytes_per_token": "tinyserve.roofline:kv_bytes_per_token",
-    "kv_cache_bytes": "tinyserve.roofline:kv_cache_bytes",
+    "attention_decode_bytes": "tinyserve.roofline:attention_decode_bytes",
 }
 impl = load_impl(3, REFERENCE)
 
 SMOL = ModelConfig(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, intermediate_size=1536, vocab_size=49152)
-LLAMA2_13B = ModelConfig(dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, intermediate_size=13824,
-                         vocab_size=32000)
 
 
 def qkv(m, S, N, K, H, seed=0):
@@ -90,25 +88,62 @@ def test_grouped_does_not_copy_kv_per_query_head():
     assert peak < repeated / 8, f"peak {peak / 2**20:.1f} MiB: K/V were repeated per query head ({repeated / 2**20:.0f} MiB)"
 
 
-# --- KV-size formulas ------------------------------------------------------------------------------------------
+# --- attention_decode_bytes: the byte count behind the 7x ------------------------------------------------------
+# Inputs where the plausible wrong formulas differ from the right one: g != K (SmolLM2 has g = K = 3, so "1 + 2K"
+# and "1 + 2g" agree there), L, H and the context not round, both 2- and 4-byte values, K > 1 (one K/V head hides a
+# forgotten factor K).
 
-@pytest.mark.exercise("kv_bytes_per_token")
-def test_kv_bytes_per_token_smollm2():
-    got = impl.kv_bytes_per_token(SMOL)
-    assert got == 46_080, f"SmolLM2: 2 (K and V) * 30 layers * 3 kv heads * 64 * 4 bytes = 46080, got {got}"
-    assert impl.kv_bytes_per_token(SMOL, bytes_per_value=2) == 23_040
-
-
-@pytest.mark.exercise("kv_bytes_per_token")
-def test_kv_bytes_per_token_mha_vs_gqa():
-    assert impl.kv_bytes_per_token(LLAMA2_13B, 2) == 819_200            # MHA, fp16: 800 KiB per token
-    from dataclasses import replace
-    assert impl.kv_bytes_per_token(replace(LLAMA2_13B, n_kv_heads=8), 2) == 163_840   # 1:5 GQA
+ODD = ModelConfig(dim=720, n_layers=5, n_heads=10, n_kv_heads=2, intermediate_size=96,
+                  vocab_size=64)                                        # N = 10, K = 2: g = 5 != K; H = 72
 
 
-@pytest.mark.exercise("kv_cache_bytes")
-def test_kv_cache_bytes():
-    got = impl.kv_cache_bytes(SMOL, 2048)
-    assert got == 94_371_840, f"one 2048-token sequence: 2048 * 46080 = 94371840 bytes (90 MiB), got {got}"
-    assert impl.kv_cache_bytes(SMOL, 1000, n_seqs=8, bytes_per_value=2) == 8 * 1000 * 23_040
-    assert impl.kv_cache_bytes(LLAMA2_13B, 4096, bytes_per_value=2) == 3_355_443_200
+def traffic(config, context, bytes_per_value, repeat_kv):
+    """The bytes counted array by array, as the attention code touches them (a slow, literal count)."""
+    L, N, K, H = config.n_layers, config.n_heads, config.n_kv_heads, config.head_dim
+    moved = 0
+    for _layer in range(L):
+        for _array in ("K", "V"):
+            moved += context * K * H                                    # the cached [S, K, H] read
+            if repeat_kv:
+                moved += context * N * H                                # np.repeat writes [S, N, H]
+                moved += context * N * H                                # the matmul reads the copy back
+    return moved * bytes_per_value
+
+
+@pytest.mark.exercise("attention_decode_bytes")
+def test_attention_decode_bytes_smollm2_grouped_is_the_cache_once():
+    got = impl.attention_decode_bytes(SMOL, 1000)
+    assert got == 46_080_000, (f"grouped, SmolLM2 fp32, context 1000: 2 (K and V) * 30 layers * 3 kv heads * 64 "
+                               f"* 4 bytes * 1000 positions = 46080000 (each cached value read once), got {got}")
+
+
+@pytest.mark.exercise("attention_decode_bytes")
+@pytest.mark.parametrize("context,b", [(37, 2), (37, 4), (1, 4), (250, 1)])
+@pytest.mark.parametrize("repeat_kv", [False, True])
+def test_attention_decode_bytes_counts_every_array(context, b, repeat_kv):
+    want = traffic(ODD, context, b, repeat_kv)
+    got = impl.attention_decode_bytes(ODD, context, bytes_per_value=b, repeat_kv=repeat_kv)
+    assert got == want, (f"L = 5 layers, N = 10 query heads, K = 2 kv heads (g = 5), H = 72, context {context}, "
+                         f"{b}-byte values, repeat_kv={repeat_kv}: expected {want} bytes, got {got}. Per layer: K and V "
+                         f"[S, K, H] read once" + ("; np.repeat writes [S, N, H] copies of both and the matmuls read "
+                                                   "them back" if repeat_kv else ""))
+
+
+@pytest.mark.exercise("attention_decode_bytes")
+@pytest.mark.parametrize("N,K", [(9, 3), (10, 2), (12, 4), (8, 1)])
+def test_repeat_moves_one_plus_two_g_times_the_bytes(N, K):
+    c = replace(ODD, n_heads=N, n_kv_heads=K)
+    g = N // K
+    grouped = impl.attention_decode_bytes(c, 301)
+    repeat = impl.attention_decode_bytes(c, 301, repeat_kv=True)
+    assert grouped > 0 and repeat == (1 + 2 * g) * grouped, (
+        f"N = {N}, K = {K} (g = {g}): repeat-based / grouped = {repeat}/{grouped} = {repeat / max(grouped, 1):.2f}, "
+        f"expected 1 + 2g = {1 + 2 * g} (read the cache, write g copies, read them back)")
+
+
+@pytest.mark.exercise("attention_decode_bytes")
+def test_attention_decode_bytes_grows_with_the_context_and_the_layers():
+    one = impl.attention_decode_bytes(ODD, 1, bytes_per_value=2)
+    assert impl.attention_decode_bytes(ODD, 513, bytes_per_value=2) == 513 * one, "bytes are linear in the context"
+    deeper = impl.attention_decode_bytes(replace(ODD, n_layers=7), 513, bytes_per_value=2)
+    assert deeper == 7 * 513 * one // 5, "every layer has its own cache: bytes are linear in the layers"

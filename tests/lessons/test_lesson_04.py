@@ -304,3 +304,19 @@ def test_a_waiting_request_that_already_holds_blocks_needs_only_the_rest():
     assert plan.admit == [(0, 5)], (
         f"admit = {plan.admit}: the request holds 2 blocks already and its chunk reaches 3, so it needs "
         f"blocks_for(4 + 5, 4) - 2 = 1 new block, which is free: admit its 5 tokens")
+
+
+@pytest.mark.exercise("plan_step")
+@pytest.mark.parametrize("freeable", [0, 1, 3])
+def test_a_victim_gives_back_only_the_blocks_nobody_else_shares(freeable):
+    # the youngest holds 5 blocks, of which 5 - freeable are a prefix another request also uses (lesson 5): preempting
+    # it frees only `freeable`. Requests 0 and 1 each need one new block for their next token; nothing is free.
+    running = [SeqState(9, 8, 2), SeqState(9, 8, 2), SeqState(21, 20, 5, num_freeable=freeable)]
+    plan = impl.plan_step(running, [], free_blocks=0, token_budget=100, block_size=4)
+    # freeable >= 2: both older ones get a block. Fewer: request 0 still lacks blocks, so request 1 goes too (as the
+    # youngest left when request 0 looks, or preempting itself): request 0 runs on what 1 and 2 gave back
+    preempt, runs = ([2], [(0, 1), (1, 1)]) if freeable >= 2 else ([2, 1], [(0, 1)])
+    assert (plan.preempt, plan.run) == (preempt, runs), (
+        f"the youngest gives back {freeable} of its 5 blocks (the rest are shared and stay held): expected preempt "
+        f"{preempt}, run {runs}; got preempt {plan.preempt}, run {plan.run}. A victim frees SeqState.freeable "
+        f"blocks, not num_blocks")

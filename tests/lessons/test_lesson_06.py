@@ -56,6 +56,23 @@ def test_greedy_sees_the_accepted_tokens_through_the_repetition_penalty():
 
 
 @pytest.mark.exercise("verify_greedy")
+def test_greedy_row_i_sees_exactly_the_drafts_before_it():
+    # repetition penalty 2 (a seen token's positive logit is halved); seen = [7]; draft [2, 4, 6].
+    # Row i is the target after seen + draft[:i]: not yet draft[i] (the token it judges), not the drafts after it.
+    logits = np.zeros((4, 8), np.float32)
+    logits[0, 2], logits[0, 5] = 2.0, 1.5    # row 0 sees [7]: keeps 2. Seeing its own draft token 2 -> 1.0: picks 5
+    logits[1, 4], logits[1, 5] = 2.0, 1.5    # row 1 sees [7, 2]: keeps 4 (seeing 4 itself would pick 5)
+    logits[2, 4], logits[2, 6] = 2.0, 1.8    # row 2 sees [7, 2, 4]: 4 -> 1.0, picks 6 = draft[2] (missing 4: picks 4)
+    logits[3, 6], logits[3, 3] = 2.0, 1.5    # bonus row sees [7, 2, 4, 6]: 6 -> 1.0, picks 3
+    params = SamplingParams(temperature=0, repetition_penalty=2.0)
+    got = impl.verify_greedy(logits, [2, 4, 6], params, seen=[7])
+    assert got == [2, 4, 6, 3], (
+        f"got {got}, expected [2, 4, 6, 3]: row i's penalty sees seen + draft[:i], the tokens before it. Including "
+        f"draft[i] itself (off by one) makes row 0 reject 2; missing the one just accepted makes row 2 pick 4; the "
+        f"bonus row must see all k accepted drafts")
+
+
+@pytest.mark.exercise("verify_greedy")
 def test_greedy_refuses_the_wrong_number_of_rows():
     with pytest.raises(ValueError):
         impl.verify_greedy(np.zeros((2, 8), np.float32), [1, 2], GREEDY)

@@ -26,7 +26,7 @@ def test_every_listed_equivalent_is_a_mutant_the_tool_makes():
 
 
 def test_the_mutants_are_the_reference_changed_in_one_place():
-    t = mutation.target("kv_cache_bytes", "tinyserve.roofline:kv_cache_bytes")
+    t = mutation.target("attention_decode_bytes", "tinyserve.roofline:attention_decode_bytes")
     ms = mutation.mutants(t)
     assert ms and all(m.source != t.source and m.before != m.after for m in ms)
     assert len({m.key for m in ms}) == len(ms), "no mutant twice"
@@ -49,7 +49,7 @@ def test_every_exercise_gives_mutants(tmp_path):
 def test_a_small_exercise_kills_its_mutants_through_the_learner_switch():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("TINYSERVE_IMPL", None)
-    r = subprocess.run([sys.executable, str(ROOT / "tools" / "mutation.py"), "3", "--ex", "kv_cache_bytes", "--ci"],
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "mutation.py"), "3", "--ex", "attention_decode_bytes", "--ci"],
                        env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "kv_cache_bytes" in r.stdout and "1 of 1 exercises at >= 90%" in r.stdout, r.stdout
+    assert "attention_decode_bytes" in r.stdout and "1 of 1 exercises at >= 90%" in r.stdout, r.stdout

@@ -1,0 +1,17 @@
+"""verify_greedy's bonus row (row k) does not see the last accepted draft token; rows 0..k-1 are right."""
+from tinyserve.sampling import sample
+from tinyserve.speculative import _check_rows
+
+CAUGHT_BY = "verify_greedy"
+
+
+def verify_greedy(logits, draft, params, seen=()):
+    _check_rows(logits, draft)
+    if not params.greedy:
+        raise ValueError("verify_greedy needs greedy params")
+    out = []
+    for i in range(len(draft) + 1):
+        tok = sample(logits[i], params, None, seen=list(seen) + list(draft[:min(i, max(0, len(draft) - 1))]))
+        out.append(tok)
+        if i == len(draft) or tok != draft[i]:
+            return out
