@@ -163,6 +163,8 @@ def test_held_ratio_at_the_sweeps_edges():
     assert h["ratio"] is None and "llama-server holds no rate" in h["note"]
     h = bs.held_ratio(_rows(bs.TINY, [(1, True), (2, True)]) + _rows(bs.LLAMA, [(1, True), (2, False)]), top_rate=2)
     assert h["ratio"] == 2.0 and "lower bound" in h["note"]
+    h = bs.held_ratio(_rows(bs.TINY, [(1, True), (2, True)]), top_rate=2)          # --servers tinyserve
+    assert h["ratio"] is None and h["note"] == "llama-server not run"
 
 
 def test_summary_from_guidellm_reads_its_percentiles():

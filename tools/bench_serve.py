@@ -220,6 +220,9 @@ def held_rate(rows: list[dict], server: str) -> float:
 def held_ratio(rows: list[dict], top_rate: float) -> dict:
     """tinyserve's held rate / llama-server's, and what the number means at the sweep's edges."""
     t, l = held_rate(rows, TINY), held_rate(rows, LLAMA)
+    missing = [name for name in SERVERS if not any(r["server"] == name for r in rows)]
+    if missing:
+        return {TINY: t, LLAMA: l, "ratio": None, "note": f"{' and '.join(missing)} not run"}
     if l == 0:
         note = "neither holds the lowest rate" if t == 0 else "llama-server holds no rate of the sweep"
         return {TINY: t, LLAMA: l, "ratio": None, "note": note}
@@ -432,6 +435,16 @@ def client_name(client: str, guidellm: str) -> str:
     return f"guidellm {v.split()[-1] if v else '?'}"
 
 
+def llama_version(binary: str) -> str:
+    """llama-server --version's line naming the build (it prints to stderr)."""
+    try:
+        r = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+    lines = [ln.strip() for ln in (r.stdout + r.stderr).splitlines() if ln.strip().startswith("version")]
+    return lines[0] if lines else "?"
+
+
 def commit() -> str:
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
@@ -573,6 +586,7 @@ def run(a: argparse.Namespace) -> dict:
     result = {"time": time.strftime("%Y-%m-%d %H:%M %Z", time.gmtime()), "commit": commit(), "cpu": cpu,
               "settings": asdict(st), "servers": {n: s.cmd for n, s in servers.items()},
               "llama_format": a.llama_format, "client": client_name(a.client, a.guidellm),
+              "llama_server_version": llama_version(servers[LLAMA].cmd[0]) if LLAMA in servers else None,
               "rows": rows, "held": held, "load_average": {"start": load_start, "end": os.getloadavg()}}
     print()
     print(format_rows(rows))
