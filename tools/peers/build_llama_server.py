@@ -152,8 +152,10 @@ def fetch_source(venv: Path, work: Path, version: str, log: Path) -> Path:
     archives = sorted(dl.glob(f"llama_cpp_python-{version}.tar.gz"))
     if not archives:
         raise SystemExit(f"build_llama_server: pip downloaded no llama_cpp_python-{version}.tar.gz into {dl}")
+    # the "data" filter refuses absolute paths and links out of the tree (Python >= 3.11.4 has it)
+    safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
     with tarfile.open(archives[0]) as t:
-        t.extractall(work, filter="data")
+        t.extractall(work, **safe)
     if not (tree / "CMakeLists.txt").is_file():
         raise SystemExit(f"build_llama_server: the sdist has no vendor/llama.cpp/CMakeLists.txt under {top}")
     return tree
