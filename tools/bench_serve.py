@@ -567,7 +567,12 @@ def run(a: argparse.Namespace) -> dict:
                 s = servers[name]
                 others = {o.name: o.cpu_seconds() for o in servers.values() if o is not s}
                 if a.client == "guidellm":
-                    summary = measure_guidellm(a.guidellm, s, rate, st, i, out.parent)
+                    try:
+                        summary = measure_guidellm(a.guidellm, s, rate, st, i, out.parent)
+                    except RuntimeError as e:          # one failed run is a missed SLO, not the end of the sweep
+                        print(f"  {e}", file=sys.stderr)
+                        summary = {**summarize([], 0.0), "requests": st.num_requests(rate),
+                                   "failed": st.num_requests(rate), "errors": [str(e).splitlines()[0]]}
                 else:
                     records, seconds = measure(s, reqs, arrivals, a.concurrency)
                     summary = summarize(records, seconds)
