@@ -36,7 +36,7 @@ help:
 	@echo "make bench-peers  tinyserve vs llama.cpp (every format) and PyTorch, interleaved; recorded in docs/peers.md"
 	@echo "                 (builds llama.cpp once: ~6-12 min)"
 	@echo "make bench-serve  tinyserve serve vs llama-server under the same Poisson load (guidellm); docs/bench-serve.md"
-	@echo "                 (builds llama-server once: ~15-25 min)"
+	@echo "                 (builds llama-server once: ~15-20 min on a quiet 2-core machine)"
 	@echo "make bench-variants  tokens/s of every kernel instruction set this CPU runs (TINYSERVE_KERNELS), interleaved"
 	@echo "make test-blas  the fast tests under other OpenBLAS kernels (BLAS_KERNELS=\"Haswell Sandybridge\")"
 	@echo "make bench-quant  accuracy and tokens/s of float32, int8, W8A8 per token, SmoothQuant and W8A8-64 (lesson 7)"
@@ -143,7 +143,7 @@ bench-peers: $(RUNTIME) weights peer-venvs
 	$(PYTHON) tools/bench_peers.py $(BENCH_PEERS_ARGS)
 
 # The serving peer: llama.cpp's llama-server, built once from the llama.cpp that llama-cpp-python's sdist vendors
-# (the one bench-peers measures) into ~/.cache/tinyserve/llama-server-<version>/ (~15-25 min on 2 cores; the second
+# (the one bench-peers measures) into ~/.cache/tinyserve/llama-server-<version>/ (~15-20 min on a quiet 2-core machine, an estimate; the second
 # run does nothing). cmake comes from PyPI, into a venv of the build's own.
 .PHONY: peer-server bench-serve bench-serve-table
 peer-server:
