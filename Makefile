@@ -35,6 +35,8 @@ help:
 	@echo "make fixtures   regenerate the PyTorch reference fixture (own venv with torch + transformers)"
 	@echo "make bench-peers  tinyserve vs llama.cpp (every format) and PyTorch, interleaved; recorded in docs/peers.md"
 	@echo "                 (builds llama.cpp once: ~6-12 min)"
+	@echo "make bench-serve  tinyserve serve vs llama-server under the same Poisson load (guidellm); docs/bench-serve.md"
+	@echo "                 (builds llama-server once: ~15-20 min on a quiet 2-core machine)"
 	@echo "make bench-variants  tokens/s of every kernel instruction set this CPU runs (TINYSERVE_KERNELS), interleaved"
 	@echo "make test-blas  the fast tests under other OpenBLAS kernels (BLAS_KERNELS=\"Haswell Sandybridge\")"
 	@echo "make bench-quant  accuracy and tokens/s of float32, int8, W8A8 per token, SmoothQuant and W8A8-64 (lesson 7)"
@@ -139,6 +141,32 @@ peer-venvs: $(RUNTIME) weights
 
 bench-peers: $(RUNTIME) weights peer-venvs
 	$(PYTHON) tools/bench_peers.py $(BENCH_PEERS_ARGS)
+
+# The serving peer: llama.cpp's llama-server, built once from the llama.cpp that llama-cpp-python's sdist vendors
+# (the one bench-peers measures) into ~/.cache/tinyserve/llama-server-<version>/ (~15-20 min on a quiet 2-core machine, an estimate; the second
+# run does nothing). cmake comes from PyPI, into a venv of the build's own.
+.PHONY: peer-server bench-serve bench-serve-table
+peer-server:
+	$(PY) tools/peers/build_llama_server.py $(PEER_SERVER_ARGS)
+
+# guidellm, the load client of bench-serve, in a venv of its own (it pulls PyTorch: the CPU build, as .venv-ref)
+GUIDELLM := .venv-guidellm/.installed-0.8.1
+$(GUIDELLM):
+	test -x .venv-guidellm/bin/python || $(PY) -m venv .venv-guidellm
+	.venv-guidellm/bin/pip install --quiet guidellm==0.8.1 torch==2.13.0
+	touch $@
+
+# tinyserve serve against llama-server under the same Poisson load (guidellm), interleaved per rate; ~10 min.
+# Recorded in docs/bench-serve/ and docs/bench-serve.md. Options: BENCH_SERVE_ARGS="--quick" (2 rates, ~3 min).
+BENCH_SERVE_ARGS ?=
+SERVE_LLAMA_FORMAT ?= IQ4_NL
+bench-serve: $(RUNTIME) weights peer-server $(GUIDELLM)
+	tools/peers/setup_llama.sh .venv-llama $(PY)
+	$(PYTHON) tools/bench_peers.py --prepare --llama-formats $(SERVE_LLAMA_FORMAT)
+	$(PYTHON) tools/bench_serve.py --llama-format $(SERVE_LLAMA_FORMAT) $(BENCH_SERVE_ARGS)
+
+bench-serve-table: $(RUNTIME)
+	$(PYTHON) tools/bench_serve.py --table
 
 # docs/peers.md again from the recorded runs (docs/peers/*.json), e.g. after editing the table's layout
 peers-table: $(RUNTIME)

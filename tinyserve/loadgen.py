@@ -35,6 +35,7 @@ class ClientResult:
     finish_reason: str | None = None
     completion_tokens: int | None = None    # from the final usage chunk
     sent: float = 0.0
+    ended: float = 0.0                      # the stream's end ([DONE] or the connection closing)
     chunk_times: list[float] = field(default_factory=list)
     cancelled: bool = False                 # this client hung up on purpose
     error: str | None = None
@@ -42,6 +43,10 @@ class ClientResult:
     @property
     def ttft(self) -> float | None:
         return self.chunk_times[0] - self.sent if self.chunk_times else None
+
+    @property
+    def e2e(self) -> float | None:
+        return self.ended - self.sent if self.ended else None
 
     @property
     def itl(self) -> list[float]:
@@ -94,7 +99,7 @@ async def _one(client, url: str, model: str, req: ClientRequest) -> ClientResult
                     break
                 if event.get("usage"):
                     res.completion_tokens = event["usage"]["completion_tokens"]
-                for choice in event["choices"]:
+                for choice in event.get("choices") or ():   # a usage-only chunk may carry none
                     if choice["text"]:   # the closing chunk (finish_reason, no text) is not a token's arrival
                         res.chunk_times.append(time.perf_counter())
                     pieces.append(choice["text"])
@@ -104,6 +109,7 @@ async def _one(client, url: str, model: str, req: ClientRequest) -> ClientResult
                     break          # leaving the block closes the connection: the server must notice
     except Exception as e:         # a client-side failure is a result to report, not a crash of the run
         res.error = f"{type(e).__name__}: {e}"
+    res.ended = time.perf_counter()
     res.text = "".join(pieces)
     return res
 
@@ -114,14 +120,27 @@ async def _events(resp):
             yield event
 
 
+def poisson_arrivals(n: int, rate: float, seed: int = 0) -> np.ndarray:
+    """[n] send times in s for Poisson arrivals at `rate` requests/s: exponential gaps, the first request at 0."""
+    if n < 1 or not rate > 0:
+        raise ValueError(f"want n >= 1 requests at a rate > 0 per s, got n={n}, rate={rate}")
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, n)
+    return np.cumsum(gaps) - gaps[0]
+
+
 async def run_load(url: str, model: str, requests: list[ClientRequest], concurrency: int = 32,
                    rate: float | None = None, seed: int = 0, timeout: float = 600.0) -> LoadReport:
     """Send every request; return what each client saw. rate=None: closed loop; else Poisson arrivals."""
+    starts = poisson_arrivals(len(requests), rate, seed) if rate else np.zeros(len(requests))
+    return await run_arrivals(url, model, requests, starts, concurrency=concurrency, timeout=timeout)
+
+
+async def run_arrivals(url: str, model: str, requests: list[ClientRequest], starts, concurrency: int = 32,
+                       timeout: float = 600.0) -> LoadReport:
+    """Send request i at starts[i] s after the start (at most `concurrency` in flight); what each client saw."""
     import httpx
 
     sem = asyncio.Semaphore(concurrency)
-    gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(requests)) if rate else np.zeros(len(requests))
-    starts = np.cumsum(gaps) - gaps[0]
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         t0 = time.perf_counter()
