@@ -150,7 +150,7 @@ def _share(wt, h, xu, sx, out, accumulate, tid, n_threads, acc):
 def _thread_step(tid, n_threads, sync, timeout, w8a8, x, cos, sin, eps, weights, k_pool, v_pool,
                  block_tables, bs, context_lens, qkv, q, a, gu, logits):
     """One thread's part of the decode step (see the module docstring); returns early if a barrier fails.
-    weights: forward.DecodeWeights (the layers' arrays stacked [L, ...]). x [T, D], qkv [T, (N + 2K) H], q and a
+    weights: DecodeWeights (the layers' arrays stacked [L, ...]). x [T, D], qkv [T, (N + 2K) H], q and a
     [T, N, H], gu [T, 2F], logits [T, V] are shared by the threads (every element has one writer between two
     barriers)."""
     lw = weights.layers
@@ -275,10 +275,10 @@ def decode_step(model, tokens: np.ndarray, layout: KVLayout) -> np.ndarray | Non
     logits = np.empty((T, fw.lm_head.w.shape[0] * BLOCK), np.float32)             # [T, V]
     sync = np.zeros(SYNC_SIZE, np.int64)
     n_threads = threads()
+    w = fw.decode
     args = (n_threads, sync, TIMEOUT_CYCLES, is_w8a8(fw.mode), x, model.rope_cos[positions], model.rope_sin[positions],
-            np.float32(cfg.norm_eps), *fw.decode.layers, fw.decode.final_norm, fw.decode.lm_head, layout.k, layout.v,
-            layout.block_tables, layout.block_size,
-            layout.context_lens, cfg.n_heads, logits)
+            np.float32(cfg.norm_eps), *w.layers, w.final_norm, w.lm_head, layout.k, layout.v, layout.block_tables,
+            layout.block_size, layout.context_lens, cfg.n_heads, logits)
     try:
         _decode_step_kernel(*args)
     except Exception as e:                 # it failed to compile for this CPU (the step itself raises nothing)

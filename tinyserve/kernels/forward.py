@@ -58,14 +58,13 @@ class FastWeights:
     float32: object | None = None   # quant.dequantize_model(model), made on first use (BLAS_FROM_ROWS)
 
 
-def _pack(*qs) -> Packed:
+def _pack(mode: str, *qs) -> Packed:
     """Quantised matrices side by side (same input) -> one packed matrix of their kind: a fused projection. Q4_1
-    blocks (quant.Q4Linear) pack as W4A8; int8 ones as W8A8 when their mode rounds the activations to int8 too
-    (a W4A8 model's LM head among them), else as W8A32."""
+    blocks (quant.Q4Linear) pack as W4A8; int8 ones as W8A8 when the model's mode rounds the activations to int8
+    too (a W4A8 model's LM head among them), else as W8A32."""
     if isinstance(qs[0], Q4Linear):
         cat = lambda f: np.concatenate([getattr(q, f) for q in qs], axis=1)        # noqa: E731
         return w4a8_weights(pack_w4a8(cat("q"), cat("d"), cat("m")))
-    mode = qs[0].mode
     wq = np.concatenate([q.wq for q in qs], axis=1)                                  # [D_in, sum O]
     scale = np.concatenate([q.scale for q in qs])
     if not is_w8a8(mode):
@@ -82,16 +81,17 @@ def _stack(matrices: list[Packed]) -> tuple[Packed, list[Packed]]:
 
 def prepare(model) -> FastWeights:
     """Pack a quantised model's weights for the kernels (once per model; ~1 s for SmolLM2)."""
-    qkv, qkv_l = _stack([_pack(w.wq, w.wk, w.wv) for w in model.layers])
-    o, o_l = _stack([_pack(w.wo) for w in model.layers])
-    gate_up, gate_up_l = _stack([_pack(w.w_gate, w.w_up) for w in model.layers])
-    down, down_l = _stack([_pack(w.w_down) for w in model.layers])
+    mode = model.quant
+    qkv, qkv_l = _stack([_pack(mode, w.wq, w.wk, w.wv) for w in model.layers])
+    o, o_l = _stack([_pack(mode, w.wo) for w in model.layers])
+    gate_up, gate_up_l = _stack([_pack(mode, w.w_gate, w.w_up) for w in model.layers])
+    down, down_l = _stack([_pack(mode, w.w_down) for w in model.layers])
     layers = [PackedLayer(w.attn_norm, qkv_l[i], o_l[i], w.mlp_norm, gate_up_l[i], down_l[i])
               for i, w in enumerate(model.layers)]
     stacked = PackedLayer(np.stack([w.attn_norm for w in model.layers]), qkv, o,
                           np.stack([w.mlp_norm for w in model.layers]), gate_up, down)
-    head = _pack(model.lm_head_q)
-    return FastWeights(model.quant, layers, head, DecodeWeights(stacked, model.final_norm, head))
+    head = _pack(mode, model.lm_head_q)
+    return FastWeights(mode, layers, head, DecodeWeights(stacked, model.final_norm, head))
 
 
 def fast_forward(model, tokens: np.ndarray, positions: np.ndarray, attention, logit_rows=None,

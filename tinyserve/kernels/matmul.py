@@ -92,7 +92,7 @@ class W8A8Weights(NamedTuple):
 class W8A32Weights(NamedTuple):
     """int8 weights times float32 activations (QuantMode.kernels == "w8a32")."""
     w: np.ndarray          # [O/16, D, 16] int8: pack_w8a32
-    wsum: np.ndarray       # [1, O] int32 (block_sums; the kernels do not read it)
+    wsum: np.ndarray       # [1, O] int32 (block_sums; the kernels do not read it: may be [1, 0])
     scale: np.ndarray      # [O] float32
 
 
