@@ -74,10 +74,11 @@ SCRIPT = textwrap.dedent("""
     out["prefill40_via_blas"] = np.array(fast.fast.float32 is not None)
     from numba import njit
     from tinyserve.kernels import matmul
-    blocks = njit(matmul.w8a8_blocks.py_func)          # compiled afresh (a cached kernel keeps no assembly)
+    blocks = njit(matmul.matmul_blocks.py_func)        # compiled afresh (a cached kernel keeps no assembly)
     T, D, O = 4, 128, 64
-    args = (np.zeros((T, D), np.uint8), np.ones((T, 1), np.float32), np.zeros((O // 16, D * 16), np.int8),
-            np.zeros((1, O), np.int32), np.ones(O, np.float32), np.zeros((T, O), np.float32), False, 0, O // 16,
+    args = (matmul.W8A8Weights(np.zeros((O // 16, D * 16), np.int8), np.zeros((1, O), np.int32),
+                               np.ones(O, np.float32)), np.zeros((T, D), np.float32), np.zeros((T, D), np.uint8),
+            np.ones((T, 1), np.float32), np.zeros((T, O), np.float32), False, 0, O // 16,
             np.zeros(matmul.ROWS * matmul.COLS * 16, np.float32))
     blocks(*args)
     asm = chr(10).join(blocks.inspect_asm().values())   # what the W8A8 tiles were compiled to

@@ -1,4 +1,5 @@
-"""The Numba paged attention kernel gives the NumPy reference's answer, and the kernels package sets up Numba.
+"""The Numba paged attention kernel gives the NumPy reference's answer, and the kernels package sets up Numba; the
+matmuls' one work split (matmul.thread_share, matmul_blocks) puts every kind's matmul together from threads' shares.
 
 Tolerance: rtol 1e-4, atol 1e-5 against the reference. Both compute in float32, but in a different order (an
 online softmax over chunks of 64 keys, kernels/key_chunks.py's rule, instead of BLAS on a gathered copy);
@@ -197,3 +198,63 @@ def test_pairwise_sum_adds_a_float32_run_exactly_as_numpy(n):
     a = (rng.standard_normal(n + 3) * rng.uniform(0.01, 100, n + 3)).astype(np.float32)   # non-uniform scales
     for lo in (0, 3):
         assert _pairwise_sum(a, lo, n) == np.add.reduce(a[lo:lo + n]), f"n={n}, offset {lo}"
+
+
+# --- the matmuls' one work split (kernels/matmul.py) ----------------------------------------------------------------
+
+@settings(max_examples=50, deadline=None)
+@given(n=st.integers(0, 300), n_threads=st.integers(1, 9))
+def test_thread_share_gives_every_unit_to_one_thread_in_order(n, n_threads):
+    from tinyserve.kernels.matmul import thread_share
+    parts = [thread_share(n, t, n_threads) for t in range(n_threads)]
+    assert parts[0][0] == 0 and parts[-1][1] == n
+    assert all(a[1] == b[0] for a, b in zip(parts, parts[1:])), parts        # neighbours, no gap, no overlap
+    assert max(hi - lo for lo, hi in parts) - min(hi - lo for lo, hi in parts) <= 1
+
+
+def _packed_kinds(T: int, D: int, O: int, seed: int):
+    """kind -> (its packed weights, the float rows x [T, D], the quantised rows xu and their scales sx, the whole
+    matmul through its public entry), for one random matrix of each kind."""
+    from tinyserve import quant
+    from tinyserve.kernels import matmul as mm
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((T, D)).astype(np.float32)
+    w = rng.standard_normal((D, O)).astype(np.float32)
+    out = {}
+    q8 = quant.quantize_weight(w, "w8a8-64")
+    xq, sx = quant.quantize_blocks(x, D // 64)
+    xu = (xq.astype(np.int16) + 128).astype(np.uint8)
+    wt = mm.W8A8Weights(mm.pack_vnni(q8.wq), mm.block_sums(q8.wq, D // 64), q8.scale)
+    out["w8a8"] = wt, x, xu, sx, mm.matmul_w8a8(xu, sx, wt.w, wt.wsum, wt.scale)
+    wt = mm.W8A32Weights(mm.pack_w8a32(q8.wq), mm.block_sums(q8.wq, 1), q8.scale)
+    out["w8a32"] = wt, x, xu, np.ones((T, 1), np.float32), mm.matmul_w8a32(x, wt.w, wt.scale)
+    q4 = quant.quantize_q4_1(w)
+    xq, sx = quant.quantize_blocks(x, D // 32)
+    xu = (xq.astype(np.int16) + 128).astype(np.uint8)
+    wt = mm.w4a8_weights(mm.pack_w4a8(q4.q, q4.d, q4.m))
+    out["w4a8"] = wt, x, xu, sx, mm.matmul_w4a8(xu, sx, wt.w)
+    return out
+
+
+@pytest.mark.parametrize("T, D, O", [(1, 128, 48), (5, 192, 160), (16, 64, 16)])
+def test_every_kind_split_over_threads_is_the_whole_matmul(T, D, O):
+    """The fused decode step's threads each run matmul_blocks on their thread_share of the output blocks; put
+    together, the shares are the parallel matmul (matmul_items) bit for bit, for every kind of packed weights."""
+    from tinyserve.kernels import matmul as mm
+    for kind, (wt, x, xu, sx, whole) in _packed_kinds(T, D, O, seed=T).items():
+        for n_threads in (1, 2, 3):
+            parts = np.full((T, O), np.nan, np.float32)
+            for tid in range(n_threads):
+                lo, hi = mm.thread_share(O // 16, tid, n_threads)
+                mm.matmul_blocks(wt, x, xu, sx, parts, False, lo, hi, np.empty(mm.ROWS * mm.COLS * 16, np.float32))
+            assert np.array_equal(parts, whole), f"{kind}, {n_threads} threads: max {np.nanmax(np.abs(parts - whole))}"
+
+
+def test_a_matmul_refuses_weights_that_are_not_a_packed_kind():
+    """The kind is declared by the weights' class, never guessed from a shape: a bare tuple of the same arrays is
+    refused, naming the kinds."""
+    from tinyserve.kernels import matmul as mm
+    wt, x, xu, sx, _ = _packed_kinds(1, 64, 16, seed=0)["w8a8"]
+    with pytest.raises(Exception, match="W8A8Weights, W8A32Weights or W4A8Weights"):
+        mm.matmul_blocks(tuple(wt), x, xu, sx, np.zeros((1, 16), np.float32), False, 0, 1,
+                         np.empty(mm.ROWS * mm.COLS * 16, np.float32))

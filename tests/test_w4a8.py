@@ -5,7 +5,7 @@ What must hold:
 - pack_w4a8 puts every nibble and scale where the tile reads it;
 - the W4A8 matmul is bit-identical to quant.matmul_reference_w4a8 (integer block sums, the same float32 operations
   in the same order), through every entry the kernels use: matmul_w4a8, the int8-activation matmul of layer.py's
-  kernels (_matmul_w8a8, which takes W4A8 weights by their shape), and one thread's share (w8a8_blocks);
+  kernels (_matmul_int8, which takes W4A8 weights by their kind), and one thread's share (matmul_blocks);
 - a w4a8 model on the numba backend computes what the NumPy reference computes, and fails clearly where it cannot
   become another mode;
 - quant="auto" picks w4a8 exactly for models whose layers are Q4_1 already.
@@ -93,15 +93,14 @@ def test_the_matmul_is_bit_identical_to_the_reference(T, nb, n_out, seed, outlie
     xu, sx = activations(x)
     wp = km.pack_w4a8(q.q, q.d, q.m)
     np.testing.assert_array_equal(km.matmul_w4a8(xu, sx, wp), want)
-    # the int8-activation matmul of layer.py's kernels, told apart by the weights' shape (W4A8: 3-d)
+    # the int8-activation matmul of layer.py's kernels, told apart by the weights' kind
     out = np.full((T, O), 1.5, np.float32)
-    km._matmul_w8a8(xu, sx, wp, np.zeros((nb, 0), np.int32), np.zeros(0, np.float32), out, True)
+    km._matmul_int8(km.w4a8_weights(wp), xu, sx, out, True)
     np.testing.assert_array_equal(out, np.float32(1.5) + want)
     # one thread's share of the fused decode step: output blocks lo .. hi only
     lo, hi = n_out // 3, n_out - n_out // 4
     part = np.zeros((T, O), np.float32)
-    km.w8a8_blocks(xu, sx, wp, np.zeros((nb, 0), np.int32), np.zeros(0, np.float32), part, False, lo, hi,
-                   np.empty(km.ROWS * km.COLS * 16, np.float32))
+    km.matmul_blocks(km.w4a8_weights(wp), x, xu, sx, part, False, lo, hi, np.empty(km.ROWS * km.COLS * 16, np.float32))
     np.testing.assert_array_equal(part[:, 16 * lo:16 * hi], want[:, 16 * lo:16 * hi])
     assert not part[:, :16 * lo].any() and not part[:, 16 * hi:].any()
 
@@ -131,8 +130,8 @@ def test_the_numba_path_computes_the_numpy_reference(tiny_w4a8, monkeypatch):
 def test_packed_weights_are_4_bits_and_the_lm_head_int8(tiny_w4a8):
     m = quant.set_backend(tiny_w4a8, "w4a8", "numba")
     fw = fast.prepare(m)
-    assert fw.layers[0].qkv.w.ndim == 3 and fw.layers[0].qkv.w.dtype == np.uint8
-    assert fw.lm_head.w.ndim == 2 and fw.lm_head.w.dtype == np.int8                 # the head: W8A8, per 32
+    assert isinstance(fw.layers[0].qkv, km.W4A8Weights) and fw.layers[0].qkv.w.dtype == np.uint8
+    assert isinstance(fw.lm_head, km.W8A8Weights) and fw.lm_head.w.dtype == np.int8  # the head: W8A8, per 32
     assert fw.lm_head.wsum.shape[0] == m.config.dim // 32
     D, F = m.config.dim, m.config.intermediate_size
     for f in quant.MATRICES:                          # half a byte a weight, d and m as float16 per 32 inputs

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import warnings
 from contextlib import contextmanager
+from typing import NamedTuple, Union
 
 import numba
 import numpy as np
@@ -57,7 +58,8 @@ from ..quant import is_w8a8
 from .attention import decode_attention_heads
 from .layer import _rms_norm_quant_row, _rms_norm_row, _swiglu_row
 from .simd import prefetch_l2
-from .matmul import BLOCK, COLS, ROWS, _quantize_row, rope_head, w8a8_blocks, w8a32_blocks
+from .matmul import (BLOCK, COLS, ROWS, W4A8Weights, W8A8Weights, W8A32Weights, _layer, _quantize_row, matmul_blocks,
+                     rope_head, thread_share)
 from .spin import FAILED, HAS_CLOCK, SYNC_SIZE, TIMEOUT_CYCLES, barrier
 
 # rows per fused step: four weight tiles' worth (matmul.ROWS = 4 rows a tile), so that decode at batch 16 and a
@@ -67,6 +69,27 @@ from .spin import FAILED, HAS_CLOCK, SYNC_SIZE, TIMEOUT_CYCLES, barrier
 # them waits for it: there batch 16 ran ~5x slower three-call than fused (docs/performance.md, "Why the kernels'
 # constants are what they are").
 MAX_ROWS = 4 * ROWS
+
+Packed = Union[W8A8Weights, W8A32Weights, W4A8Weights]     # one packed matrix, its class its kind (matmul.py)
+
+
+class PackedLayer(NamedTuple):
+    """One layer's weights as the kernels take them; each matrix is its packed kind (matmul.W8A8Weights,
+    W8A32Weights or W4A8Weights), Q|K|V and gate|up fused. With a leading L axis on every array, the same class
+    holds every layer at once (DecodeWeights.layers)."""
+    attn_norm: np.ndarray  # [D]
+    qkv: Packed            # [D, (N + 2K) H]
+    o: Packed              # [N H, D]
+    mlp_norm: np.ndarray   # [D]
+    gate_up: Packed        # [D, 2F]
+    down: Packed           # [F, D]
+
+
+class DecodeWeights(NamedTuple):
+    """Everything the fused decode step reads (forward.prepare packs it once): one call walks every layer."""
+    layers: PackedLayer    # every array [L, ...]: the layers' weights stacked
+    final_norm: np.ndarray  # [D]
+    lm_head: Packed        # [D, V]
 
 
 @njit(cache=True)
@@ -116,25 +139,21 @@ def _prefetch_kv(k_rows, v_rows, block_tables, bs, context_lens, N, lo, hi):
 
 
 @njit(cache=True)
-def _share(w8a8, h, xu, sx, wp, wsum, sw, out, accumulate, tid, n_threads, acc):
-    """Thread tid's share of out (+)= input @ W: the output blocks [tid/n, (tid+1)/n) of the matrix."""
-    n_blocks = wp.shape[0]
-    lo, hi = n_blocks * tid // n_threads, n_blocks * (tid + 1) // n_threads
-    if w8a8:
-        w8a8_blocks(xu, sx, wp, wsum, sw, out, accumulate, lo, hi, acc)
-    else:
-        w8a32_blocks(h, wp, sw, out, accumulate, lo, hi, acc)
+def _share(wt, h, xu, sx, out, accumulate, tid, n_threads, acc):
+    """Thread tid's share of out (+)= input @ wt: its output blocks (matmul.thread_share); the weights' kind reads
+    h (W8A32) or xu, sx (int8 activations)."""
+    lo, hi = thread_share(wt.w.shape[0], tid, n_threads)
+    matmul_blocks(wt, h, xu, sx, out, accumulate, lo, hi, acc)
 
 
 @njit(cache=True, error_model="numpy")   # SiLU's divisions vectorise (see layer.SWIGLU_KERNEL)
-def _thread_step(tid, n_threads, sync, timeout, w8a8, x, cos, sin, eps, weights, head, k_pool, v_pool,
+def _thread_step(tid, n_threads, sync, timeout, w8a8, x, cos, sin, eps, weights, k_pool, v_pool,
                  block_tables, bs, context_lens, qkv, q, a, gu, logits):
     """One thread's part of the decode step (see the module docstring); returns early if a barrier fails.
-    x [T, D], qkv [T, (N + 2K) H], q and a [T, N, H], gu [T, 2F], logits [T, V] are shared by the threads (every
-    element has one writer between two barriers)."""
-    (attn_norm, qkv_w, qkv_sum, qkv_scale, o_w, o_sum, o_scale,
-     mlp_norm, gu_w, gu_sum, gu_scale, down_w, down_sum, down_scale) = weights
-    final_norm, head_w, head_sum, head_scale = head
+    weights: DecodeWeights (the layers' arrays stacked [L, ...]). x [T, D], qkv [T, (N + 2K) H], q and a
+    [T, N, H], gu [T, 2F], logits [T, V] are shared by the threads (every element has one writer between two
+    barriers)."""
+    lw = weights.layers
     T, D = x.shape
     L, K, H = k_pool.shape[0], k_pool.shape[2], k_pool.shape[3]
     N = q.shape[1]
@@ -143,16 +162,16 @@ def _thread_step(tid, n_threads, sync, timeout, w8a8, x, cos, sin, eps, weights,
     # this thread's own: the normed / quantised input of the next matmul
     h, act = np.empty((T, D), np.float32), np.empty((T, F), np.float32)
     xu, au, ou = np.empty((T, D), np.uint8), np.empty((T, F), np.uint8), np.empty((T, N * H), np.uint8)
-    # activation scales [T, nb]: nb per row of each matrix's input (W8A8: wsum [L, nb, O]; W8A32: unused)
-    sx, so, sd = (np.empty((T, qkv_sum.shape[1]), np.float32), np.empty((T, o_sum.shape[1]), np.float32),
-                  np.empty((T, down_sum.shape[1]), np.float32))
-    acc = np.empty(ROWS * COLS * BLOCK, np.float32)              # a tile's scratch (both modes' tiles: float32)
-    heads_lo, heads_hi = T * N * tid // n_threads, T * N * (tid + 1) // n_threads   # this thread's attention heads
+    # activation scales [T, nb]: nb per row of each matrix's input (int8 kinds: wsum [L, nb, O]; W8A32: unused)
+    sx, so, sd = (np.empty((T, lw.qkv.wsum.shape[1]), np.float32), np.empty((T, lw.o.wsum.shape[1]), np.float32),
+                  np.empty((T, lw.down.wsum.shape[1]), np.float32))
+    acc = np.empty(ROWS * COLS * BLOCK, np.float32)              # a tile's scratch (every kind's tiles: float32)
+    heads_lo, heads_hi = thread_share(T * N, tid, n_threads)    # this thread's (row, query head) pairs
     for layer in range(L):
         _prefetch_kv(k_pool[layer], v_pool[layer], block_tables, bs, context_lens, N, heads_lo, heads_hi)
         # [Q|K|V] = RMSNorm(x) @ Wqkv
-        _norm_rows(w8a8, x, attn_norm[layer], eps, h, xu, sx)
-        _share(w8a8, h, xu, sx, qkv_w[layer], qkv_sum[layer], qkv_scale[layer], qkv, False, tid, n_threads, acc)
+        _norm_rows(w8a8, x, lw.attn_norm[layer], eps, h, xu, sx)
+        _share(_layer(lw.qkv, layer), h, xu, sx, qkv, False, tid, n_threads, acc)
         if not barrier(sync, n_threads, timeout):
             return
         # RoPE and K/V into the cache, then attention: items (row t, KV head kh)
@@ -176,12 +195,12 @@ def _thread_step(tid, n_threads, sync, timeout, w8a8, x, cos, sin, eps, weights,
         if w8a8:
             for t in range(T):
                 _quantize_row(a2[t], ou[t], so[t])
-        _share(w8a8, a2, ou, so, o_w[layer], o_sum[layer], o_scale[layer], x, True, tid, n_threads, acc)
+        _share(_layer(lw.o, layer), a2, ou, so, x, True, tid, n_threads, acc)
         if not barrier(sync, n_threads, timeout):
             return
         # gu = RMSNorm(x) @ [Wgate | Wup]
-        _norm_rows(w8a8, x, mlp_norm[layer], eps, h, xu, sx)
-        _share(w8a8, h, xu, sx, gu_w[layer], gu_sum[layer], gu_scale[layer], gu, False, tid, n_threads, acc)
+        _norm_rows(w8a8, x, lw.mlp_norm[layer], eps, h, xu, sx)
+        _share(_layer(lw.gate_up, layer), h, xu, sx, gu, False, tid, n_threads, acc)
         if not barrier(sync, n_threads, timeout):
             return
         # x += (silu(gate) * up) @ Wdown
@@ -189,23 +208,27 @@ def _thread_step(tid, n_threads, sync, timeout, w8a8, x, cos, sin, eps, weights,
             _swiglu_row(gu, t, act)
             if w8a8:
                 _quantize_row(act[t], au[t], sd[t])
-        _share(w8a8, act, au, sd, down_w[layer], down_sum[layer], down_scale[layer], x, True, tid, n_threads, acc)
+        _share(_layer(lw.down, layer), act, au, sd, x, True, tid, n_threads, acc)
         if not barrier(sync, n_threads, timeout):
             return
-    _norm_rows(w8a8, x, final_norm, eps, h, xu, sx)
-    _share(w8a8, h, xu, sx, head_w, head_sum, head_scale, logits, False, tid, n_threads, acc)
+    _norm_rows(w8a8, x, weights.final_norm, eps, h, xu, sx)
+    _share(weights.lm_head, h, xu, sx, logits, False, tid, n_threads, acc)
 
 
 @njit(cache=True, parallel=True)
-def _decode_step_kernel(n_threads, sync, timeout, w8a8, x, cos, sin, eps, weights, head, k_pool, v_pool,
-                        block_tables, bs, context_lens, n_heads, logits):
+def _decode_step_kernel(n_threads, sync, timeout, w8a8, x, cos, sin, eps, attn_norm, wqkv, wo, mlp_norm, wgu, wdown,
+                        final_norm, lm_head, k_pool, v_pool, block_tables, bs, context_lens, n_heads, logits):
+    """The threads of one step. The weights come as DecodeWeights' parts (decode_step() unpacks them): a parallel
+    loop passes a named tuple into its body only if it is an argument of the function and holds no tuples itself,
+    so DecodeWeights is put together inside the loop, once per thread."""
     T, L, K, H = x.shape[0], k_pool.shape[0], k_pool.shape[2], k_pool.shape[3]
     qkv = np.empty((T, (n_heads + 2 * K) * H), np.float32)      # the threads' shared intermediate results
     q, a = np.empty((T, n_heads, H), np.float32), np.empty((T, n_heads, H), np.float32)
-    gu = np.empty((T, weights[8].shape[1] * BLOCK), np.float32)  # [T, 2F]
+    gu = np.empty((T, wgu.w.shape[1] * BLOCK), np.float32)      # [T, 2F]
     for tid in prange(n_threads):                  # one iteration per thread: the threads start once per step
+        weights = DecodeWeights(PackedLayer(attn_norm, wqkv, wo, mlp_norm, wgu, wdown), final_norm, lm_head)
         # (tid is unsigned in the loop Numba generates and signed where it types the body: one type, one compile)
-        _thread_step(np.int64(tid), n_threads, sync, timeout, w8a8, x, cos, sin, eps, weights, head, k_pool, v_pool,
+        _thread_step(np.int64(tid), n_threads, sync, timeout, w8a8, x, cos, sin, eps, weights, k_pool, v_pool,
                      block_tables, bs, context_lens, qkv, q, a, gu, logits)
 
 
@@ -252,9 +275,10 @@ def decode_step(model, tokens: np.ndarray, layout: KVLayout) -> np.ndarray | Non
     logits = np.empty((T, fw.lm_head.w.shape[0] * BLOCK), np.float32)             # [T, V]
     sync = np.zeros(SYNC_SIZE, np.int64)
     n_threads = threads()
+    w = fw.decode
     args = (n_threads, sync, TIMEOUT_CYCLES, is_w8a8(fw.mode), x, model.rope_cos[positions], model.rope_sin[positions],
-            np.float32(cfg.norm_eps), fw.stacked, fw.head, layout.k, layout.v, layout.block_tables, layout.block_size,
-            layout.context_lens, cfg.n_heads, logits)
+            np.float32(cfg.norm_eps), *w.layers, w.final_norm, w.lm_head, layout.k, layout.v, layout.block_tables,
+            layout.block_size, layout.context_lens, cfg.n_heads, logits)
     try:
         _decode_step_kernel(*args)
     except Exception as e:                 # it failed to compile for this CPU (the step itself raises nothing)

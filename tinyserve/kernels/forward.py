@@ -22,11 +22,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import decode_step, isa, single_thread_blas
+from .decode_step import DecodeWeights, Packed, PackedLayer
 from .layer import (lm_head, lm_head_w8a32, mlp_down, mlp_down_w8a32, post_attention, post_attention_w8a32,
                     pre_attention, pre_attention_w8a32)
 from ..model import forward as float32_forward
-from ..quant import Q4_GROUP, Q4Linear, act_blocks, dequantize_model, is_w8a8
-from .matmul import block_sums, pack_vnni, pack_w4a8, pack_w8a32
+from ..quant import Q4Linear, act_blocks, dequantize_model, is_w8a8
+from .matmul import W8A8Weights, W8A32Weights, block_sums, pack_vnni, pack_w4a8, pack_w8a32, w4a8_weights
 
 
 # SiLU's exp on the three-call W8A8 path. None (the default): fast_exp.exp32 inside mlp_down, the fused decode step's
@@ -49,79 +50,56 @@ BLAS_FROM_ROWS = {"generic": 32}
 
 
 @dataclass(slots=True)
-class PackedLinear:
-    """One quantised matrix [D_in, O] laid out for its kernel."""
-    w: np.ndarray          # W8A8: pack_vnni -> [O/16, D_in/4*64]; W8A32: pack_w8a32 -> [O/16, D_in, 16] (int8)
-    wsum: np.ndarray       # [nb, O] int32: the weights summed over each activation block (matmul.block_sums; W8A8
-                           # undoes the +128 activation offset with it); nb = 1 for "int8" and "w8a8"
-    scale: np.ndarray      # [O] float32
-
-
-@dataclass(slots=True)
-class PackedLayer:
-    attn_norm: np.ndarray  # [D]
-    qkv: PackedLinear      # [D, (N + 2K) H]
-    o: PackedLinear        # [N H, D]
-    mlp_norm: np.ndarray   # [D]
-    gate_up: PackedLinear  # [D, 2F]
-    down: PackedLinear     # [F, D]
-
-
-@dataclass(slots=True)
 class FastWeights:
-    mode: str              # "int8" | "w8a8" | "w8a8-64" | "w4a8"
-    layers: list[PackedLayer]
-    lm_head: PackedLinear  # [D, V]
-    # the same arrays stacked over the L layers, for the fused decode step (kernels/decode_step.py), whose one call
-    # walks every layer: (attn_norm, qkv w, wsum, scale, o w, wsum, scale, mlp_norm, gate_up w, wsum, scale, down w,
-    # wsum, scale), each [L, ...] (packed weights as [L, O/16, bytes per block]); the layers' arrays are views of them
-    stacked: tuple
-    head: tuple            # (final_norm, lm_head w [V/16, bytes per block], wsum, scale)
+    mode: str              # a QuantMode's name with kernels (quant.KERNEL_MODES)
+    layers: list[PackedLayer]   # views into `decode`'s stacked arrays (no second copy of the weights)
+    lm_head: Packed        # [D, V]
+    decode: DecodeWeights
     float32: object | None = None   # quant.dequantize_model(model), made on first use (BLAS_FROM_ROWS)
 
 
-def _pack(mode: str, *qs) -> PackedLinear:
-    """QuantizedLinears side by side (same input) -> one packed matrix: a fused projection."""
-    if isinstance(qs[0], Q4Linear):                     # w4a8's layers: [O/16, D_in/32, 320] (3-d: the kernels'
-        cat = lambda f: np.concatenate([getattr(q, f) for q in qs], axis=1)        # noqa: E731   sign of W4A8)
-        return PackedLinear(pack_w4a8(cat("q"), cat("d"), cat("m")), np.zeros((qs[0].q.shape[0] // Q4_GROUP, 0),
-                                                                             np.int32), np.zeros(0, np.float32))
+def _pack(mode: str, *qs) -> Packed:
+    """Quantised matrices side by side (same input) -> one packed matrix of their kind: a fused projection. Q4_1
+    blocks (quant.Q4Linear) pack as W4A8; int8 ones as W8A8 when the model's mode rounds the activations to int8
+    too (a W4A8 model's LM head among them), else as W8A32."""
+    if isinstance(qs[0], Q4Linear):
+        cat = lambda f: np.concatenate([getattr(q, f) for q in qs], axis=1)        # noqa: E731
+        return w4a8_weights(pack_w4a8(cat("q"), cat("d"), cat("m")))
     wq = np.concatenate([q.wq for q in qs], axis=1)                                  # [D_in, sum O]
     scale = np.concatenate([q.scale for q in qs])
     if not is_w8a8(mode):
-        return PackedLinear(pack_w8a32(wq), block_sums(wq, 1), scale)
-    return PackedLinear(pack_vnni(wq), block_sums(wq, act_blocks(mode, wq.shape[0])), scale)
+        return W8A32Weights(pack_w8a32(wq), block_sums(wq, 1), scale)
+    return W8A8Weights(pack_vnni(wq), block_sums(wq, act_blocks(mode, wq.shape[0])), scale)
 
 
-def _stack(linears: list[PackedLinear]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One matrix of every layer -> (w [L, O/16, bytes per block], wsum [L, nb, O], scale [L, O]); each layer's
-    PackedLinear then keeps views into the stack (no second copy of the weights)."""
-    w = np.stack([p.w if p.w.ndim == 3 else p.w.reshape(p.w.shape[0], -1) for p in linears])
-    wsum, scale = np.stack([p.wsum for p in linears]), np.stack([p.scale for p in linears])
-    for i, p in enumerate(linears):
-        p.w, p.wsum, p.scale = w[i].reshape(p.w.shape), wsum[i], scale[i]
-    return w, wsum, scale
+def _stack(matrices: list[Packed]) -> tuple[Packed, list[Packed]]:
+    """One matrix of every layer -> the same kind with every array stacked [L, ...], and each layer's matrix as
+    views into that stack."""
+    stacked = type(matrices[0])(*(np.stack(arrays) for arrays in zip(*matrices)))
+    return stacked, [type(stacked)(*(a[i] for a in stacked)) for i in range(len(matrices))]
 
 
 def prepare(model) -> FastWeights:
     """Pack a quantised model's weights for the kernels (once per model; ~1 s for SmolLM2)."""
     mode = model.quant
-    layers = [PackedLayer(w.attn_norm, _pack(mode, w.wq, w.wk, w.wv), _pack(mode, w.wo), w.mlp_norm,
-                          _pack(mode, w.w_gate, w.w_up), _pack(mode, w.w_down)) for w in model.layers]
-    stacked = (np.stack([w.attn_norm for w in layers]), *_stack([w.qkv for w in layers]),
-               *_stack([w.o for w in layers]), np.stack([w.mlp_norm for w in layers]),
-               *_stack([w.gate_up for w in layers]), *_stack([w.down for w in layers]))
+    qkv, qkv_l = _stack([_pack(mode, w.wq, w.wk, w.wv) for w in model.layers])
+    o, o_l = _stack([_pack(mode, w.wo) for w in model.layers])
+    gate_up, gate_up_l = _stack([_pack(mode, w.w_gate, w.w_up) for w in model.layers])
+    down, down_l = _stack([_pack(mode, w.w_down) for w in model.layers])
+    layers = [PackedLayer(w.attn_norm, qkv_l[i], o_l[i], w.mlp_norm, gate_up_l[i], down_l[i])
+              for i, w in enumerate(model.layers)]
+    stacked = PackedLayer(np.stack([w.attn_norm for w in model.layers]), qkv, o,
+                          np.stack([w.mlp_norm for w in model.layers]), gate_up, down)
     head = _pack(mode, model.lm_head_q)
-    return FastWeights(mode, layers, head, stacked,
-                       (model.final_norm, head.w.reshape(head.w.shape[0], -1), head.wsum, head.scale))
+    return FastWeights(mode, layers, head, DecodeWeights(stacked, model.final_norm, head))
 
 
 def fast_forward(model, tokens: np.ndarray, positions: np.ndarray, attention, logit_rows=None,
                  kv_layout=None) -> np.ndarray:
     """model.forward for quantised weights on the Numba backend (same arguments, same result up to float order).
 
-    A layer is three fused Numba calls (kernels/layer.py) around the strategy's attention; the W8A8 and W8A32
-    kernels differ in their arguments (W8A8 also needs each matrix's column sums)."""
+    A layer is three fused Numba calls (kernels/layer.py) around the strategy's attention: the int8-activation
+    ones (W8A8 and W4A8, the matmul's tile picked by each matrix's kind) or the W8A32 ones."""
     if model.fast is None:
         model.fast = prepare(model)
     fw: FastWeights = model.fast
@@ -146,22 +124,20 @@ def fast_forward(model, tokens: np.ndarray, positions: np.ndarray, attention, lo
         for i, w in enumerate(fw.layers):
             q, k, v = np.empty((T, N, H), np.float32), np.empty((T, K, H), np.float32), np.empty((T, K, H), np.float32)
             if w8a8:    # norm -> quantise -> [Q|K|V] -> RoPE
-                pre_attention(x, w.attn_norm, eps, w.qkv.w, w.qkv.wsum, w.qkv.scale, cos, sin, N, K, q, k, v)
+                pre_attention(x, w.attn_norm, eps, w.qkv, cos, sin, N, K, q, k, v)
             else:
-                pre_attention_w8a32(x, w.attn_norm, eps, w.qkv.w, w.qkv.scale, cos, sin, N, K, q, k, v)
+                pre_attention_w8a32(x, w.attn_norm, eps, w.qkv, cos, sin, N, K, q, k, v)
             a = np.ascontiguousarray(attention(i, q, k, v)).reshape(T, N * H)     # [T, N H]
             if w8a8:    # x += a @ Wo; gu = norm(x) @ [gate|up]; x += silu(gate) * up @ Wdown
-                post_attention(x, a, w.o.w, w.o.wsum, w.o.scale, w.mlp_norm, eps, w.gate_up.w, w.gate_up.wsum,
-                               w.gate_up.scale, gu)
+                post_attention(x, a, w.o, w.mlp_norm, eps, w.gate_up, gu)
                 if silu_exp is not None:                                            # NumPy's exp, as layers.silu
                     silu_exp(np.negative(gu[:, :F], out=e), out=e)
-                mlp_down(x, gu, e, silu_exp is None, w.down.w, w.down.wsum, w.down.scale)
+                mlp_down(x, gu, e, silu_exp is None, w.down)
             else:
-                post_attention_w8a32(x, a, w.o.w, w.o.scale, w.mlp_norm, eps, w.gate_up.w, w.gate_up.scale, gu)
-                mlp_down_w8a32(x, gu, w.down.w, w.down.scale)
+                post_attention_w8a32(x, a, w.o, w.mlp_norm, eps, w.gate_up, gu)
+                mlp_down_w8a32(x, gu, w.down)
         if logit_rows is not None:
             x = np.ascontiguousarray(x[logit_rows])                                 # [R, D]
-        p = fw.lm_head
         if w8a8:
-            return lm_head(x, model.final_norm, eps, p.w, p.wsum, p.scale)         # [R, V]
-        return lm_head_w8a32(x, model.final_norm, eps, p.w, p.scale)
+            return lm_head(x, model.final_norm, eps, fw.lm_head)                   # [R, V]
+        return lm_head_w8a32(x, model.final_norm, eps, fw.lm_head)

@@ -37,7 +37,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import isa
-from .int8_dot import add_to_out, for_each_block
+from .int8_dot import IsaStep, add_to_out, for_each_block, unchanged
 from .simd import _data_pointer
 
 BLOCK = 16                      # outputs per packed block
@@ -52,9 +52,14 @@ def _fn(builder, name, ret, args):
     return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
 
 
-def _step(name: str, vb: int):
-    """(acc type, setup, step(builder, st, acc, q, x) -> acc, finish(builder, st, acc) -> int32 lanes) for one 4-input
-    step of one vb-byte part of a block: q the nibbles as bytes (0..15), x the signed activation bytes."""
+# beside a sub-tile's accumulators: a weight vector, its nibbles and the low-nibble mask (and 2 activation broadcasts
+# per row, which _plan counts)
+EXTRA_REGISTERS = 3
+
+
+def _step(name: str, vb: int) -> IsaStep:
+    """The W4A8 step of an instruction set (int8_dot.IsaStep's contract): w the nibbles as bytes (0..15), x the signed
+    activation bytes, already broadcast (per_row passes them on)."""
     nl = vb // 4
     bytes_t, lanes_t = ir.VectorType(_I8, vb), ir.VectorType(_I32, nl)
     if name in ("avx512vnni", "avxvnni"):
@@ -65,7 +70,7 @@ def _step(name: str, vb: int):
 
         def step(builder, st, acc, q, x):
             return builder.call(st, [acc, builder.bitcast(q, lanes_t), builder.bitcast(x, lanes_t)])
-        return lanes_t, setup, step, lambda builder, st, acc: acc
+        return IsaStep(lanes_t, EXTRA_REGISTERS, setup, unchanged, step, unchanged)
     if name == "avx2":
         s16_t = ir.VectorType(_I16, vb // 2)
 
@@ -79,14 +84,14 @@ def _step(name: str, vb: int):
 
         def finish(builder, st, acc):
             return builder.call(st[1], [acc, st[2]])                    # the pairs of each lane into 32 bits
-        return s16_t, setup, step, finish
+        return IsaStep(s16_t, EXTRA_REGISTERS, setup, unchanged, step, finish)
     if name == "neon":
         def setup(builder):
             return _fn(builder, "llvm.aarch64.neon.sdot.v4i32.v16i8", lanes_t, [lanes_t, bytes_t, bytes_t])
 
         def step(builder, st, acc, q, x):
             return builder.call(st, [acc, q, x])
-        return lanes_t, setup, step, lambda builder, st, acc: acc
+        return IsaStep(lanes_t, EXTRA_REGISTERS, setup, unchanged, step, unchanged)
     if name == "generic":
         wide_t = ir.VectorType(_I32, vb)
 
@@ -97,7 +102,7 @@ def _step(name: str, vb: int):
             k = [builder.shuffle_vector(acc, ir.Constant(wide_t, None),
                                         ir.Constant(lanes_t, [4 * lane + j for lane in range(nl)])) for j in range(4)]
             return builder.add(builder.add(k[0], k[1]), builder.add(k[2], k[3]))
-        return wide_t, lambda builder: None, step, finish
+        return IsaStep(wide_t, EXTRA_REGISTERS, lambda builder: None, unchanged, step, finish)
     raise ValueError(f"no W4A8 tile for {name!r}")
 
 
@@ -124,10 +129,10 @@ def _half_to_float(builder, h, nl, native: bool):
     return builder.bitcast(builder.or_(builder.bitcast(mag, i32_t), sign), f_t)
 
 
-def _plan(R: int, C: int, v: int, regs: int) -> tuple[int, int]:
+def _plan(R: int, C: int, v: int, regs: int, extra: int) -> tuple[int, int]:
     """The largest sub-tile (r, c) whose v*r*c accumulators (v registers a block of 16 outputs) + 2r activation
-    broadcasts + 3 (a weight vector, its nibbles, the mask) fit the `regs` registers; ties: the squarer one."""
-    fits = [(r, c) for r in range(1, R + 1) for c in range(1, C + 1) if v * r * c + 2 * r + 3 <= regs]
+    broadcasts + `extra` (a weight vector, its nibbles, the mask) fit the `regs` registers; ties: the squarer one."""
+    fits = [(r, c) for r in range(1, R + 1) for c in range(1, C + 1) if v * r * c + 2 * r + extra <= regs]
     return max(fits or [(1, 1)], key=lambda rc: (rc[0] * rc[1], -abs(rc[0] - rc[1])))
 
 
@@ -141,9 +146,9 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None):
     parts, nl = 64 // vb, vb // 4
     bytes_t, lanes_t, float_t = ir.VectorType(_I8, vb), ir.VectorType(_I32, nl), ir.VectorType(_F32, nl)
     half_t = ir.VectorType(_I16, nl)
-    acc_t, setup, step, finish = _step(name, vb)
+    acc_t, extra, setup, per_row, step, finish = _step(name, vb)
     # live registers: the accumulators, 2 activation broadcasts per row, one weight vector and its nibbles, the mask
-    rs, cs = (1, 1) if name == "generic" else _plan(R, C, 64 // vb, isa.VARIANTS[name].registers)
+    rs, cs = (1, 1) if name == "generic" else _plan(R, C, 64 // vb, isa.VARIANTS[name].registers, extra)
 
     @intrinsic
     def tile(typingctx, x, x_off, x_stride, w, w_off, w_stride, nb, sx, xs, s_off, s_stride, out, o_off, o_stride):
@@ -204,8 +209,8 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None):
                                                                       _I32.as_pointer()), align=1)
                                     x4 = builder.xor(x4, flip)  # uint8 + 128 -> the signed int8, before the broadcast
                                     one = builder.insert_element(ir.Constant(lanes_t, None), x4, ir.Constant(_I32, 0))
-                                    xv[r, half] = builder.bitcast(builder.shuffle_vector(
-                                        one, ir.Constant(lanes_t, None), ir.Constant(lanes_t, None)), bytes_t)
+                                    xv[r, half] = per_row(builder, st, builder.bitcast(builder.shuffle_vector(
+                                        one, ir.Constant(lanes_t, None), ir.Constant(lanes_t, None)), bytes_t))
                             for c in sub_c:                     # one weight vector at a time: unpacked, used, gone
                                 for p in range(parts):
                                     off = builder.add(base, builder.add(builder.mul(j, k(64)),

@@ -32,6 +32,8 @@ fit the register file (AVX2's 16 ymm hold 8 blocks), the tile runs as sub-tiles,
 """
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -69,9 +71,34 @@ def for_each_block(builder, nb, one_block) -> None:
         one_block(blocks.index, builder.icmp_unsigned("==", blocks.index, ir.Constant(nb.type, 0)))
 
 
-def _isa_step(name: str, vb: int):
-    """(extra registers, setup(builder) -> state, step(builder, state, x_vec, w_vec, acc_value) -> acc_value,
-    per_row(builder, state, x_vec) -> row operand) for one 64-byte step of one part (vb bytes) of a block."""
+class IsaStep(NamedTuple):
+    """What an instruction set brings to a tile, the int8 ones here and the int4 ones (int4_dot.py) alike: one
+    4-input step of one vb-byte register of a block of 16 outputs, as LLVM IR emitted with `builder`. The tiles
+    differ in what they load and how they scale the sums; the instruction set only in these pieces:
+
+        acc_type                              an accumulator register's type
+        extra_registers                       registers the step holds beside the accumulators and the weights (for
+                                              the sub-tile plan: a tile's accumulators must stay in registers)
+        setup(builder) -> state               intrinsics and constants, declared once per tile
+        per_row(builder, state, x) -> xr      a row's 4 activation bytes, broadcast to every lane, -> step's operand
+        step(builder, state, acc, w, xr) -> acc          w's 4 bytes per lane times xr's, added into acc
+        finish(builder, state, acc) -> <lanes x i32>     the accumulator as one 32-bit sum per output
+    """
+    acc_type: ir.Type
+    extra_registers: int
+    setup: Callable
+    per_row: Callable
+    step: Callable
+    finish: Callable
+
+
+def unchanged(builder, state, value):
+    """per_row or finish where the instruction set needs neither: the value as it is."""
+    return value
+
+
+def _isa_step(name: str, vb: int) -> IsaStep:
+    """The int8 step of an instruction set (the module docstring says what each does)."""
     nb, nl = vb, vb // 4                                     # bytes and int32 lanes per register
     bytes_t, lanes_t = ir.VectorType(_I8, nb), ir.VectorType(_I32, nl)
 
@@ -87,9 +114,9 @@ def _isa_step(name: str, vb: int):
         def per_row(builder, st, xb):
             return builder.bitcast(xb, lanes_t)               # the 4 unsigned bytes as they are
 
-        def step(builder, st, xr, wv, acc):
+        def step(builder, st, acc, wv, xr):
             return builder.call(st, [acc, xr, builder.bitcast(wv, lanes_t)])
-        return 1, setup, per_row, step
+        return IsaStep(lanes_t, 1, setup, per_row, step, unchanged)
 
     flip = ir.Constant(bytes_t, [ir.Constant(_I8, -128)] * nb)   # xu ^ 0x80 = xu - 128 as a signed byte
     if name == "avx2":
@@ -106,12 +133,12 @@ def _isa_step(name: str, vb: int):
             xs = builder.xor(xb, flip)
             return xs, builder.call(st[3], [xs, ir.Constant(_I1, 0)])    # x and |x| (|-128| reads as u8 128)
 
-        def step(builder, st, xr, wv, acc):
+        def step(builder, st, acc, wv, xr):
             maddubs, maddwd, psign, _, ones = st
             xs, ax = xr
             pairs = builder.call(maddubs, [ax, builder.call(psign, [wv, xs])])     # |x| * (w * sign x), in pairs
             return builder.add(acc, builder.call(maddwd, [pairs, ones]))
-        return 4, setup, per_row, step
+        return IsaStep(lanes_t, 4, setup, per_row, step, unchanged)
 
     if name == "generic":
         wide_t = ir.VectorType(_I32, nb)                     # one int32 per byte: LLVM splits it for the CPU
@@ -122,9 +149,14 @@ def _isa_step(name: str, vb: int):
         def per_row(builder, st, xb):
             return builder.sext(builder.xor(xb, flip), wide_t)
 
-        def step(builder, st, xr, wv, acc):                  # acc[4l + k] += x[k] * w[l, k]: no shuffle in the loop
+        def step(builder, st, acc, wv, xr):                  # acc[4l + k] += x[k] * w[l, k]: no shuffle in the loop
             return builder.add(acc, builder.mul(xr, builder.sext(wv, wide_t)))
-        return 1, setup, per_row, step
+
+        def finish(builder, st, acc):                        # the 4 products of each lane, added
+            k = [builder.shuffle_vector(acc, ir.Constant(wide_t, None),
+                                        ir.Constant(lanes_t, [4 * lane + j for lane in range(nl)])) for j in range(4)]
+            return builder.add(builder.add(k[0], k[1]), builder.add(k[2], k[3]))
+        return IsaStep(wide_t, 1, setup, per_row, step, finish)
 
     if name == "neon":
         def setup(builder):
@@ -133,9 +165,9 @@ def _isa_step(name: str, vb: int):
         def per_row(builder, st, xb):
             return builder.xor(xb, flip)
 
-        def step(builder, st, xr, wv, acc):
+        def step(builder, st, acc, wv, xr):
             return builder.call(st, [acc, wv, xr])
-        return 1, setup, per_row, step
+        return IsaStep(lanes_t, 1, setup, per_row, step, unchanged)
     raise ValueError(f"no intrinsic tile for {name!r}")
 
 
@@ -145,19 +177,10 @@ def _intrinsic_tile(R: int, C: int, name: str):
     parts = 64 // vb                                         # registers per 64-byte step of one block
     nl = vb // 4                                             # int32 lanes per register
     lanes_t, float_t = ir.VectorType(_I32, nl), ir.VectorType(ir.FloatType(), nl)
-    extra, setup, per_row, step = _isa_step(name, vb)
+    acc_t, extra, setup, per_row, step, finish = _isa_step(name, vb)
     generic = name == "generic"                              # accumulates per byte: 4x the accumulators
-    acc_t = ir.VectorType(_I32, vb) if generic else lanes_t
     rs, cs = (1, 1) if generic else isa.plan_subtiles(R, C, extra)
     shift = TILE_OFFSET.bit_length() - 1                     # TILE_OFFSET * wsum as a shift (128 = 2^7)
-
-    def finish(builder, a):                                  # generic: the 4 products of each lane, added
-        if not generic:
-            return a
-        parts_k = [builder.shuffle_vector(a, ir.Constant(acc_t, None),
-                                          ir.Constant(lanes_t, [4 * lane + k for lane in range(nl)]))
-                   for k in range(4)]
-        return builder.add(builder.add(parts_k[0], parts_k[1]), builder.add(parts_k[2], parts_k[3]))
 
     @intrinsic
     def tile(typingctx, x, x_off, x_stride, w, w_off, w_stride, n4, nb, wsum, ws_off, ws_stride, sx, s_off,
@@ -226,7 +249,7 @@ def _intrinsic_tile(R: int, C: int, name: str):
                                 for c in sub_c:
                                     for p in range(parts):
                                         a = acc[r, c, p]
-                                        builder.store(step(builder, st, xr, w_vec[c, p], builder.load(a)), a)
+                                        builder.store(step(builder, st, builder.load(a), w_vec[c, p], xr), a)
                         for r in sub_r:                  # the block's exact sums, scaled by its sx, added in float32
                             s = builder.load(builder.gep(sx_rows[r], [b]))
                             sv = builder.shuffle_vector(builder.insert_element(ir.Constant(float_t, None), s,
@@ -234,8 +257,8 @@ def _intrinsic_tile(R: int, C: int, name: str):
                                                         ir.Constant(float_t, None), ir.Constant(lanes_t, None))
                             for c in sub_c:
                                 for p in range(parts):
-                                    part = builder.fmul(builder.sitofp(finish(builder, builder.load(acc[r, c, p])),
-                                                                       float_t), sv)
+                                    part = builder.fmul(builder.sitofp(finish(builder, st,
+                                                                              builder.load(acc[r, c, p])), float_t), sv)
                                     add_to_out(builder, out_rows[r], k(BLOCK * c + nl * p), part, first)
 
                     for_each_block(builder, nb, one_block)

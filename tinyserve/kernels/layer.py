@@ -15,8 +15,8 @@ is NumPy's own pairwise summation (`_pairwise_sum`), and SiLU's exp is NumPy's w
 (a last-bit difference before rounding to int8 can become a whole int8 step). By default mlp_down computes it with
 fast_exp.exp32, as the fused decode step does (forward.py says why).
 The row-wise steps run serially at decode (one row) and in parallel at prefill. The same functions run W4A8
-(quant.py's 4-bit mode): its weights arrive packed 3-d, and the matmul they call (matmul._matmul_w8a8) compiles
-its W4A8 branch for them.
+(quant.py's 4-bit mode): each matrix arrives as its packed kind (matmul.W8A8Weights or W4A8Weights), and the matmul
+they call (matmul._matmul_int8) compiles the tile of that kind.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import numpy as np
 from numba import njit, prange
 
 from .fast_exp import exp32
-from .matmul import PARALLEL_ROWS, _matmul_w8a8, _matmul_w8a32_auto, _quantize_row, split_rope_row
+from .matmul import PARALLEL_ROWS, _matmul_int8, _matmul_w8a32_auto, _quantize_row, split_rope_row
 
 
 @njit(cache=True)
@@ -123,14 +123,14 @@ def _rms_norm_quant_rows(x, weight, eps, xu, sx):
 
 
 @njit(cache=True, parallel=True)
-def pre_attention(x, norm_w, eps, wp, wsum, sw, cos, sin, n_heads, n_kv_heads, q, k, v):
-    """x [T, D] -> q [T, N, H], k [T, K, H] (RoPE applied), v [T, K, H]. wsum [nb, O]: the activations get nb
-    scales per row (matmul.w8a8_tile)."""
+def pre_attention(x, norm_w, eps, wqkv, cos, sin, n_heads, n_kv_heads, q, k, v):
+    """x [T, D] -> q [T, N, H], k [T, K, H] (RoPE applied), v [T, K, H]. wqkv.wsum [nb, O]: the activations get nb
+    scales per row (matmul.W8A8Weights)."""
     T, D = x.shape
-    xu, sx = np.empty((T, D), np.uint8), np.empty((T, wsum.shape[0]), np.float32)
+    xu, sx = np.empty((T, D), np.uint8), np.empty((T, wqkv.wsum.shape[0]), np.float32)
     _rms_norm_quant_rows(x, norm_w, eps, xu, sx)
-    qkv = np.empty((T, wp.shape[0] * 16), np.float32)                      # [T, (N + 2K) H]
-    _matmul_w8a8(xu, sx, wp, wsum, sw, qkv, False)
+    qkv = np.empty((T, wqkv.w.shape[0] * 16), np.float32)                  # [T, (N + 2K) H]
+    _matmul_int8(wqkv, xu, sx, qkv, False)
     if T >= PARALLEL_ROWS:
         for t in prange(T):
             split_rope_row(qkv, cos, sin, n_heads, n_kv_heads, q, k, v, t)     # layers.apply_rope
@@ -140,20 +140,20 @@ def pre_attention(x, norm_w, eps, wp, wsum, sw, cos, sin, n_heads, n_kv_heads, q
 
 
 @njit(cache=True, parallel=True)
-def post_attention(x, a, wo, wo_sum, wo_scale, norm_w, eps, wgu, wgu_sum, wgu_scale, gu):
+def post_attention(x, a, wo, norm_w, eps, wgu, gu):
     """x += a @ Wo (a [T, N H], the attention output), then gu [T, 2F] = RMSNorm(x) @ [Wgate | Wup]."""
     T = a.shape[0]
-    au, sa = np.empty(a.shape, np.uint8), np.empty((T, wo_sum.shape[0]), np.float32)
+    au, sa = np.empty(a.shape, np.uint8), np.empty((T, wo.wsum.shape[0]), np.float32)
     if T >= PARALLEL_ROWS:
         for t in prange(T):
             _quantize_row(a[t], au[t], sa[t])
     else:
         for t in range(T):
             _quantize_row(a[t], au[t], sa[t])
-    _matmul_w8a8(au, sa, wo, wo_sum, wo_scale, x, True)
-    xu, sx = np.empty(x.shape, np.uint8), np.empty((T, wgu_sum.shape[0]), np.float32)
+    _matmul_int8(wo, au, sa, x, True)
+    xu, sx = np.empty(x.shape, np.uint8), np.empty((T, wgu.wsum.shape[0]), np.float32)
     _rms_norm_quant_rows(x, norm_w, eps, xu, sx)
-    _matmul_w8a8(xu, sx, wgu, wgu_sum, wgu_scale, gu, False)
+    _matmul_int8(wgu, xu, sx, gu, False)
 
 
 # SiLU divides by 1 + e^-g, a different number for every element. Numba's default error model checks every such
@@ -171,11 +171,11 @@ def _neg_exp_row(gu, t, e):
 
 
 @njit(**SWIGLU_KERNEL)
-def mlp_down(x, gu, e, exp_here, wd, wd_sum, wd_scale):
+def mlp_down(x, gu, e, exp_here, wd):
     """x += (silu(gate) * up) @ Wdown, silu(g) = g / (1 + e) with e = exp(-gate): computed here with fast_exp.exp32
     when exp_here (the default, forward.silu_exp = None), else given (NumPy's exp: the reference's bits)."""
     T, F = e.shape
-    au, sa = np.empty((T, F), np.uint8), np.empty((T, wd_sum.shape[0]), np.float32)
+    au, sa = np.empty((T, F), np.uint8), np.empty((T, wd.wsum.shape[0]), np.float32)
     if T >= PARALLEL_ROWS:
         for t in prange(T):
             if exp_here:
@@ -186,16 +186,16 @@ def mlp_down(x, gu, e, exp_here, wd, wd_sum, wd_scale):
             if exp_here:
                 _neg_exp_row(gu, t, e)
             _swiglu_quant_row(gu, e, t, au, sa)
-    _matmul_w8a8(au, sa, wd, wd_sum, wd_scale, x, True)
+    _matmul_int8(wd, au, sa, x, True)
 
 
 @njit(cache=True, parallel=True)
-def lm_head(x, norm_w, eps, w, w_sum, w_scale):
+def lm_head(x, norm_w, eps, w):
     """logits [R, V] = RMSNorm(x) @ W_head for the R rows that sample."""
-    xu, sx = np.empty(x.shape, np.uint8), np.empty((x.shape[0], w_sum.shape[0]), np.float32)
+    xu, sx = np.empty(x.shape, np.uint8), np.empty((x.shape[0], w.wsum.shape[0]), np.float32)
     _rms_norm_quant_rows(x, norm_w, eps, xu, sx)
-    out = np.empty((x.shape[0], w.shape[0] * 16), np.float32)
-    _matmul_w8a8(xu, sx, w, w_sum, w_scale, out, False)
+    out = np.empty((x.shape[0], w.w.shape[0] * 16), np.float32)
+    _matmul_int8(w, xu, sx, out, False)
     return out
 
 
@@ -238,12 +238,12 @@ def _swiglu_row(gu, t, act):
 
 
 @njit(cache=True, parallel=True)
-def pre_attention_w8a32(x, norm_w, eps, wp, sw, cos, sin, n_heads, n_kv_heads, q, k, v):
+def pre_attention_w8a32(x, norm_w, eps, wqkv, cos, sin, n_heads, n_kv_heads, q, k, v):
     """x [T, D] -> q [T, N, H], k [T, K, H] (RoPE applied), v [T, K, H]."""
     T = x.shape[0]
     h = _rms_norm_rows(x, norm_w, eps)
-    qkv = np.empty((T, wp.shape[0] * 16), np.float32)                      # [T, (N + 2K) H]
-    _matmul_w8a32_auto(h, wp, sw, qkv, False)
+    qkv = np.empty((T, wqkv.w.shape[0] * 16), np.float32)                  # [T, (N + 2K) H]
+    _matmul_w8a32_auto(wqkv, h, qkv, False)
     if T >= PARALLEL_ROWS:
         for t in prange(T):
             split_rope_row(qkv, cos, sin, n_heads, n_kv_heads, q, k, v, t)
@@ -253,14 +253,14 @@ def pre_attention_w8a32(x, norm_w, eps, wp, sw, cos, sin, n_heads, n_kv_heads, q
 
 
 @njit(cache=True, parallel=True)
-def post_attention_w8a32(x, a, wo, wo_scale, norm_w, eps, wgu, wgu_scale, gu):
+def post_attention_w8a32(x, a, wo, norm_w, eps, wgu, gu):
     """x += a @ Wo, then gu [T, 2F] = RMSNorm(x) @ [Wgate | Wup]."""
-    _matmul_w8a32_auto(a, wo, wo_scale, x, True)
-    _matmul_w8a32_auto(_rms_norm_rows(x, norm_w, eps), wgu, wgu_scale, gu, False)
+    _matmul_w8a32_auto(wo, a, x, True)
+    _matmul_w8a32_auto(wgu, _rms_norm_rows(x, norm_w, eps), gu, False)
 
 
 @njit(**SWIGLU_KERNEL)
-def mlp_down_w8a32(x, gu, wd, wd_scale):
+def mlp_down_w8a32(x, gu, wd):
     """x += (silu(gate) * up) @ Wdown."""
     T, F = x.shape[0], gu.shape[1] // 2
     act = np.empty((T, F), np.float32)
@@ -270,12 +270,12 @@ def mlp_down_w8a32(x, gu, wd, wd_scale):
     else:
         for t in range(T):
             _swiglu_row(gu, t, act)
-    _matmul_w8a32_auto(act, wd, wd_scale, x, True)
+    _matmul_w8a32_auto(wd, act, x, True)
 
 
 @njit(cache=True, parallel=True)
-def lm_head_w8a32(x, norm_w, eps, w, w_scale):
+def lm_head_w8a32(x, norm_w, eps, w):
     """logits [R, V] = RMSNorm(x) @ W_head for the R rows that sample."""
-    out = np.empty((x.shape[0], w.shape[0] * 16), np.float32)
-    _matmul_w8a32_auto(_rms_norm_rows(x, norm_w, eps), w, w_scale, out, False)
+    out = np.empty((x.shape[0], w.w.shape[0] * 16), np.float32)
+    _matmul_w8a32_auto(w, _rms_norm_rows(x, norm_w, eps), out, False)
     return out

@@ -9,17 +9,22 @@ Three kernels, one per kind of quantisation in tinyserve.quant:
 - `matmul_w8a32`: weight-only; each int8 weight is widened to float32 and multiplied with the float32 activation.
   Float sums in a different order than BLAS: matches the NumPy reference to ~1e-6 relative (tests/test_quant.py).
 - `matmul_w4a8`: Q4_1 weights (4 bits, a scale and a minimum per 32 inputs; `pack_w4a8`) times int8 activations
-  per 32, the tile of kernels/int4_dot.py; bit-identical to quant.matmul_reference_w4a8. layer.py's and the fused
-  decode step's int8-activation matmuls (`_matmul_w8a8`, `w8a8_blocks`) run it for weights packed that way (3-d).
+  per 32, the tile of kernels/int4_dot.py; bit-identical to quant.matmul_reference_w4a8.
 
-Both parallelise over work items of (a tile of rows, a group of 64 output channels), so one weight group is read
-from memory once per tile of rows and stays in cache while the other rows' tiles reuse it: at decode (T = 1..16)
-the kernels stream the weights once (memory-bound), at prefill (T = hundreds) they are compute-bound.
+Inside, a packed matrix is one of three NamedTuples, W8A8Weights, W8A32Weights and W4A8Weights: its class is its
+kind, and the kind picks the tile when Numba compiles a matmul. Every kind is walked by the same two drivers
+(`matmul_items`, `matmul_blocks`, at the end of this file) over work items of (a tile of rows, a group of 64 output
+channels), so one weight group is read from memory once per tile of rows and stays in cache while the other rows'
+tiles reuse it: at decode (T = 1..16) the kernels stream the weights once (memory-bound), at prefill (T = hundreds)
+they are compute-bound.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 from numba import njit, prange
+from numba.extending import overload
 
 from .int4_dot import GROUP, GROUP_BYTES, make_w4a8_tile
 from .int8_dot import TILE_OFFSET, make_int8_tile
@@ -69,6 +74,40 @@ def pack_w8a32(wq: np.ndarray) -> np.ndarray:
     if O % BLOCK:
         raise ValueError(f"pack_w8a32 needs O % {BLOCK} == 0, got a [{D}, {O}] matrix")
     return np.ascontiguousarray(wq.reshape(D, O // BLOCK, BLOCK).transpose(1, 0, 2))
+
+
+# --- the packed weights' kinds -------------------------------------------------------------------------------------
+# A packed matrix says what it is by its class: the matmuls below pick their tile from it when Numba compiles them
+# (one branch per kind, no test of a shape or a flag at run time). The three have the same fields, so code that only
+# moves weights around (stacking the layers, taking one layer) treats them alike. With a leading L axis on every
+# array they hold a matrix of every layer at once (kernels/forward.py stacks them for the fused decode step).
+
+class W8A8Weights(NamedTuple):
+    """int8 weights times int8 activations (QuantMode.kernels == "w8a8"; also a W4A8 model's LM head)."""
+    w: np.ndarray          # [O/16, D/4 * 64] int8: pack_vnni
+    wsum: np.ndarray       # [nb, O] int32: the weights summed over each of the nb activation blocks (block_sums)
+    scale: np.ndarray      # [O] float32
+
+
+class W8A32Weights(NamedTuple):
+    """int8 weights times float32 activations (QuantMode.kernels == "w8a32")."""
+    w: np.ndarray          # [O/16, D, 16] int8: pack_w8a32
+    wsum: np.ndarray       # [1, O] int32 (block_sums; the kernels do not read it: may be [1, 0])
+    scale: np.ndarray      # [O] float32
+
+
+class W4A8Weights(NamedTuple):
+    """Q4_1 weights (4 bits, a float16 scale and minimum per 32 inputs) times int8 activations (QuantMode.kernels
+    == "w4a8"). The scales travel inside w; wsum is empty and only its shape is read: nb = D/32 activation scales
+    per row, as a W8A8 matrix's wsum gives its nb."""
+    w: np.ndarray          # [O/16, D/32, 320] uint8: pack_w4a8
+    wsum: np.ndarray       # [D/32, 0] int32
+    scale: np.ndarray      # [0] float32
+
+
+def w4a8_weights(wp: np.ndarray) -> W4A8Weights:
+    """pack_w4a8's bytes [O/16, D/32, 320] as the W4A8 kind."""
+    return W4A8Weights(wp, np.zeros((wp.shape[1], 0), np.int32), np.zeros(0, np.float32))
 
 
 # --- activations -------------------------------------------------------------------------------------------------
@@ -179,53 +218,6 @@ def w8a8_tile(xf, sx, wf, wsum, sw, out, accumulate, D, r0, nr, b0, nc, acc):
                 out[t, o] = y
 
 
-@njit(cache=True, inline="always")
-def matmul_w8a8_body(xu, sx, wp, wsum, sw, out, accumulate):
-    """The W8A8 matmul's parallel loop (_matmul_w8a8, which the fused layer kernels of layer.py call)."""
-    T, D = xu.shape
-    n_blocks = wp.shape[0]
-    row_tiles = (T + ROWS - 1) // ROWS
-    col_groups = (n_blocks + COLS - 1) // COLS
-    xf = xu.ravel()
-    wf = wp.ravel()
-    # items run column-group-major: a thread walks all row tiles of one weight group while it is in cache
-    for item in prange(row_tiles * col_groups):
-        g, rt = item // row_tiles, item % row_tiles
-        r0, b0 = rt * ROWS, g * COLS
-        acc = np.empty(ROWS * COLS * BLOCK, np.float32)  # [nr, nc*16] row-major, row stride COLS*16
-        w8a8_tile(xf, sx, wf, wsum, sw, out, accumulate, D, r0, min(ROWS, T - r0), b0, min(COLS, n_blocks - b0), acc)
-
-
-@njit(cache=True)
-def w8a8_blocks(xu, sx, wp, wsum, sw, out, accumulate, b_lo, b_hi, acc):
-    """The W8A8 (or, for pack_w4a8's weights, W4A8) matmul restricted to output blocks b_lo .. b_hi (every row), on
-    the calling thread: one thread's share of a matmul in kernels/decode_step.py. A function call, not inlined: the
-    decode step has 5 matmuls per mode, and inlining the tiles into each made its first compile take ~70 s."""
-    if wp.ndim == 3:                                 # W4A8 weights (pack_w4a8; Numba keeps one branch)
-        xs = np.empty_like(sx)
-        _activation_sums(xu, sx, xs)
-        w4a8_blocks(xu, sx, xs, wp, out, accumulate, b_lo, b_hi, acc)
-        return
-    T, D = xu.shape
-    xf, wf = xu.ravel(), wp.ravel()
-    for b0 in range(b_lo, b_hi, COLS):
-        for r0 in range(0, T, ROWS):
-            w8a8_tile(xf, sx, wf, wsum, sw, out, accumulate, D, r0, min(ROWS, T - r0), b0, min(COLS, b_hi - b0), acc)
-
-
-@njit(cache=True, parallel=True)
-def _matmul_w8a8(xu, sx, wp, wsum, sw, out, accumulate):
-    """The int8-activation matmul of layer.py's kernels: W8A8, or W4A8 for weights packed by pack_w4a8 (3-d: Numba
-    compiles only the branch of the weights' type, so the callers need no second version)."""
-    if wp.ndim == 3:
-        xs = np.empty_like(sx)
-        for t in prange(xu.shape[0]):
-            block_sums_row(xu[t], sx[t], xs[t])
-        matmul_w4a8_body(xu, sx, xs, wp, out, accumulate)
-    else:
-        matmul_w8a8_body(xu, sx, wp, wsum, sw, out, accumulate)
-
-
 def matmul_w8a8(xu: np.ndarray, sx: np.ndarray, wp: np.ndarray, wsum: np.ndarray, sw: np.ndarray,
                 out: np.ndarray | None = None, accumulate: bool = False) -> np.ndarray:
     """xu [T, D] uint8 (+128), sx [T] (one scale per row) or [T, nb] (per block of D / nb inputs), wp = pack_vnni(wq),
@@ -236,7 +228,7 @@ def matmul_w8a8(xu: np.ndarray, sx: np.ndarray, wp: np.ndarray, wsum: np.ndarray
     sx, wsum = sx.reshape(xu.shape[0], -1), wsum.reshape(-1, wp.shape[0] * BLOCK)
     if sx.shape[1] != wsum.shape[0]:
         raise ValueError(f"sx has {sx.shape[1]} scales per row but wsum sums {wsum.shape[0]} blocks")
-    _matmul_w8a8(xu, sx, wp, wsum, sw, out, accumulate)
+    _matmul_int8(W8A8Weights(wp, wsum, sw), xu, sx, out, accumulate)
     return out
 
 
@@ -271,32 +263,6 @@ def w8a32_tile(xf, wf, sw, out, accumulate, D, r0, nr, b0, nc, acc):
                 _ftile_11(xf, (r0 + r) * D, D, wf, (b0 + c) * step, step, D, BLOCK, acc, r * COLS * BLOCK + c * BLOCK,
                           COLS * BLOCK)
     _scale_tile(acc, nr, nc, r0, b0, sw, out, accumulate)
-
-
-@njit(cache=True, inline="always")
-def matmul_w8a32_tiled(x, wp, sw, out, accumulate):
-    """The W8A32 matmul's parallel loop for few rows (decode)."""
-    T, D = x.shape
-    n_blocks = wp.shape[0]
-    row_tiles = (T + ROWS - 1) // ROWS
-    col_groups = (n_blocks + COLS - 1) // COLS
-    xf = x.ravel()
-    wf = wp.ravel()
-    for item in prange(row_tiles * col_groups):     # the same work split as _matmul_w8a8
-        g, rt = item // row_tiles, item % row_tiles
-        r0, b0 = rt * ROWS, g * COLS
-        acc = np.empty(ROWS * COLS * BLOCK, np.float32)
-        w8a32_tile(xf, wf, sw, out, accumulate, D, r0, min(ROWS, T - r0), b0, min(COLS, n_blocks - b0), acc)
-
-
-@njit(cache=True)
-def w8a32_blocks(x, wp, sw, out, accumulate, b_lo, b_hi, acc):
-    """The W8A32 matmul restricted to output blocks b_lo .. b_hi (every row), on the calling thread."""
-    T, D = x.shape
-    xf, wf = x.ravel(), wp.ravel()
-    for b0 in range(b_lo, b_hi, COLS):
-        for r0 in range(0, T, ROWS):
-            w8a32_tile(xf, wf, sw, out, accumulate, D, r0, min(ROWS, T - r0), b0, min(COLS, b_hi - b0), acc)
 
 
 # At prefill the kernel above is compute-bound, and a third of its vector instructions are not multiply-adds: every
@@ -340,23 +306,25 @@ def matmul_w8a32_wide(x, wp, sw, out, accumulate):
 
 
 @njit(cache=True, inline="always")
-def matmul_w8a32_body(x, wp, sw, out, accumulate):
-    """The W8A32 matmul: the wide loop from WIDE_MIN_ROWS rows on, the tiled one below (the same result)."""
+def matmul_w8a32_body(wt, x, out, accumulate):
+    """The W8A32 matmul: the wide loop from WIDE_MIN_ROWS rows on, the tiled one (matmul_items) below (the same
+    result)."""
     if x.shape[0] >= WIDE_MIN_ROWS:
-        matmul_w8a32_wide(x, wp, sw, out, accumulate)
+        matmul_w8a32_wide(x, wt.w, wt.scale, out, accumulate)
     else:
-        matmul_w8a32_tiled(x, wp, sw, out, accumulate)
+        matmul_items(wt, x, None, out, accumulate)
 
 
 @njit(cache=True, parallel=True)
 def _matmul_w8a32(x, wp, sw, out, accumulate):
-    matmul_w8a32_tiled(x, wp, sw, out, accumulate)
+    """The tiled loop whatever the row count (tests compare it with the wide one)."""
+    matmul_items(W8A32Weights(wp, np.zeros((1, 0), np.int32), sw), x, None, out, accumulate)
 
 
 @njit(cache=True, parallel=True)
-def _matmul_w8a32_auto(x, wp, sw, out, accumulate):
+def _matmul_w8a32_auto(wt, x, out, accumulate):
     """The wide or the tiled loop by row count: what matmul_w8a32 and the fused layer kernels (layer.py) call."""
-    matmul_w8a32_body(x, wp, sw, out, accumulate)
+    matmul_w8a32_body(wt, x, out, accumulate)
 
 
 @njit(cache=True, parallel=True)
@@ -369,7 +337,7 @@ def matmul_w8a32(x: np.ndarray, wp: np.ndarray, sw: np.ndarray, out: np.ndarray 
     """x [T, D] float32, wp = pack_w8a32(wq), sw [O] -> [T, O] float32 (added to `out` if accumulate)."""
     if out is None:
         out = np.empty((x.shape[0], wp.shape[0] * BLOCK), np.float32)
-    _matmul_w8a32_auto(x, wp, sw, out, accumulate)
+    _matmul_w8a32_auto(W8A32Weights(wp, np.zeros((1, 0), np.int32), sw), x, out, accumulate)
     return out
 
 
@@ -392,7 +360,7 @@ def pack_w4a8(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
     half = lambda a: np.ascontiguousarray(                                       # noqa: E731
         a.astype(np.float16).reshape(D // GROUP, O // BLOCK, BLOCK).transpose(1, 0, 2)).view(np.uint8)
     packed = np.concatenate([half(d), half(m), nibbles.reshape(O // BLOCK, D // GROUP, -1)], axis=2)
-    return np.ascontiguousarray(packed)             # 3-d: what tells the matmuls W4A8 weights from W8A8 ones
+    return np.ascontiguousarray(packed)
 
 
 @njit(cache=True, inline="always")
@@ -433,42 +401,6 @@ def w4a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc):
                 out[r0 + r, o] = acc[r * CB + j]
 
 
-@njit(cache=True, inline="always")
-def matmul_w4a8_body(xu, sx, xs, wp, out, accumulate):
-    """The W4A8 matmul's parallel loop (the same work split as matmul_w8a8_body)."""
-    T, D = xu.shape
-    n_blocks = wp.shape[0]
-    row_tiles = (T + ROWS - 1) // ROWS
-    col_groups = (n_blocks + COLS - 1) // COLS
-    xf, wf = xu.ravel(), wp.ravel()
-    for item in prange(row_tiles * col_groups):
-        g, rt = item // row_tiles, item % row_tiles
-        r0, b0 = rt * ROWS, g * COLS
-        acc = np.empty(ROWS * COLS * BLOCK, np.float32)
-        w4a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, min(ROWS, T - r0), b0, min(COLS, n_blocks - b0), acc)
-
-
-@njit(cache=True)
-def w4a8_blocks(xu, sx, xs, wp, out, accumulate, b_lo, b_hi, acc):
-    """The W4A8 matmul restricted to output blocks b_lo .. b_hi (every row), on the calling thread."""
-    T, D = xu.shape
-    xf, wf = xu.ravel(), wp.ravel()
-    for b0 in range(b_lo, b_hi, COLS):
-        for r0 in range(0, T, ROWS):
-            w4a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, min(ROWS, T - r0), b0, min(COLS, b_hi - b0), acc)
-
-
-@njit(cache=True, parallel=True)
-def _matmul_w4a8(xu, sx, xs, wp, out, accumulate):
-    matmul_w4a8_body(xu, sx, xs, wp, out, accumulate)
-
-
-@njit(cache=True)
-def _activation_sums(xu, sx, xs):
-    for t in range(xu.shape[0]):
-        block_sums_row(xu[t], sx[t], xs[t])
-
-
 def matmul_w4a8(xu: np.ndarray, sx: np.ndarray, wp: np.ndarray, out: np.ndarray | None = None,
                 accumulate: bool = False) -> np.ndarray:
     """xu [T, D] uint8 (+128), sx [T, D/32] (one scale per block of 32 inputs), wp = pack_w4a8(q, d, m) -> [T, O]."""
@@ -476,7 +408,128 @@ def matmul_w4a8(xu: np.ndarray, sx: np.ndarray, wp: np.ndarray, out: np.ndarray 
     if out is None:
         out = np.empty((T, wp.shape[0] * BLOCK), np.float32)
     sx = np.ascontiguousarray(sx, np.float32).reshape(T, D // GROUP)
-    xs = np.empty_like(sx)
-    _activation_sums(xu, sx, xs)
-    _matmul_w4a8(xu, sx, xs, wp, out, accumulate)
+    _matmul_int8(w4a8_weights(wp), xu, sx, out, accumulate)
     return out
+
+
+# --- one work split for every kind -------------------------------------------------------------------------------
+# Every matmul here is the same walk over work items of (a tile of up to ROWS rows, a group of up to COLS packed
+# blocks), whatever the kind: the kind only decides which tile runs an item and what it reads. Two drivers walk
+# them: matmul_items, every item of a matrix in a parallel loop (the three-call layers and the public matmuls), and
+# matmul_blocks, the items of output blocks b_lo .. b_hi on the calling thread (a thread of the fused decode step,
+# which gets its blocks from thread_share). The drivers are written once; the kinds' differences are the three
+# overloads below, chosen by the weights' class when Numba compiles the caller.
+
+@njit(cache=True, inline="always")
+def thread_share(n, tid, n_threads):
+    """Thread tid's part [lo, hi) of n work units (a matrix's output blocks, a step's attention heads) split evenly
+    over n_threads in order: neighbours get neighbouring units, so each output column has one writer."""
+    return n * tid // n_threads, n * (tid + 1) // n_threads
+
+
+def _input(wt, x, xu):
+    """The rows the kind multiplies: x (float32, W8A32) or xu (uint8 + 128, the int8-activation kinds)."""
+    raise NotImplementedError("called from Numba-compiled code only")
+
+
+def _activation_sums(wt, xu, sx):
+    """W4A8: xs [T, D/32], each row's activation sums per block times its scale (the term Q4_1's minimum multiplies);
+    the other kinds need none (sx comes back, unread)."""
+    raise NotImplementedError("called from Numba-compiled code only")
+
+
+def _tile(wt, wf, xf, sx, xs, out, accumulate, D, r0, nr, b0, nc, acc):
+    """One work item of the kind's matmul: rows r0 .. r0+nr x packed blocks b0 .. b0+nc, into out (or added)."""
+    raise NotImplementedError("called from Numba-compiled code only")
+
+
+def _layer(wt, i):
+    """Layer i of a matrix stacked over the layers (every array [L, ...]), as the same kind."""
+    raise NotImplementedError("called from Numba-compiled code only")
+
+
+def _kind(wt):
+    kind = getattr(wt, "instance_class", None)
+    if kind not in (W8A8Weights, W8A32Weights, W4A8Weights):
+        raise TypeError(f"the matmuls take W8A8Weights, W8A32Weights or W4A8Weights, not {wt}")
+    return kind
+
+
+@overload(_layer, inline="always")
+def _layer_of_kind(wt, i):
+    kind = _kind(wt)
+    return lambda wt, i: kind(wt.w[i], wt.wsum[i], wt.scale[i])
+
+
+@overload(_input, inline="always")
+def _input_of_kind(wt, x, xu):
+    if _kind(wt) is W8A32Weights:
+        return lambda wt, x, xu: x
+    return lambda wt, x, xu: xu
+
+
+@overload(_activation_sums, inline="always")
+def _activation_sums_of_kind(wt, xu, sx):
+    if _kind(wt) is not W4A8Weights:
+        return lambda wt, xu, sx: sx
+
+    def sums(wt, xu, sx):
+        xs = np.empty_like(sx)
+        for t in prange(xu.shape[0]):                # (parallel in matmul_items, serial in a decode-step thread)
+            block_sums_row(xu[t], sx[t], xs[t])
+        return xs
+    return sums
+
+
+@overload(_tile, inline="always")
+def _tile_of_kind(wt, wf, xf, sx, xs, out, accumulate, D, r0, nr, b0, nc, acc):
+    kind = _kind(wt)
+    if kind is W8A8Weights:
+        def tile(wt, wf, xf, sx, xs, out, accumulate, D, r0, nr, b0, nc, acc):
+            w8a8_tile(xf, sx, wf, wt.wsum, wt.scale, out, accumulate, D, r0, nr, b0, nc, acc)
+    elif kind is W4A8Weights:
+        def tile(wt, wf, xf, sx, xs, out, accumulate, D, r0, nr, b0, nc, acc):
+            w4a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc)
+    else:
+        def tile(wt, wf, xf, sx, xs, out, accumulate, D, r0, nr, b0, nc, acc):
+            w8a32_tile(xf, wf, wt.scale, out, accumulate, D, r0, nr, b0, nc, acc)
+    return tile
+
+
+@njit(cache=True, inline="always")
+def matmul_items(wt, x, sx, out, accumulate):
+    """out [T, O] (+)= x [T, D] @ wt, every work item in a parallel loop. x: float32 for W8A32 (sx: None), else
+    uint8 + 128 with its scales sx [T, nb]."""
+    T, D = x.shape
+    n_blocks = wt.w.shape[0]
+    row_tiles = (T + ROWS - 1) // ROWS
+    col_groups = (n_blocks + COLS - 1) // COLS
+    xs = _activation_sums(wt, x, sx)
+    xf, wf = x.ravel(), wt.w.ravel()
+    # items run column-group-major: a thread walks all row tiles of one weight group while it is in cache
+    for item in prange(row_tiles * col_groups):
+        g, rt = item // row_tiles, item % row_tiles
+        r0, b0 = rt * ROWS, g * COLS
+        acc = np.empty(ROWS * COLS * BLOCK, np.float32)  # [nr, nc*16] row-major, row stride COLS*16
+        _tile(wt, wf, xf, sx, xs, out, accumulate, D, r0, min(ROWS, T - r0), b0, min(COLS, n_blocks - b0), acc)
+
+
+@njit(cache=True)
+def matmul_blocks(wt, x, xu, sx, out, accumulate, b_lo, b_hi, acc):
+    """The matmul restricted to output blocks b_lo .. b_hi (every row), on the calling thread: one thread's share of
+    a matmul in kernels/decode_step.py, which has both forms of its rows at hand (x float32, xu + sx quantised; the
+    kind reads its own). acc: float32 scratch [ROWS * COLS * 16]. A function call, not inlined: the decode step has
+    5 matmuls per mode, and inlining the tiles into each made its first compile take ~70 s."""
+    a = _input(wt, x, xu)
+    T, D = a.shape
+    xs = _activation_sums(wt, a, sx)
+    af, wf = a.ravel(), wt.w.ravel()
+    for b0 in range(b_lo, b_hi, COLS):
+        for r0 in range(0, T, ROWS):
+            _tile(wt, wf, af, sx, xs, out, accumulate, D, r0, min(ROWS, T - r0), b0, min(COLS, b_hi - b0), acc)
+
+
+@njit(cache=True, parallel=True)
+def _matmul_int8(wt, xu, sx, out, accumulate):
+    """The int8-activation matmul of layer.py's kernels, W8A8 or W4A8 by the weights' kind."""
+    matmul_items(wt, xu, sx, out, accumulate)
