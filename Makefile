@@ -157,10 +157,11 @@ $(GUIDELLM):
 	touch $@
 
 # tinyserve serve against llama-server under the same Poisson load (guidellm), interleaved per rate; ~10 min.
-# Recorded in docs/bench-serve/ and docs/bench-serve.md. Options: BENCH_SERVE_ARGS="--quick" (2 rates, ~3 min).
+# Recorded in docs/bench-serve/ and docs/bench-serve.md. Options: BENCH_SERVE_ARGS="--quick" (2 rates, ~3 min);
+# BENCH_SERVE_ARGS="--client guidellm" drives the load with guidellm (installed into .venv-guidellm first).
 BENCH_SERVE_ARGS ?=
 SERVE_LLAMA_FORMAT ?= IQ4_NL
-bench-serve: $(RUNTIME) weights peer-server $(GUIDELLM)
+bench-serve: $(RUNTIME) weights peer-server $(if $(findstring guidellm,$(BENCH_SERVE_ARGS)),$(GUIDELLM))
 	tools/peers/setup_llama.sh .venv-llama $(PY)
 	$(PYTHON) tools/bench_peers.py --prepare --llama-formats $(SERVE_LLAMA_FORMAT)
 	$(PYTHON) tools/bench_serve.py --llama-format $(SERVE_LLAMA_FORMAT) $(BENCH_SERVE_ARGS)

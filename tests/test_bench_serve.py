@@ -99,7 +99,7 @@ def test_bad_options_are_refused(argv, capsys):
 def test_quick_and_default_settings():
     a = bs.parse_args([])
     assert a.settings.rates == bs.DEFAULT_RATES and a.settings.slo_ttft == 1.0 and a.settings.slo_itl == 0.1
-    assert a.servers == [bs.TINY, bs.LLAMA] and a.client == "guidellm" and a.settings.threads == 2
+    assert a.servers == [bs.TINY, bs.LLAMA] and a.client == "builtin" and a.settings.threads == 2
     q = bs.parse_args(["--quick"]).settings
     assert q.rates == bs.QUICK_RATES and q.seconds == 10 and q.min_requests == 8
 

@@ -480,7 +480,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--llama-slots", type=int, default=32, help="llama-server -np (32)")
     ap.add_argument("--llama-server", default=None, help="the llama-server binary (default: the cached build)")
     ap.add_argument("--gguf", default=None, help="the Q4_1 GGUF the other formats sit beside (default: cached)")
-    ap.add_argument("--client", choices=["guidellm", "builtin"], default="guidellm",
+    ap.add_argument("--client", choices=["guidellm", "builtin"], default="builtin",
                     help="guidellm (default) or builtin: tinyserve.loadgen, vLLM's bench serve method")
     ap.add_argument("--guidellm", default=str(ROOT / ".venv-guidellm" / "bin" / "guidellm"),
                     help="the guidellm command (default: .venv-guidellm's)")
