@@ -94,3 +94,9 @@ def test_table_aligns_text_and_markdown():
     md = format_table(rows, markdown=True).splitlines()
     assert md[0].startswith("| workload ") and md[0].endswith(" tokens/s |") and set(md[1]) == {"|", "-"}
     assert len({len(x) for x in md}) == 1
+
+
+def test_git_commit_names_the_checkout_or_says_unknown(tmp_path):
+    here = measure.git_commit()
+    assert here != "unknown" and len(here.removesuffix("-dirty")) >= 7, here   # this repository's short hash
+    assert measure.git_commit(tmp_path) == "unknown"                          # not a checkout

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import platform
 import statistics
+import subprocess
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 
@@ -107,6 +109,20 @@ def prefill_rate(run_prefill: Callable[[], object], n_tokens: int) -> tuple[Rate
 
 # the /proc/cpuinfo flags that decide which int8 kernels and which BLAS paths run (kernels/isa.py chooses among them)
 CPU_FLAGS_OF_NOTE = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
+
+
+def git_commit(root: Path | None = None) -> str:
+    """The commit a measurement ran on: the short hash, "-dirty" if tracked files have uncommitted changes, or
+    "unknown" outside a git checkout. root: the checkout (default: the one this package lives in)."""
+    root = Path(__file__).resolve().parent.parent if root is None else root
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("-dirty" if dirty else "")
 
 
 def cpu_info(cpuinfo_text: str | None = None) -> dict:

@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT / "tools" / "peers"))
 sys.path.insert(0, str(ROOT))
 from protocol import PeerError, Worker  # noqa: E402  (standard library only)
 # the one way every tokens/s here is summarised, and the CPU line and the table printed (tinyserve/measure.py)
-from tinyserve.measure import CPU_FLAGS_OF_NOTE, Spread, cpu_info, format_table as text_table  # noqa: E402,F401
+from tinyserve.measure import CPU_FLAGS_OF_NOTE, Spread, cpu_info, format_table as text_table, git_commit  # noqa: E402,F401,E501
 from tinyserve.quant import AUTO, QUANT_MODES  # noqa: E402
 
 LLAMA, TORCH, TINY = "llama.cpp", "PyTorch", "tinyserve"
@@ -588,18 +588,6 @@ def write_table(docs: Path) -> Path:
     return out
 
 
-def commit() -> str:
-    """The commit measured (short hash, "-dirty" if the tree has uncommitted changes), or "unknown"."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("-dirty" if dirty else "")
-
-
 def goals_result(report: Report, variant: str) -> list[dict]:
     """The goals as data: each with its peer (the best format named), the measured ratio and whether it was met."""
     out = []
@@ -657,7 +645,7 @@ def run(args: argparse.Namespace, st: Settings, weights: Path) -> tuple[int, dic
 
     peers = [e for e in args.engines if e != TINY] + ([BEST] if any(map(is_llama, args.engines)) else [])
     result = {
-        "time": time.strftime("%Y-%m-%d %H:%M %Z"), "commit": commit(),
+        "time": time.strftime("%Y-%m-%d %H:%M %Z"), "commit": git_commit(ROOT),
         "cpu": cpu, "settings": asdict(st), "engines": infos, "load_model": load_kwargs(args),
         "engine_kwargs": engine_kwargs(args), "agreement": agree, "failed": report.failed,
         "samples": [{**asdict(s), "tokens_per_s": s.tokens_per_s} for s in report.samples],

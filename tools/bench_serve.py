@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT / "tools" / "peers"))
 sys.path.insert(0, str(ROOT))
 import build_llama_server  # noqa: E402  (standard library only)
 
-from tinyserve.measure import cpu_info, format_table as text_table  # noqa: E402
+from tinyserve.measure import cpu_info, format_table as text_table, git_commit  # noqa: E402
 
 TINY, LLAMA = "tinyserve", "llama-server"
 SERVERS = (TINY, LLAMA)
@@ -445,17 +445,6 @@ def llama_version(binary: str) -> str:
     return lines[0] if lines else "?"
 
 
-def commit() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("-dirty" if dirty else "")
-
-
 def gguf_for(fmt: str, gguf: str | None) -> Path:
     """The GGUF of llama.cpp's `fmt`: made beside the shipped Q4_1 by `make peer-venvs` (tools/peers/quantize_gguf)."""
     from quantize_gguf import output_path    # standard library only
@@ -588,7 +577,7 @@ def run(a: argparse.Namespace) -> dict:
         for s in servers.values():
             s.stop()
     held = held_ratio(rows, st.rates[-1])
-    result = {"time": time.strftime("%Y-%m-%d %H:%M %Z", time.gmtime()), "commit": commit(), "cpu": cpu,
+    result = {"time": time.strftime("%Y-%m-%d %H:%M %Z", time.gmtime()), "commit": git_commit(ROOT), "cpu": cpu,
               "settings": asdict(st), "servers": {n: s.cmd for n, s in servers.items()},
               "llama_format": a.llama_format, "client": client_name(a.client, a.guidellm),
               "llama_server_version": llama_version(servers[LLAMA].cmd[0]) if LLAMA in servers else None,
