@@ -18,7 +18,7 @@ import contextlib
 import numba
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from numba import njit, prange
 
@@ -161,6 +161,9 @@ def _paged_step(model, k_pool, v_pool, tables, ctx, tokens, fused):
 @settings(max_examples=25)
 @given(B=st.integers(1, decode_step.MAX_ROWS), bs=st.sampled_from([1, 4, 16]), seed=st.integers(0, 10**6),
        ctx=st.lists(st.integers(1, 40), min_size=decode_step.MAX_ROWS, max_size=decode_step.MAX_ROWS))
+# always: a step whose threads split the rows' norms and SwiGLU (SPLIT_ROWS a thread), and one that does not
+@example(B=decode_step.MAX_ROWS, bs=4, seed=7, ctx=list(range(3, 3 + 2 * decode_step.MAX_ROWS, 2)))
+@example(B=decode_step.SPLIT_ROWS - 1, bs=16, seed=8, ctx=[40] * decode_step.MAX_ROWS)
 def test_fused_step_equals_three_calls_on_paged_blocks(tiny_fast, B, bs, seed, ctx):
     for mode, model in tiny_fast.items():
         k, v, tables, lens, tokens = _paged_case(model, B, ctx[:B], bs, seed)

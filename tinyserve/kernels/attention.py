@@ -40,10 +40,54 @@ ROWS = 16         # query rows per work item: they share each transposed K chunk
 # A decode row's Q K^T and P V on the register-tiled microkernel (kernels/simd.py): its accumulators stay in
 # registers for the whole chain over d (scores) or j (P V). Written as loops over memory, s[j] = fma(q[d], kt[d, j],
 # s[j]) stores and reloads every score at every d, and each fma then waits for the store before it: ~3x slower.
-# Same fma chains in the same order, from 0, so the same bits (key_chunks' rule).
-_scores_1x4 = make_fma_microkernel(1, CHUNK // 16, b_int8=False)    # one head x the chunk's 64 keys
-_pv_1x4 = make_fma_microkernel(1, 4, b_int8=False)                   # one head x 64 of the head dim
-_pv_1x1 = make_fma_microkernel(1, 1, b_int8=False)                   # one head x 16 of the head dim
+# The query heads that share a KV head go through one call, up to HEADS at a time: each K (or V) vector loaded
+# serves them all, and their independent chains keep both FMA units busy. Each head's chain is still its own, in
+# the same order, from 0: the same bits (key_chunks' rule) whichever heads share the call.
+HEADS = 4
+_scores1, _scores2, _scores3, _scores4 = (make_fma_microkernel(r, CHUNK // 16, b_int8=False) for r in range(1, 5))
+_pv1, _pv2, _pv3, _pv4 = (make_fma_microkernel(r, 4, b_int8=False) for r in range(1, 5))   # r heads x 64 dims
+_pv1_16, _pv2_16, _pv3_16, _pv4_16 = (make_fma_microkernel(r, 1, b_int8=False) for r in range(1, 5))  # x 16 dims
+
+
+@njit(cache=True, inline="always")
+def _scores(r, q, q_off, kt, s, s_off):
+    """s[i, :] = the chunk's 64 scores of the r heads (1 <= r <= HEADS) whose query rows start at q[q_off]."""
+    H = kt.shape[0] // CHUNK
+    if r == 1:
+        _scores1(q, q_off, H, kt, 0, 16, H, CHUNK, s, s_off, CHUNK)
+    elif r == 2:
+        _scores2(q, q_off, H, kt, 0, 16, H, CHUNK, s, s_off, CHUNK)
+    elif r == 3:
+        _scores3(q, q_off, H, kt, 0, 16, H, CHUNK, s, s_off, CHUNK)
+    else:
+        _scores4(q, q_off, H, kt, 0, 16, H, CHUNK, s, s_off, CHUNK)
+
+
+@njit(cache=True, inline="always")
+def _weighted_values(r, s, s_off, vt, nc, pv, pv_off, H):
+    """pv[i, :] = sum over the chunk's nc keys of weight * V row, for r heads (1 <= r <= HEADS): one fma chain
+    per output over j = 0 .. nc - 1."""
+    d0 = 0
+    while d0 + 64 <= H:
+        if r == 1:
+            _pv1(s, s_off, CHUNK, vt, d0, 16, nc, H, pv, pv_off + d0, H)
+        elif r == 2:
+            _pv2(s, s_off, CHUNK, vt, d0, 16, nc, H, pv, pv_off + d0, H)
+        elif r == 3:
+            _pv3(s, s_off, CHUNK, vt, d0, 16, nc, H, pv, pv_off + d0, H)
+        else:
+            _pv4(s, s_off, CHUNK, vt, d0, 16, nc, H, pv, pv_off + d0, H)
+        d0 += 64
+    while d0 < H:
+        if r == 1:
+            _pv1_16(s, s_off, CHUNK, vt, d0, 16, nc, H, pv, pv_off + d0, H)
+        elif r == 2:
+            _pv2_16(s, s_off, CHUNK, vt, d0, 16, nc, H, pv, pv_off + d0, H)
+        elif r == 3:
+            _pv3_16(s, s_off, CHUNK, vt, d0, 16, nc, H, pv, pv_off + d0, H)
+        else:
+            _pv4_16(s, s_off, CHUNK, vt, d0, 16, nc, H, pv, pv_off + d0, H)
+        d0 += 16
 
 
 @njit(cache=True)
@@ -155,14 +199,42 @@ def paged_attention_numba(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarra
 # kernel has one work item per (sequence, KV head), so each K chunk is transposed once for the g query heads that
 # share it; the arithmetic per (row, head) is the rule's, operation for operation.
 
+@njit(cache=True, inline="always")
+def chunk_slots(block_tables, b, bs, c0, nc, slots):
+    """slots[j] = the pool row of sequence b's position c0 + j, j < nc: block_tables[b, pos // bs] * bs + pos % bs,
+    walked block by block (one division per chunk: a division per position by the run-time block size was ~a
+    tenth of a decode row's attention)."""
+    blk = c0 // bs
+    off = c0 - blk * bs
+    base = block_tables[b, blk] * bs
+    for j in range(nc):
+        slots[j] = base + off
+        off += 1
+        if off == bs:
+            off = 0
+            blk += 1
+            if j + 1 < nc:
+                base = block_tables[b, blk] * bs
+
+
+def decode_scratch(g, H):
+    """The float32 and int64 scratch of decode_attention_heads for up to g heads of dimension H (allocate once,
+    reuse for every call on one thread)."""
+    return np.zeros(2 * H * CHUNK + g * CHUNK + 2 * g * H + 3 * g + LANES, np.float32), np.empty(CHUNK + 16, np.int64)
+
+
+decode_scratch = njit(cache=True, inline="always")(decode_scratch)
+
+
 @njit(cache=True)
-def decode_attention_heads(q, k_rows, v_rows, block_tables, bs, context_lens, b, kh, r_lo, r_hi, out):
+def decode_attention_heads(q, k_rows, v_rows, block_tables, bs, context_lens, b, kh, r_lo, r_hi, out, fs, ints):
     """Sequence b's one new row, query heads r_lo .. r_hi of the g that share KV head kh: out[b, heads] =
     softmax(q K^T / sqrt(H)) V over its context_lens[b] positions, in key_chunks' order. q, out: [B, N, H]; k_rows,
     v_rows: the pool as rows addressed by slot [num_blocks * bs, K, H], position j of sequence b at slot
     block_tables[b, j // bs] * bs + j % bs (a contiguous cache: one block of bs >= the context). Each head's
     arithmetic is the same whichever others it is computed with (the fused decode step splits a KV head's g query
-    heads between threads: kernels/decode_step.py)."""
+    heads between threads: kernels/decode_step.py). fs, ints: decode_scratch(g, H), reused across calls (a call
+    per (row, KV head) allocating its own cost ~10 % of the attention)."""
     N, H = q.shape[1], q.shape[2]
     K = k_rows.shape[1]
     g = N // K
@@ -170,24 +242,33 @@ def decode_attention_heads(q, k_rows, v_rows, block_tables, bs, context_lens, b,
     scale = np.float32(1.0 / math.sqrt(H))
     S = context_lens[b]
     tiled = H % 16 == 0                                       # the microkernels' 16-lane blocks
-    kt = np.zeros((H, CHUNK), np.float32)                     # the chunk's keys of head kh, transposed
-    vt = np.empty((CHUNK, H), np.float32)                     # the chunk's values of head kh, gathered
-    ktf, kf, vtf, qf = kt.ravel(), k_rows.reshape(-1), vt.ravel(), q.reshape(-1)
-    offs = np.empty(16, np.int64)
-    slots = np.empty(CHUNK, np.int64)
-    s = np.empty((n, CHUNK), np.float32)                      # scores, then exp weights
-    pv = np.empty((n, H), np.float32)
-    sf, pvf = s.ravel(), pv.ravel()
-    acc = np.zeros((n, H), np.float32)
-    mx = np.full(n, -np.inf, np.float32)
-    sm = np.zeros(n, np.float32)
-    alpha = np.empty(n, np.float32)
-    lanes = np.empty(LANES, np.float32)
+    # fs's parts. kt's columns past a chunk's keys hold a former chunk's keys (or the zeros fs starts with):
+    # their scores are computed and never read.
+    o = 0
+    ktf = fs[o:o + H * CHUNK]                                 # the chunk's keys of head kh, transposed [H, CHUNK]
+    o += H * CHUNK
+    vtf = fs[o:o + CHUNK * H]                                 # the chunk's values of head kh, gathered [CHUNK, H]
+    o += CHUNK * H
+    sf = fs[o:o + n * CHUNK]                                  # scores, then exp weights [n, CHUNK]
+    o += g * CHUNK
+    pvf = fs[o:o + n * H]                                     # [n, H]
+    o += g * H
+    acc = fs[o:o + n * H].reshape(n, H)
+    o += g * H
+    mx, sm, alpha = fs[o:o + n], fs[o + g:o + g + n], fs[o + 2 * g:o + 2 * g + n]
+    o += 3 * g
+    lanes = fs[o:o + LANES]
+    kt, vt, s, pv = ktf.reshape(H, CHUNK), vtf.reshape(CHUNK, H), sf.reshape(n, CHUNK), pvf.reshape(n, H)
+    slots, offs = ints[:CHUNK], ints[CHUNK:CHUNK + 16]
+    kf, qf = k_rows.reshape(-1), q.reshape(-1)
+    for r in range(n):
+        mx[r] = -np.inf
+        sm[r] = 0.0
+        for d in range(H):
+            acc[r, d] = 0.0
     for c0 in range(0, S, CHUNK):
         nc = min(CHUNK, S - c0)
-        for j in range(nc):
-            pos = c0 + j
-            slots[j] = block_tables[b, pos // bs] * bs + pos % bs
+        chunk_slots(block_tables, b, bs, c0, nc, slots)
         if tiled:                                             # transpose: the scores then run 16 keys a vector
             for j0 in range(0, nc, 16):                       # (16 x 16 blocks in registers; a block's rows past
                 for r in range(16):                           # the context repeat its first, never read)
@@ -200,33 +281,29 @@ def decode_attention_heads(q, k_rows, v_rows, block_tables, bs, context_lens, b,
                 vrow = v_rows[slots[j], kh]                       # or a computed flat index compiles to
                 for d in range(H):                                # element-wise copies or gathers)
                     vt[j, d] = vrow[d]
+            for r0 in range(0, n, HEADS):                     # 1. scores, HEADS heads a call
+                _scores(min(HEADS, n - r0), qf, (b * N + kh * g + r_lo + r0) * H, ktf, sf, r0 * CHUNK)
         else:
             for j in range(nc):
                 for d in range(H):
                     kt[d, j] = k_rows[slots[j], kh, d]
-        for r in range(n):                                    # 1. scores, 2. the softmax step
-            h = kh * g + r_lo + r
-            if tiled:                                         # all 64 columns; those past nc are never read
-                _scores_1x4(qf, (b * N + h) * H, H, ktf, 0, 16, H, CHUNK, sf, r * CHUNK, CHUNK)
-            else:
+            for r in range(n):
+                h = kh * g + r_lo + r
                 for j in range(nc):
                     s[r, j] = 0.0
                 for d in range(H):
                     qd = q[b, h, d]
                     for j in range(nc):
                         s[r, j] = fma32(qd, kt[d, j], s[r, j])
+        for r in range(n):                                    # 2. the softmax step
             mx[r], alpha[r], sm[r] = chunk_softmax(s[r], nc, scale, mx[r], sm[r], lanes)
         if tiled:                                             # 3. P V: pv[r, d] = one fma chain over the nc keys
-            for r in range(n):
-                d0 = 0
-                while d0 + 64 <= H:
-                    _pv_1x4(sf, r * CHUNK, CHUNK, vtf, d0, 16, nc, H, pvf, r * H + d0, H)
-                    d0 += 64
-                while d0 < H:
-                    _pv_1x1(sf, r * CHUNK, CHUNK, vtf, d0, 16, nc, H, pvf, r * H + d0, H)
-                    d0 += 16
+            for r0 in range(0, n, HEADS):
+                _weighted_values(min(HEADS, n - r0), sf, r0 * CHUNK, vtf, nc, pvf, r0 * H, H)
         else:
-            pv[:] = 0.0                                       # each V row serves the n heads
+            for r in range(n):                                # each V row serves the n heads
+                for d in range(H):
+                    pv[r, d] = 0.0
             for j in range(nc):
                 vrow = v_rows[slots[j], kh]
                 for r in range(n):
@@ -243,8 +320,9 @@ def decode_attention_heads(q, k_rows, v_rows, block_tables, bs, context_lens, b,
 def decode_attention_item(q, k_rows, v_rows, block_tables, bs, context_lens, b, kh, out):
     """decode_attention_heads for all g query heads of KV head kh: one work item of _paged_decode_kernel (each K and
     V row read once for the g heads that share it)."""
-    decode_attention_heads(q, k_rows, v_rows, block_tables, bs, context_lens, b, kh, 0, q.shape[1] // k_rows.shape[1],
-                           out)
+    g, H = q.shape[1] // k_rows.shape[1], q.shape[2]
+    fs, ints = decode_scratch(g, H)
+    decode_attention_heads(q, k_rows, v_rows, block_tables, bs, context_lens, b, kh, 0, g, out, fs, ints)
 
 
 @njit(cache=True, parallel=True)

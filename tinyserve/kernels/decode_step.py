@@ -12,7 +12,10 @@ How. `_decode_step_kernel` starts n threads once (`prange(n)`, one iteration per
 needs every thread's results (kernels/spin.py):
 
     per layer                                                   who does it
-    RMSNorm (+ quantise) of every row                            every thread, for itself (cheaper than a barrier)
+    RMSNorm (+ quantise) of every row                            every thread, for itself (cheaper than a barrier);
+                                                                 from SPLIT_ROWS rows a thread: thread i its share
+                                                                 of the rows, then a barrier (likewise the
+                                                                 quantisation of a, the norm of x, SwiGLU)
     [Q|K|V] = h @ Wqkv                                           thread i: output blocks [i/n, (i+1)/n) of the matrix
     --- barrier ---
     RoPE, write K/V to the cache slot                            work items (row, KV head), dealt round robin
@@ -55,7 +58,7 @@ from numba import njit, prange
 
 from ..attention_backends import KVLayout
 from ..quant import is_w8a8
-from .attention import decode_attention_heads
+from .attention import decode_attention_heads, decode_scratch
 from .layer import _rms_norm_quant_row, _rms_norm_row, _swiglu_row
 from .simd import prefetch_l2
 from .matmul import (BLOCK, COLS, ROWS, W4A8Weights, W8A8Weights, W8A32Weights, _layer, _quantize_row, matmul_blocks,
@@ -69,6 +72,14 @@ from .spin import FAILED, HAS_CLOCK, SYNC_SIZE, TIMEOUT_CYCLES, barrier
 # them waits for it: there batch 16 ran ~5x slower three-call than fused (docs/performance.md, "Why the kernels'
 # constants are what they are").
 MAX_ROWS = 4 * ROWS
+
+# The K/V lines a thread asks into L2 at the start of a layer, for its first attention heads (a quarter of a 1 MiB
+# L2); each head's attention asks for the next one's as it starts (_attend_heads).
+PREFETCH_LINES = 256 * 1024 // 64
+
+# From this many rows per thread on, the threads split the norms, SwiGLU and quantisation between them by rows (a
+# barrier a matmul more); below it every thread makes every row's inputs for itself.
+SPLIT_ROWS = 4
 
 Packed = Union[W8A8Weights, W8A32Weights, W4A8Weights]     # one packed matrix, its class its kind (matmul.py)
 
@@ -93,9 +104,9 @@ class DecodeWeights(NamedTuple):
 
 
 @njit(cache=True)
-def _norm_rows(w8a8, x, weight, eps, h, xu, sx):
-    """RMSNorm of every row of x: into h (W8A32) or quantised into xu, sx (W8A8)."""
-    for t in range(x.shape[0]):
+def _norm_rows(w8a8, x, weight, eps, h, xu, sx, lo, hi):
+    """RMSNorm of rows lo .. hi of x: into h (W8A32) or quantised into xu, sx (W8A8)."""
+    for t in range(lo, hi):
         if w8a8:
             _rms_norm_quant_row(x, t, weight, eps, xu, sx)
         else:
@@ -103,20 +114,23 @@ def _norm_rows(w8a8, x, weight, eps, h, xu, sx):
 
 
 @njit(cache=True)
-def _attend_heads(q, k_rows, v_rows, block_tables, bs, context_lens, lo, hi, a):
+def _attend_heads(q, k_rows, v_rows, block_tables, bs, context_lens, lo, hi, a, fs, ints):
     """Attention for the (row, query head) pairs lo .. hi of the T * N, row-major: the runs of them that share a KV
-    head go to decode_attention_heads together (each K/V row read once per run)."""
+    head go to decode_attention_heads together (each K/V row read once per run). fs, ints: this thread's
+    attention.decode_scratch."""
     N, g = q.shape[1], q.shape[1] // k_rows.shape[1]
     h = lo
     while h < hi:
         t, kh, r = h // N, h % N // g, h % g
         r_end = min(g, r + hi - h)
-        decode_attention_heads(q, k_rows, v_rows, block_tables, bs, context_lens, t, kh, r, r_end, a)
+        if h + r_end - r < hi:                   # the next run's K/V on its way while this one computes
+            _prefetch_kv(k_rows, v_rows, block_tables, bs, context_lens, N, h + r_end - r, h + r_end - r + 1, 1 << 30)
+        decode_attention_heads(q, k_rows, v_rows, block_tables, bs, context_lens, t, kh, r, r_end, a, fs, ints)
         h += r_end - r
 
 
 @njit(cache=True)
-def _prefetch_kv(k_rows, v_rows, block_tables, bs, context_lens, N, lo, hi):
+def _prefetch_kv(k_rows, v_rows, block_tables, bs, context_lens, N, lo, hi, max_lines):
     """Ask into L2 the K and V rows that this thread's attention heads lo .. hi will read (every position but the
     new one, which RoPE writes), before the layer's first matmul: by the attention they have arrived. (The weights
     stream ~130 MB through the caches every step, so the K/V of the last step are long gone; read on demand they
@@ -131,11 +145,16 @@ def _prefetch_kv(k_rows, v_rows, block_tables, bs, context_lens, N, lo, hi):
         if t * K + kh == last:
             continue
         last = t * K + kh
-        for j in range(context_lens[t] - 1):
-            base = ((block_tables[t, j // bs] * bs + j % bs) * K + kh) * H
-            for d in range(0, H, line):
-                prefetch_l2(kf, base + d)
-                prefetch_l2(vf, base + d)
+        for blk in range((context_lens[t] - 1 + bs - 1) // bs):     # block by block: no division per position
+            first = block_tables[t, blk] * bs
+            for j in range(min(bs, context_lens[t] - 1 - blk * bs)):
+                base = ((first + j) * K + kh) * H
+                for d in range(0, H, line):
+                    prefetch_l2(kf, base + d)
+                    prefetch_l2(vf, base + d)
+                max_lines -= 2 * ((H + line - 1) // line)
+                if max_lines <= 0:
+                    return
 
 
 @njit(cache=True)
@@ -148,29 +167,40 @@ def _share(wt, h, xu, sx, out, accumulate, tid, n_threads, acc):
 
 @njit(cache=True, error_model="numpy")   # SiLU's divisions vectorise (see layer.SWIGLU_KERNEL)
 def _thread_step(tid, n_threads, sync, timeout, w8a8, x, cos, sin, eps, weights, k_pool, v_pool,
-                 block_tables, bs, context_lens, qkv, q, a, gu, logits):
+                 block_tables, bs, context_lens, qkv, q, a, gu, logits, inputs):
     """One thread's part of the decode step (see the module docstring); returns early if a barrier fails.
     weights: DecodeWeights (the layers' arrays stacked [L, ...]). x [T, D], qkv [T, (N + 2K) H], q and a
     [T, N, H], gu [T, 2F], logits [T, V] are shared by the threads (every element has one writer between two
-    barriers)."""
+    barriers). inputs: the shared buffers of the matmuls' inputs (h, act, xu, au, ou, sx, so, sd; see below)."""
     lw = weights.layers
     T, D = x.shape
     L, K, H = k_pool.shape[0], k_pool.shape[2], k_pool.shape[3]
     N = q.shape[1]
     g = N // K
     F = gu.shape[1] // 2
-    # this thread's own: the normed / quantised input of the next matmul
-    h, act = np.empty((T, D), np.float32), np.empty((T, F), np.float32)
-    xu, au, ou = np.empty((T, D), np.uint8), np.empty((T, F), np.uint8), np.empty((T, N * H), np.uint8)
-    # activation scales [T, nb]: nb per row of each matrix's input (int8 kinds: wsum [L, nb, O]; W8A32: unused)
-    sx, so, sd = (np.empty((T, lw.qkv.wsum.shape[1]), np.float32), np.empty((T, lw.o.wsum.shape[1]), np.float32),
-                  np.empty((T, lw.down.wsum.shape[1]), np.float32))
+    # The normed / quantised input of the next matmul. Few rows: each thread makes all of it for itself, in its own
+    # buffers (cheaper than a barrier). From SPLIT_ROWS rows a thread on: each makes its share of the rows into the
+    # shared ones (`inputs`, made by _decode_step_kernel), and a barrier waits for the rest. Same arithmetic per
+    # row either way.
+    split = T >= SPLIT_ROWS * n_threads and n_threads > 1
+    if split:
+        h, act, xu, au, ou, sx, so, sd = inputs
+        rows_lo, rows_hi = thread_share(T, tid, n_threads)
+    else:
+        h, act = np.empty((T, D), np.float32), np.empty((T, F), np.float32)
+        xu, au, ou = np.empty((T, D), np.uint8), np.empty((T, F), np.uint8), np.empty((T, N * H), np.uint8)
+        sx, so, sd = (np.empty_like(inputs[5]), np.empty_like(inputs[6]), np.empty_like(inputs[7]))
+        rows_lo, rows_hi = 0, T
     acc = np.empty(ROWS * COLS * BLOCK, np.float32)              # a tile's scratch (every kind's tiles: float32)
+    att_f, att_i = decode_scratch(g, H)                          # attention's scratch
     heads_lo, heads_hi = thread_share(T * N, tid, n_threads)    # this thread's (row, query head) pairs
     for layer in range(L):
-        _prefetch_kv(k_pool[layer], v_pool[layer], block_tables, bs, context_lens, N, heads_lo, heads_hi)
+        _prefetch_kv(k_pool[layer], v_pool[layer], block_tables, bs, context_lens, N, heads_lo, heads_hi,
+                     PREFETCH_LINES)
         # [Q|K|V] = RMSNorm(x) @ Wqkv
-        _norm_rows(w8a8, x, lw.attn_norm[layer], eps, h, xu, sx)
+        _norm_rows(w8a8, x, lw.attn_norm[layer], eps, h, xu, sx, rows_lo, rows_hi)
+        if split and not barrier(sync, n_threads, timeout):
+            return
         _share(_layer(lw.qkv, layer), h, xu, sx, qkv, False, tid, n_threads, acc)
         if not barrier(sync, n_threads, timeout):
             return
@@ -187,31 +217,39 @@ def _thread_step(tid, n_threads, sync, timeout, w8a8, x, cos, sin, eps, weights,
                 v_rows[slot, kh, d] = qkv[t, (N + K + kh) * H + d]
         if not barrier(sync, n_threads, timeout):                   # the rows of a verify step (one sequence)
             return                                                  # read each other's K/V: all written first
-        _attend_heads(q, k_rows, v_rows, block_tables, bs, context_lens, heads_lo, heads_hi, a)
+        _attend_heads(q, k_rows, v_rows, block_tables, bs, context_lens, heads_lo, heads_hi, a, att_f, att_i)
         if not barrier(sync, n_threads, timeout):
             return
         # x += a @ Wo
         a2 = a.reshape(T, N * H)
         if w8a8:
-            for t in range(T):
+            for t in range(rows_lo, rows_hi):
                 _quantize_row(a2[t], ou[t], so[t])
+            if split and not barrier(sync, n_threads, timeout):
+                return
         _share(_layer(lw.o, layer), a2, ou, so, x, True, tid, n_threads, acc)
         if not barrier(sync, n_threads, timeout):
             return
         # gu = RMSNorm(x) @ [Wgate | Wup]
-        _norm_rows(w8a8, x, lw.mlp_norm[layer], eps, h, xu, sx)
+        _norm_rows(w8a8, x, lw.mlp_norm[layer], eps, h, xu, sx, rows_lo, rows_hi)
+        if split and not barrier(sync, n_threads, timeout):
+            return
         _share(_layer(lw.gate_up, layer), h, xu, sx, gu, False, tid, n_threads, acc)
         if not barrier(sync, n_threads, timeout):
             return
         # x += (silu(gate) * up) @ Wdown
-        for t in range(T):
+        for t in range(rows_lo, rows_hi):
             _swiglu_row(gu, t, act)
             if w8a8:
                 _quantize_row(act[t], au[t], sd[t])
+        if split and not barrier(sync, n_threads, timeout):
+            return
         _share(_layer(lw.down, layer), act, au, sd, x, True, tid, n_threads, acc)
         if not barrier(sync, n_threads, timeout):
             return
-    _norm_rows(w8a8, x, weights.final_norm, eps, h, xu, sx)
+    _norm_rows(w8a8, x, weights.final_norm, eps, h, xu, sx, rows_lo, rows_hi)
+    if split and not barrier(sync, n_threads, timeout):
+        return
     _share(weights.lm_head, h, xu, sx, logits, False, tid, n_threads, acc)
 
 
@@ -225,11 +263,17 @@ def _decode_step_kernel(n_threads, sync, timeout, w8a8, x, cos, sin, eps, attn_n
     qkv = np.empty((T, (n_heads + 2 * K) * H), np.float32)      # the threads' shared intermediate results
     q, a = np.empty((T, n_heads, H), np.float32), np.empty((T, n_heads, H), np.float32)
     gu = np.empty((T, wgu.w.shape[1] * BLOCK), np.float32)      # [T, 2F]
+    D, F, NH = x.shape[1], wgu.w.shape[1] * BLOCK // 2, n_heads * H
+    # the matmuls' inputs, normed / quantised (the activation scales: nb per row of each matrix's input, int8
+    # kinds' wsum [L, nb, O]; W8A32: unused), shared when the threads split their rows (_thread_step)
+    inputs = (np.empty((T, D), np.float32), np.empty((T, F), np.float32), np.empty((T, D), np.uint8),
+              np.empty((T, F), np.uint8), np.empty((T, NH), np.uint8), np.empty((T, wqkv.wsum.shape[1]), np.float32),
+              np.empty((T, wo.wsum.shape[1]), np.float32), np.empty((T, wdown.wsum.shape[1]), np.float32))
     for tid in prange(n_threads):                  # one iteration per thread: the threads start once per step
         weights = DecodeWeights(PackedLayer(attn_norm, wqkv, wo, mlp_norm, wgu, wdown), final_norm, lm_head)
         # (tid is unsigned in the loop Numba generates and signed where it types the body: one type, one compile)
         _thread_step(np.int64(tid), n_threads, sync, timeout, w8a8, x, cos, sin, eps, weights, k_pool, v_pool,
-                     block_tables, bs, context_lens, qkv, q, a, gu, logits)
+                     block_tables, bs, context_lens, qkv, q, a, gu, logits, inputs)
 
 
 _disabled_reason: str | None = None      # set when a step failed: every later step takes the three-call path

@@ -28,7 +28,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .attention import decode_attention_heads
+from .attention import decode_attention_heads, decode_scratch
 from .key_chunks import CHUNK, LANES, chunk_softmax, combine, finish
 from .simd import make_fma_microkernel
 
@@ -122,9 +122,10 @@ def _few_rows_attention(q, k, v, out):
     S, K, _ = k.shape
     block_tables = np.zeros((m, 1), np.int64)
     context_lens = np.arange(S - m + 1, S + 1)                # row r sees S - m + r + 1 keys
+    fs, ints = decode_scratch(N // K, q.shape[2])
     for r in range(m):
         for kh in range(K):
-            decode_attention_heads(q, k, v, block_tables, S, context_lens, r, kh, 0, N // K, out)
+            decode_attention_heads(q, k, v, block_tables, S, context_lens, r, kh, 0, N // K, out, fs, ints)
 
 
 FEW_ROWS = 16    # below this many new rows: _few_rows_attention (serial), from it on: _attention (parallel, tiled)
