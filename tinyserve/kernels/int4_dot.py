@@ -138,7 +138,10 @@ def _plan(R: int, C: int, v: int, regs: int, extra: int) -> tuple[int, int]:
 
 def make_w4a8_tile(R: int, C: int, name: str | None = None):
     """An R x C W4A8 tile: tile(x, x_off, x_stride, w, w_off, w_stride, nb, sx, xs, s_off, s_stride, out, o_off,
-    o_stride). x: uint8 activations (int8 + 128; row r at byte x_off + r*x_stride), w: pack_w4a8's bytes (block c
+    o_stride). x: the int8 activations' bytes (row r at byte x_off + r*x_stride; signed, not the + 128 of the
+    other kinds' tiles: so a row's 4 bytes go from memory straight into the broadcast, which vpdpbusd takes as its
+    memory operand, where a flip of the sign bits first cost a third of the inner loop's instructions; the caller
+    converts them once per matmul: matmul._tile_inputs), w: pack_w4a8's bytes (block c
     at w_off + c*w_stride), nb input blocks of 32, sx / xs: float32 [rows, nb] (row r at s_off + r*s_stride), out:
     float32 (row r, output block c at o_off + r*o_stride + 16c), overwritten."""
     name = isa.NAME if name is None else name
@@ -163,10 +166,6 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None):
             st = setup(builder)
             low = ir.Constant(bytes_t, [ir.Constant(_I8, 0x0F)] * vb)
             four = ir.Constant(bytes_t, [ir.Constant(_I8, 4)] * vb)
-            # the sign bit of each of 4 bytes, flipped on the 32-bit word before it is broadcast: flipped after
-            # (a <64 x i8> xor feeding vpdpbusd.512), LLVM 22's code generator never returns on avx512vnni
-            # (docs/performance.md, "Why the kernels' constants are what they are")
-            flip = ir.Constant(_I32, 0x80808080 - (1 << 32))
             prefetch = _fn(builder, "llvm.prefetch", ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32])
             next_tile = builder.mul(w_stride, k(C))             # a weight line -> the same line of the next tile
             x_rows = [_data_pointer(context, builder, ty[0], x_arr, builder.add(x_off, builder.mul(x_stride, k(r))))
@@ -207,7 +206,6 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None):
                                                                                                k(half)))
                                     x4 = builder.load(builder.bitcast(builder.gep(x_rows[r], [builder.mul(i, k(4))]),
                                                                       _I32.as_pointer()), align=1)
-                                    x4 = builder.xor(x4, flip)  # uint8 + 128 -> the signed int8, before the broadcast
                                     one = builder.insert_element(ir.Constant(lanes_t, None), x4, ir.Constant(_I32, 0))
                                     xv[r, half] = per_row(builder, st, builder.bitcast(builder.shuffle_vector(
                                         one, ir.Constant(lanes_t, None), ir.Constant(lanes_t, None)), bytes_t))

@@ -377,7 +377,7 @@ def block_sums_row(xu_row, sx_row, xs_row):
 @njit(cache=True, inline="always")
 def w4a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc):
     """One work item of the W4A8 matmul: rows r0 .. r0+nr (nr <= ROWS) x packed blocks b0 .. b0+nc (nc <= COLS);
-    sx, xs [T, D/32]; acc: float32 scratch [ROWS * COLS * 16]."""
+    xf: the signed activation bytes (_tile_inputs), sx, xs [T, D/32]; acc: float32 scratch [ROWS * COLS * 16]."""
     nb = D // GROUP
     step = nb * GROUP_BYTES                          # bytes of one packed block (of 16 outputs)
     CB = COLS * BLOCK
@@ -432,9 +432,11 @@ def _input(wt, x, xu):
     raise NotImplementedError("called from Numba-compiled code only")
 
 
-def _activation_sums(wt, xu, sx):
-    """W4A8: xs [T, D/32], each row's activation sums per block times its scale (the term Q4_1's minimum multiplies);
-    the other kinds need none (sx comes back, unread)."""
+def _tile_inputs(wt, xu, sx):
+    """What the kind's tile reads besides the weights: (its activations, xs). W4A8: the activations as signed bytes
+    (uint8 + 128 with the sign bits flipped back: its tile broadcasts them straight from memory, int4_dot.py) and xs
+    [T, D/32], each row's activation sums per block times its scale (the term Q4_1's minimum multiplies); the other
+    kinds: xu as it is, and sx back (unread)."""
     raise NotImplementedError("called from Numba-compiled code only")
 
 
@@ -468,17 +470,20 @@ def _input_of_kind(wt, x, xu):
     return lambda wt, x, xu: xu
 
 
-@overload(_activation_sums, inline="always")
-def _activation_sums_of_kind(wt, xu, sx):
+@overload(_tile_inputs, inline="always")
+def _tile_inputs_of_kind(wt, xu, sx):
     if _kind(wt) is not W4A8Weights:
-        return lambda wt, xu, sx: sx
+        return lambda wt, xu, sx: (xu, sx)
 
-    def sums(wt, xu, sx):
+    def signed_and_sums(wt, xu, sx):
         xs = np.empty_like(sx)
+        xi = np.empty_like(xu)                       # int8 bits in uint8 storage: xu ^ 0x80 = xu - 128
         for t in prange(xu.shape[0]):                # (parallel in matmul_items, serial in a decode-step thread)
             block_sums_row(xu[t], sx[t], xs[t])
-        return xs
-    return sums
+            for i in range(xu.shape[1]):
+                xi[t, i] = xu[t, i] ^ np.uint8(0x80)
+        return xi, xs
+    return signed_and_sums
 
 
 @overload(_tile, inline="always")
@@ -504,8 +509,8 @@ def matmul_items(wt, x, sx, out, accumulate):
     n_blocks = wt.w.shape[0]
     row_tiles = (T + ROWS - 1) // ROWS
     col_groups = (n_blocks + COLS - 1) // COLS
-    xs = _activation_sums(wt, x, sx)
-    xf, wf = x.ravel(), wt.w.ravel()
+    xt, xs = _tile_inputs(wt, x, sx)
+    xf, wf = xt.ravel(), wt.w.ravel()
     # items run column-group-major: a thread walks all row tiles of one weight group while it is in cache
     for item in prange(row_tiles * col_groups):
         g, rt = item // row_tiles, item % row_tiles
@@ -522,8 +527,8 @@ def matmul_blocks(wt, x, xu, sx, out, accumulate, b_lo, b_hi, acc):
     5 matmuls per mode, and inlining the tiles into each made its first compile take ~70 s."""
     a = _input(wt, x, xu)
     T, D = a.shape
-    xs = _activation_sums(wt, a, sx)
-    af, wf = a.ravel(), wt.w.ravel()
+    at, xs = _tile_inputs(wt, a, sx)
+    af, wf = at.ravel(), wt.w.ravel()
     for b0 in range(b_lo, b_hi, COLS):
         for r0 in range(0, T, ROWS):
             _tile(wt, wf, af, sx, xs, out, accumulate, D, r0, min(ROWS, T - r0), b0, min(COLS, b_hi - b0), acc)
