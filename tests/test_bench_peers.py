@@ -119,6 +119,19 @@ def test_ratios_are_paired_round_by_round_then_the_median():
     assert rep.ratio("prefill", "PyTorch").median == pytest.approx(0.5)
 
 
+def test_the_roofline_share_pairs_each_round_with_the_bandwidth_measured_in_it(tmp_path):
+    rep = _report()
+    assert rep.roofline_share() is None and bp.roofline_result(rep) is None      # no bandwidth measured
+    rep.bytes_per_token = 10**9                            # tinyserve B=1: 10, 20, 45 tokens/s in rounds 0, 1, 2
+    rep.bandwidth = {0: 20e9, 1: 80e9, 2: 50e9}
+    share = rep.roofline_share()                           # 0.5, 0.25, 0.9: paired, not 20 / 50 = 0.4
+    assert (share.median, share.lo, share.hi, share.n) == pytest.approx((0.5, 0.25, 0.9, 3))
+    rf = bp.roofline_result(rep)
+    assert rf["met"] is False and rf["goal"] == bp.ROOFLINE_GOAL and rf["bytes_per_token"] == 10**9
+    assert bp._roofline_cell({"roofline": rf}) == "0.50 (0.25-0.90) of 50.0 GB/s, 1000 MB a token ✗"
+    assert bp._roofline_cell({}) == "-"                    # a run recorded before the column
+
+
 def test_the_best_llama_format_is_chosen_per_workload_by_its_median():
     rep = _report()
     # decode B=1: Q4_1 medians 20, Q4_0 15 (its one fast round does not make it the best): the best is Q4_1 there
@@ -294,6 +307,9 @@ def test_quick_run_with_tinyserve_alone_writes_the_json(tmp_path, capsys):
     assert {s["workload"] for s in data["samples"]} == {"decode_b1", "decode_bN", "prefill"}
     assert all(s["engine"] == "tinyserve" and s["tokens_per_s"] > 0 for s in data["samples"])
     assert data["settings"]["rounds"] == 1 and data["ratios"] == {"decode_b1": {}, "decode_bN": {}, "prefill": {}}
+    rf = data["roofline"]                                  # B=1 against the bandwidth measured in the round
+    assert rf["bytes_per_token"] > 0 and 0 < rf["share"]["median"] and rf["bandwidth"]["0"] > 1e8
+    assert "of the read bandwidth measured in the same rounds" in printed
 
 
 # --- the run itself, with in-process fake engines -----------------------------------------------------------------
@@ -326,6 +342,7 @@ def _settings_and_report(rounds=2):
 
 def test_rounds_measure_every_engine_on_every_workload_and_drop_a_failing_one(capsys, monkeypatch):
     monkeypatch.setattr(bp, "COOLDOWN_S", 0.0)                 # the fake engines leave no threads spinning
+    monkeypatch.setattr(bp, "round_bandwidth", lambda threads: 1e10 * (1 + threads))
     st, rep = _settings_and_report(rounds=3)
     engines = {Q41: FakeEngine(100.0, fail_on_call=4), "PyTorch": FakeEngine(50.0),
                "tinyserve": FakeEngine(75.0)}
@@ -339,6 +356,7 @@ def test_rounds_measure_every_engine_on_every_workload_and_drop_a_failing_one(ca
     assert rep.speeds("PyTorch", "decode_bN").median == pytest.approx(50.0)
     assert rep.ratio("prefill", "PyTorch").median == pytest.approx(1.5)
     assert rep.ratio("decode_b1", Q41).n == 1
+    assert rep.bandwidth == {0: 3e10, 1: 3e10, 2: 3e10}       # once a round, at the engines' thread count (2)
     assert "dropped from the rest of the run" in capsys.readouterr().err
 
 
