@@ -90,6 +90,24 @@ def _weighted_values(r, s, s_off, vt, nc, pv, pv_off, H):
         d0 += 16
 
 
+@njit(cache=True, inline="always")
+def chunk_slots(block_tables, b, bs, c0, nc, slots):
+    """slots[j] = the pool row of sequence b's position c0 + j, j < nc: block_tables[b, pos // bs] * bs + pos % bs,
+    walked block by block (one division per chunk: a division per position by the run-time block size was ~a
+    tenth of a decode row's attention). Every attention kernel here walks its chunks' slots with it."""
+    blk = c0 // bs
+    off = c0 - blk * bs
+    base = block_tables[b, blk] * bs
+    for j in range(nc):
+        slots[j] = base + off
+        off += 1
+        if off == bs:
+            off = 0
+            blk += 1
+            if j + 1 < nc:
+                base = block_tables[b, blk] * bs
+
+
 @njit(cache=True)
 def _work_items(query_starts, rows_per_item):
     """The items (seq, first row, end row): every sequence's new rows cut into runs of rows_per_item."""
@@ -135,9 +153,7 @@ def _paged_attention_kernel(q, k_cache, v_cache, block_tables, context_lens, que
         alpha = np.empty(N, np.float32)
         for tile_lo in range(0, hi, TILE):
             n = min(TILE, hi - tile_lo)
-            for j in range(n):                                    # the block table walk
-                pos = tile_lo + j
-                slots[j] = block_tables[b, pos // bs] * bs + pos % bs
+            chunk_slots(block_tables, b, bs, tile_lo, n, slots)  # the block table walk
             for kh in range(K):
                 for d in range(H):
                     for j in range(n):
@@ -200,30 +216,10 @@ def paged_attention_numba(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarra
 # share it; the arithmetic per (row, head) is the rule's, operation for operation.
 
 @njit(cache=True, inline="always")
-def chunk_slots(block_tables, b, bs, c0, nc, slots):
-    """slots[j] = the pool row of sequence b's position c0 + j, j < nc: block_tables[b, pos // bs] * bs + pos % bs,
-    walked block by block (one division per chunk: a division per position by the run-time block size was ~a
-    tenth of a decode row's attention)."""
-    blk = c0 // bs
-    off = c0 - blk * bs
-    base = block_tables[b, blk] * bs
-    for j in range(nc):
-        slots[j] = base + off
-        off += 1
-        if off == bs:
-            off = 0
-            blk += 1
-            if j + 1 < nc:
-                base = block_tables[b, blk] * bs
-
-
 def decode_scratch(g, H):
     """The float32 and int64 scratch of decode_attention_heads for up to g heads of dimension H (allocate once,
     reuse for every call on one thread)."""
     return np.zeros(2 * H * CHUNK + g * CHUNK + 2 * g * H + 3 * g + LANES, np.float32), np.empty(CHUNK + 16, np.int64)
-
-
-decode_scratch = njit(cache=True, inline="always")(decode_scratch)
 
 
 @njit(cache=True)
@@ -261,11 +257,9 @@ def decode_attention_heads(q, k_rows, v_rows, block_tables, bs, context_lens, b,
     kt, vt, s, pv = ktf.reshape(H, CHUNK), vtf.reshape(CHUNK, H), sf.reshape(n, CHUNK), pvf.reshape(n, H)
     slots, offs = ints[:CHUNK], ints[CHUNK:CHUNK + 16]
     kf, qf = k_rows.reshape(-1), q.reshape(-1)
-    for r in range(n):
-        mx[r] = -np.inf
-        sm[r] = 0.0
-        for d in range(H):
-            acc[r, d] = 0.0
+    mx[:] = -np.inf
+    sm[:] = 0.0
+    acc[:] = 0.0
     for c0 in range(0, S, CHUNK):
         nc = min(CHUNK, S - c0)
         chunk_slots(block_tables, b, bs, c0, nc, slots)
@@ -301,9 +295,7 @@ def decode_attention_heads(q, k_rows, v_rows, block_tables, bs, context_lens, b,
             for r0 in range(0, n, HEADS):
                 _weighted_values(min(HEADS, n - r0), sf, r0 * CHUNK, vtf, nc, pvf, r0 * H, H)
         else:
-            for r in range(n):                                # each V row serves the n heads
-                for d in range(H):
-                    pv[r, d] = 0.0
+            pv[:] = 0.0                                       # each V row serves the n heads
             for j in range(nc):
                 vrow = v_rows[slots[j], kh]
                 for r in range(n):
