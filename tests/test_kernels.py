@@ -225,7 +225,7 @@ def _packed_kinds(T: int, D: int, O: int, seed: int):
     xq, sx = quant.quantize_blocks(x, D // 64)
     xu = (xq.astype(np.int16) + 128).astype(np.uint8)
     wt = mm.W8A8Weights(mm.pack_vnni(q8.wq), mm.block_sums(q8.wq, D // 64), q8.scale)
-    out["w8a8"] = wt, x, xu, sx, mm.matmul_w8a8(xu, sx, wt.w, wt.wsum, wt.scale)
+    out["w8a8"] = wt, x, xu, sx, mm.matmul_w8a8(xu, sx, wt.w, mm.block_sums(q8.wq, D // 64), wt.scale)
     wt = mm.W8A32Weights(mm.pack_w8a32(q8.wq), mm.block_sums(q8.wq, 1), q8.scale)
     out["w8a32"] = wt, x, xu, np.ones((T, 1), np.float32), mm.matmul_w8a32(x, wt.w, wt.scale)
     q4 = quant.quantize_q4_1(w)

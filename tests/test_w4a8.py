@@ -132,7 +132,7 @@ def test_packed_weights_are_4_bits_and_the_lm_head_int8(tiny_w4a8):
     fw = fast.prepare(m)
     assert isinstance(fw.layers[0].qkv, km.W4A8Weights) and fw.layers[0].qkv.w.dtype == np.uint8
     assert isinstance(fw.lm_head, km.W8A8Weights) and fw.lm_head.w.dtype == np.int8  # the head: W8A8, per 32
-    assert fw.lm_head.wsum.shape[0] == m.config.dim // 32
+    assert fw.lm_head.blocks.shape[0] == m.config.dim // 32
     D, F = m.config.dim, m.config.intermediate_size
     for f in quant.MATRICES:                          # half a byte a weight, d and m as float16 per 32 inputs
         d_in, d_out = getattr(m.layers[0], f).shape

@@ -265,10 +265,10 @@ def _decode_step_kernel(n_threads, sync, timeout, w8a8, x, cos, sin, eps, attn_n
     gu = np.empty((T, wgu.w.shape[1] * BLOCK), np.float32)      # [T, 2F]
     D, F, NH = x.shape[1], wgu.w.shape[1] * BLOCK // 2, n_heads * H
     # the matmuls' inputs, normed / quantised (the activation scales: nb per row of each matrix's input, int8
-    # kinds' wsum [L, nb, O]; W8A32: unused), shared when the threads split their rows (_thread_step)
+    # kinds' blocks [L, nb, 0]; W8A32: unused), shared when the threads split their rows (_thread_step)
     inputs = (np.empty((T, D), np.float32), np.empty((T, F), np.float32), np.empty((T, D), np.uint8),
-              np.empty((T, F), np.uint8), np.empty((T, NH), np.uint8), np.empty((T, wqkv.wsum.shape[1]), np.float32),
-              np.empty((T, wo.wsum.shape[1]), np.float32), np.empty((T, wdown.wsum.shape[1]), np.float32))
+              np.empty((T, F), np.uint8), np.empty((T, NH), np.uint8), np.empty((T, wqkv.blocks.shape[1]), np.float32),
+              np.empty((T, wo.blocks.shape[1]), np.float32), np.empty((T, wdown.blocks.shape[1]), np.float32))
     for tid in prange(n_threads):                  # one iteration per thread: the threads start once per step
         weights = DecodeWeights(PackedLayer(attn_norm, wqkv, wo, mlp_norm, wgu, wdown), final_norm, lm_head)
         # (tid is unsigned in the loop Numba generates and signed where it types the body: one type, one compile)

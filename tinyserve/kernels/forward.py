@@ -27,7 +27,7 @@ from .layer import (lm_head, lm_head_w8a32, mlp_down, mlp_down_w8a32, post_atten
                     pre_attention, pre_attention_w8a32)
 from ..model import forward as float32_forward
 from ..quant import Q4Linear, act_blocks, dequantize_model, is_w8a8
-from .matmul import W8A8Weights, W8A32Weights, block_sums, pack_vnni, pack_w4a8, pack_w8a32, w4a8_weights
+from .matmul import W8A8Weights, W8A32Weights, act_blocks_of, pack_vnni, pack_w4a8, pack_w8a32, w4a8_weights
 
 
 # SiLU's exp on the three-call W8A8 path. None (the default): fast_exp.exp32 inside mlp_down, the fused decode step's
@@ -68,8 +68,8 @@ def _pack(mode: str, *qs) -> Packed:
     wq = np.concatenate([q.wq for q in qs], axis=1)                                  # [D_in, sum O]
     scale = np.concatenate([q.scale for q in qs])
     if not is_w8a8(mode):
-        return W8A32Weights(pack_w8a32(wq), block_sums(wq, 1), scale)
-    return W8A8Weights(pack_vnni(wq), block_sums(wq, act_blocks(mode, wq.shape[0])), scale)
+        return W8A32Weights(pack_w8a32(wq), act_blocks_of(1), scale)
+    return W8A8Weights(pack_vnni(wq), act_blocks_of(act_blocks(mode, wq.shape[0])), scale)
 
 
 def _stack(matrices: list[Packed]) -> tuple[Packed, list[Packed]]:

@@ -1,25 +1,31 @@
 """Three ways to multiply bytes (and a fourth for CPUs with none): the int8 tile of each instruction set.
 
-Every tile has one contract, `tile(x, x_off, x_stride, w, w_off, w_stride, n4, nb, wsum, ws_off, ws_stride, sx,
-s_off, s_stride, out, o_off, o_stride)`: over nb activation blocks of 4 n4 inputs each,
+Every tile has one contract, `tile(x, x_off, x_stride, w, w_off, w_stride, n4, nb, xsum, sx, s_off, s_stride,
+out, o_off, o_stride)`: over nb activation blocks of 4 n4 inputs each,
 
-    dot[r, b, o] = sum_{i in block b} (x[r, i] - 128 + TILE_OFFSET) * W[c, l, i] - TILE_OFFSET * wsum[b, o]
+    dot[r, b, o] = sum_{i in block b} (W[c, l, i] + TILE_OFFSET) * x[r, i] - TILE_OFFSET * xsum[r, b]
     out[r, o]    = (((0 + float32(dot[r, 0, o]) * sx[r, 0]) + float32(dot[r, 1, o]) * sx[r, 1]) + ...)   float32
 
-with o = 16c + l. x: the activations as uint8 offset by 128 (xu = xq + 128; row r at x_off + r*x_stride), w: int8
-weights packed by kernels.matmul.pack_vnni (block c at w_off + c*w_stride: per step i, 64 bytes = 16 outputs x 4
-inputs, output-major), wsum: int32, the weights' sums over each activation block (block b of the tile's outputs at
-ws_off + b*ws_stride), sx: float32 activation scales (row r, block b at s_off + r*s_stride + b), out: float32 (row r
-at o_off + r*o_stride). Subtracting TILE_OFFSET * wsum is exact in int32, so every variant gets the same integers
-and, adding the blocks in the same order, the same floats: W8A8 stays bit-identical to the NumPy reference.
+with o = 16c + l. x: the int8 activations, signed (row r at x_off + r*x_stride), w: int8 weights packed by
+kernels.matmul.pack_vnni (block c at w_off + c*w_stride: per step i, 64 bytes = 16 outputs x 4 inputs,
+output-major), xsum: int32, each row's activations summed over each block, and sx: float32 activation scales (both:
+row r, block b at s_off + r*s_stride + b), out: float32 (row r at o_off + r*o_stride). Subtracting
+TILE_OFFSET * xsum is exact in int32, so every variant gets the same integers and, adding the blocks in the same
+order, the same floats: W8A8 stays bit-identical to the NumPy reference.
 
-    avx512vnni, avxvnni   vpdpbusd(acc, x, w): 4 products u8 x s8 per 32-bit lane, summed into it. Unsigned x is
-                          why the activations carry +128 (TILE_OFFSET = 128). zmm: 64 MACs per op; ymm: 32.
+The offset sits on the weights, not on the activations: the correction is then one number per row and block (xsum,
+from the row the tile has at hand) instead of one per output and block (the weights' sums, an [nb, O] table that
+a 1-row matmul read from memory beside the weights: 3.5 MB of the LM head's 32, on a stride of O, which made it
+stream ~25 % slower).
+
+    avx512vnni, avxvnni   vpdpbusd(acc, w, x): 4 products u8 x s8 per 32-bit lane, summed into it. An unsigned
+                          operand is why the weights are flipped to w + 128 (w ^ 0x80, in the register: TILE_OFFSET
+                          = 128). zmm: 64 MACs per op; ymm: 32.
     avx2                  no byte dot product with 32-bit sums. vpmaddubsw multiplies u8 x s8 and adds pairs into
                           16 bits, which saturate (2 x 255 x 127 > 32767). The sign trick (llama.cpp's
                           mul_sum_i8_pairs) keeps them in range: |x| (u8, <= 128) times w with x's sign moved onto
                           it (vpsignb), a pair at most 2 x 128 x 127 = 32512; then vpmaddwd by ones adds the pairs
-                          into 32 bits. 4 ops for 32 MACs, on signed x (TILE_OFFSET = 0).
+                          into 32 bits. 4 ops for 32 MACs, no offset (TILE_OFFSET = 0).
     neon                  sdot(acc, w, x): 4 products s8 x s8 per 32-bit lane (arm64 dotprod), 16 MACs per op.
     generic               no byte dot product named: LLVM's own vector IR, which it lowers for any CPU. Each of
                           the 64 bytes of a step gets its own int32 accumulator (x and w widened, multiplied,
@@ -105,6 +111,7 @@ def _isa_step(name: str, vb: int) -> IsaStep:
     def fn(builder, name_, ret, args):
         return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name_)
 
+    flip = ir.Constant(bytes_t, [ir.Constant(_I8, -128)] * nb)   # w ^ 0x80 = w + 128 as an unsigned byte
     if name in ("avx512vnni", "avxvnni"):
         intr = "llvm.x86.avx512.vpdpbusd.512" if vb == 64 else "llvm.x86.avx512.vpdpbusd.256"
 
@@ -112,13 +119,12 @@ def _isa_step(name: str, vb: int) -> IsaStep:
             return fn(builder, intr, lanes_t, [lanes_t, lanes_t, lanes_t])
 
         def per_row(builder, st, xb):
-            return builder.bitcast(xb, lanes_t)               # the 4 unsigned bytes as they are
+            return builder.bitcast(xb, lanes_t)               # the 4 signed bytes as they are
 
-        def step(builder, st, acc, wv, xr):
-            return builder.call(st, [acc, xr, builder.bitcast(wv, lanes_t)])
+        def step(builder, st, acc, wv, xr):                  # (the flip is the same for every row: LLVM does it once)
+            return builder.call(st, [acc, builder.bitcast(builder.xor(wv, flip), lanes_t), xr])
         return IsaStep(lanes_t, 1, setup, per_row, step, unchanged)
 
-    flip = ir.Constant(bytes_t, [ir.Constant(_I8, -128)] * nb)   # xu ^ 0x80 = xu - 128 as a signed byte
     if name == "avx2":
         s16_t = ir.VectorType(_I16, nb // 2)
 
@@ -130,8 +136,7 @@ def _isa_step(name: str, vb: int) -> IsaStep:
                     ir.Constant(s16_t, [ir.Constant(_I16, 1)] * (nb // 2)))
 
         def per_row(builder, st, xb):
-            xs = builder.xor(xb, flip)
-            return xs, builder.call(st[3], [xs, ir.Constant(_I1, 0)])    # x and |x| (|-128| reads as u8 128)
+            return xb, builder.call(st[3], [xb, ir.Constant(_I1, 0)])    # x and |x| (|-128| reads as u8 128)
 
         def step(builder, st, acc, wv, xr):
             maddubs, maddwd, psign, _, ones = st
@@ -147,7 +152,7 @@ def _isa_step(name: str, vb: int) -> IsaStep:
             return None
 
         def per_row(builder, st, xb):
-            return builder.sext(builder.xor(xb, flip), wide_t)
+            return builder.sext(xb, wide_t)
 
         def step(builder, st, acc, wv, xr):                  # acc[4l + k] += x[k] * w[l, k]: no shuffle in the loop
             return builder.add(acc, builder.mul(xr, builder.sext(wv, wide_t)))
@@ -162,12 +167,9 @@ def _isa_step(name: str, vb: int) -> IsaStep:
         def setup(builder):
             return fn(builder, "llvm.aarch64.neon.sdot.v4i32.v16i8", lanes_t, [lanes_t, bytes_t, bytes_t])
 
-        def per_row(builder, st, xb):
-            return builder.xor(xb, flip)
-
         def step(builder, st, acc, wv, xr):
             return builder.call(st, [acc, wv, xr])
-        return IsaStep(lanes_t, 1, setup, per_row, step, unchanged)
+        return IsaStep(lanes_t, 1, setup, unchanged, step, unchanged)
     raise ValueError(f"no intrinsic tile for {name!r}")
 
 
@@ -180,17 +182,17 @@ def _intrinsic_tile(R: int, C: int, name: str):
     acc_t, extra, setup, per_row, step, finish = _isa_step(name, vb)
     generic = name == "generic"                              # accumulates per byte: 4x the accumulators
     rs, cs = (1, 1) if generic else isa.plan_subtiles(R, C, extra)
-    shift = TILE_OFFSET.bit_length() - 1                     # TILE_OFFSET * wsum as a shift (128 = 2^7)
+    shift = TILE_OFFSET.bit_length() - 1                     # TILE_OFFSET * xsum as a shift (128 = 2^7)
 
     @intrinsic
-    def tile(typingctx, x, x_off, x_stride, w, w_off, w_stride, n4, nb, wsum, ws_off, ws_stride, sx, s_off,
-             s_stride, out, o_off, o_stride):
-        sig = types.void(x, x_off, x_stride, w, w_off, w_stride, n4, nb, wsum, ws_off, ws_stride, sx, s_off, s_stride,
-                         out, o_off, o_stride)
+    def tile(typingctx, x, x_off, x_stride, w, w_off, w_stride, n4, nb, xsum, sx, s_off, s_stride, out, o_off,
+             o_stride):
+        sig = types.void(x, x_off, x_stride, w, w_off, w_stride, n4, nb, xsum, sx, s_off, s_stride, out, o_off,
+                         o_stride)
 
         def codegen(context, builder, signature, args):
-            (x_arr, x_off, x_stride, w_arr, w_off, w_stride, n4, nb, ws_arr, ws_off, ws_stride, sx_arr, s_off,
-             s_stride, out_arr, o_off, o_stride) = args
+            (x_arr, x_off, x_stride, w_arr, w_off, w_stride, n4, nb, xsum_arr, sx_arr, s_off, s_stride, out_arr,
+             o_off, o_stride) = args
             ty = signature.args
             i64 = x_off.type
             k = lambda v: ir.Constant(i64, v)                                           # noqa: E731
@@ -202,10 +204,12 @@ def _intrinsic_tile(R: int, C: int, name: str):
                       for r in range(R)]
             w_cols = [_data_pointer(context, builder, ty[3], w_arr, builder.add(w_off, builder.mul(w_stride, k(c))))
                       for c in range(C)]
-            ws_base = cgutils.create_struct_proxy(ty[8])(context, builder, ws_arr).data       # int32*
-            sx_base = cgutils.create_struct_proxy(ty[11])(context, builder, sx_arr).data      # float*
-            out_base = cgutils.create_struct_proxy(ty[14])(context, builder, out_arr).data    # float*
-            sx_rows = [builder.gep(sx_base, [builder.add(s_off, builder.mul(s_stride, k(r)))]) for r in range(R)]
+            xsum_base = cgutils.create_struct_proxy(ty[8])(context, builder, xsum_arr).data   # int32*
+            sx_base = cgutils.create_struct_proxy(ty[9])(context, builder, sx_arr).data       # float*
+            out_base = cgutils.create_struct_proxy(ty[12])(context, builder, out_arr).data    # float*
+            s_rows = [builder.add(s_off, builder.mul(s_stride, k(r))) for r in range(R)]
+            sx_rows = [builder.gep(sx_base, [s]) for s in s_rows]
+            xsum_rows = [builder.gep(xsum_base, [s]) for s in s_rows]
             out_rows = [builder.gep(out_base, [builder.add(o_off, builder.mul(o_stride, k(r)))]) for r in range(R)]
             for c0 in range(0, C, cs):                       # one pass over the input per sub-tile
                 for r0 in range(0, R, rs):
@@ -214,18 +218,17 @@ def _intrinsic_tile(R: int, C: int, name: str):
                            for r in sub_r for c in sub_c for p in range(parts)}
 
                     def one_block(b, first):                    # activation block b (first: b == 0, an i1)
-                        for (r, c, p), a in acc.items():        # the int sums start at -TILE_OFFSET * wsum
-                            builder.store(ir.Constant(acc_t, None), a)
-                        if TILE_OFFSET:
-                            ws_row = builder.add(ws_off, builder.mul(ws_stride, b))
+                        for r in sub_r:                         # the int sums start at -TILE_OFFSET * xsum[r, b]
+                            init = ir.Constant(acc_t, None)
+                            if TILE_OFFSET:
+                                v = builder.neg(builder.shl(builder.load(builder.gep(xsum_rows[r], [b])),
+                                                            ir.Constant(_I32, shift)))
+                                init = builder.shuffle_vector(
+                                    builder.insert_element(ir.Constant(lanes_t, None), v, ir.Constant(_I32, 0)),
+                                    ir.Constant(lanes_t, None), ir.Constant(lanes_t, None))
                             for c in sub_c:
                                 for p in range(parts):
-                                    q = builder.gep(ws_base, [builder.add(ws_row, k(BLOCK * c + nl * p))])
-                                    v = builder.load(builder.bitcast(q, lanes_t.as_pointer()), align=4)
-                                    init = builder.neg(builder.shl(v, ir.Constant(lanes_t, [ir.Constant(_I32, shift)]
-                                                                                  * nl)))
-                                    for r in sub_r:
-                                        builder.store(init, acc[r, c, p])
+                                    builder.store(init, acc[r, c, p])
                         start = builder.mul(b, n4)                          # the block's first 4-byte step
                         with cgutils.for_range(builder, n4) as loop:
                             i = builder.add(start, loop.index)

@@ -124,10 +124,10 @@ def _rms_norm_quant_rows(x, weight, eps, xu, sx):
 
 @njit(cache=True, parallel=True)
 def pre_attention(x, norm_w, eps, wqkv, cos, sin, n_heads, n_kv_heads, q, k, v):
-    """x [T, D] -> q [T, N, H], k [T, K, H] (RoPE applied), v [T, K, H]. wqkv.wsum [nb, O]: the activations get nb
+    """x [T, D] -> q [T, N, H], k [T, K, H] (RoPE applied), v [T, K, H]. wqkv.blocks [nb, 0]: the activations get nb
     scales per row (matmul.W8A8Weights)."""
     T, D = x.shape
-    xu, sx = np.empty((T, D), np.uint8), np.empty((T, wqkv.wsum.shape[0]), np.float32)
+    xu, sx = np.empty((T, D), np.uint8), np.empty((T, wqkv.blocks.shape[0]), np.float32)
     _rms_norm_quant_rows(x, norm_w, eps, xu, sx)
     qkv = np.empty((T, wqkv.w.shape[0] * 16), np.float32)                  # [T, (N + 2K) H]
     _matmul_int8(wqkv, xu, sx, qkv, False)
@@ -143,7 +143,7 @@ def pre_attention(x, norm_w, eps, wqkv, cos, sin, n_heads, n_kv_heads, q, k, v):
 def post_attention(x, a, wo, norm_w, eps, wgu, gu):
     """x += a @ Wo (a [T, N H], the attention output), then gu [T, 2F] = RMSNorm(x) @ [Wgate | Wup]."""
     T = a.shape[0]
-    au, sa = np.empty(a.shape, np.uint8), np.empty((T, wo.wsum.shape[0]), np.float32)
+    au, sa = np.empty(a.shape, np.uint8), np.empty((T, wo.blocks.shape[0]), np.float32)
     if T >= PARALLEL_ROWS:
         for t in prange(T):
             _quantize_row(a[t], au[t], sa[t])
@@ -151,7 +151,7 @@ def post_attention(x, a, wo, norm_w, eps, wgu, gu):
         for t in range(T):
             _quantize_row(a[t], au[t], sa[t])
     _matmul_int8(wo, au, sa, x, True)
-    xu, sx = np.empty(x.shape, np.uint8), np.empty((T, wgu.wsum.shape[0]), np.float32)
+    xu, sx = np.empty(x.shape, np.uint8), np.empty((T, wgu.blocks.shape[0]), np.float32)
     _rms_norm_quant_rows(x, norm_w, eps, xu, sx)
     _matmul_int8(wgu, xu, sx, gu, False)
 
@@ -175,7 +175,7 @@ def mlp_down(x, gu, e, exp_here, wd):
     """x += (silu(gate) * up) @ Wdown, silu(g) = g / (1 + e) with e = exp(-gate): computed here with fast_exp.exp32
     when exp_here (the default, forward.silu_exp = None), else given (NumPy's exp: the reference's bits)."""
     T, F = e.shape
-    au, sa = np.empty((T, F), np.uint8), np.empty((T, wd.wsum.shape[0]), np.float32)
+    au, sa = np.empty((T, F), np.uint8), np.empty((T, wd.blocks.shape[0]), np.float32)
     if T >= PARALLEL_ROWS:
         for t in prange(T):
             if exp_here:
@@ -192,7 +192,7 @@ def mlp_down(x, gu, e, exp_here, wd):
 @njit(cache=True, parallel=True)
 def lm_head(x, norm_w, eps, w):
     """logits [R, V] = RMSNorm(x) @ W_head for the R rows that sample."""
-    xu, sx = np.empty(x.shape, np.uint8), np.empty((x.shape[0], w.wsum.shape[0]), np.float32)
+    xu, sx = np.empty(x.shape, np.uint8), np.empty((x.shape[0], w.blocks.shape[0]), np.float32)
     _rms_norm_quant_rows(x, norm_w, eps, xu, sx)
     out = np.empty((x.shape[0], w.w.shape[0] * 16), np.float32)
     _matmul_int8(w, xu, sx, out, False)

@@ -27,7 +27,7 @@ from numba import njit, prange
 from numba.extending import overload
 
 from .int4_dot import GROUP, GROUP_BYTES, make_w4a8_tile
-from .int8_dot import TILE_OFFSET, make_int8_tile
+from .int8_dot import make_int8_tile
 from .simd import bits_float, float_bits, make_fma_microkernel
 
 BLOCK = 16            # output channels per packed block: one vector of 16 int32 accumulators
@@ -61,8 +61,8 @@ def pack_vnni(wq: np.ndarray) -> np.ndarray:
 
 
 def block_sums(wq: np.ndarray, n_blocks: int) -> np.ndarray:
-    """[D, O] int8 -> [n_blocks, O] int32: each output's weights summed over each run of D / n_blocks inputs (the
-    W8A8 epilogue subtracts TILE_OFFSET times it, per activation block)."""
+    """[D, O] int8 -> [n_blocks, O] int32: each output's weights summed over each run of D / n_blocks inputs: what a
+    W8A8 matmul whose activations carry + 128 subtracts, 128 times it (matmul_w8a8's contract, lesson 7)."""
     D, O = wq.shape
     return wq.reshape(n_blocks, D // n_blocks, O).sum(axis=1, dtype=np.int32)
 
@@ -81,33 +81,40 @@ def pack_w8a32(wq: np.ndarray) -> np.ndarray:
 # (one branch per kind, no test of a shape or a flag at run time). The three have the same fields, so code that only
 # moves weights around (stacking the layers, taking one layer) treats them alike. With a leading L axis on every
 # array they hold a matrix of every layer at once (kernels/forward.py stacks them for the fused decode step).
+# `blocks` is an empty array whose first axis is nb, the activation scales a row of the matrix's input has: the
+# drivers size their scratch by it without a separate integer field (which could not be stacked).
+
+
+def act_blocks_of(nb: int) -> np.ndarray:
+    """A kind's `blocks`: [nb, 0] int32, only its shape is read."""
+    return np.zeros((nb, 0), np.int32)
+
 
 class W8A8Weights(NamedTuple):
     """int8 weights times int8 activations (QuantMode.kernels == "w8a8"; also a W4A8 model's LM head)."""
     w: np.ndarray          # [O/16, D/4 * 64] int8: pack_vnni
-    wsum: np.ndarray       # [nb, O] int32: the weights summed over each of the nb activation blocks (block_sums)
+    blocks: np.ndarray     # [nb, 0] int32: nb activation scales per row (act_blocks_of)
     scale: np.ndarray      # [O] float32
 
 
 class W8A32Weights(NamedTuple):
     """int8 weights times float32 activations (QuantMode.kernels == "w8a32")."""
     w: np.ndarray          # [O/16, D, 16] int8: pack_w8a32
-    wsum: np.ndarray       # [1, O] int32 (block_sums; the kernels do not read it: may be [1, 0])
+    blocks: np.ndarray     # [1, 0] int32 (the float32 activations have no scales: unread)
     scale: np.ndarray      # [O] float32
 
 
 class W4A8Weights(NamedTuple):
     """Q4_1 weights (4 bits, a float16 scale and minimum per 32 inputs) times int8 activations (QuantMode.kernels
-    == "w4a8"). The scales travel inside w; wsum is empty and only its shape is read: nb = D/32 activation scales
-    per row, as a W8A8 matrix's wsum gives its nb."""
+    == "w4a8"). The weights' scales travel inside w."""
     w: np.ndarray          # [O/16, D/32, 320] uint8: pack_w4a8
-    wsum: np.ndarray       # [D/32, 0] int32
+    blocks: np.ndarray     # [D/32, 0] int32: one activation scale per 32 inputs
     scale: np.ndarray      # [0] float32
 
 
 def w4a8_weights(wp: np.ndarray) -> W4A8Weights:
     """pack_w4a8's bytes [O/16, D/32, 320] as the W4A8 kind."""
-    return W4A8Weights(wp, np.zeros((wp.shape[1], 0), np.int32), np.zeros(0, np.float32))
+    return W4A8Weights(wp, act_blocks_of(wp.shape[1]), np.zeros(0, np.float32))
 
 
 # --- activations -------------------------------------------------------------------------------------------------
@@ -186,27 +193,27 @@ def split_rope_row(qkv, cos, sin, n_heads, n_kv_heads, q, k, v, t):
 # --- W8A8 --------------------------------------------------------------------------------------------------------
 
 @njit(cache=True, inline="always")
-def w8a8_tile(xf, sx, wf, wsum, sw, out, accumulate, D, r0, nr, b0, nc, acc):
+def w8a8_tile(xf, sx, xsum, wf, sw, out, accumulate, D, r0, nr, b0, nc, acc):
     """One work item of the W8A8 matmul: rows r0 .. r0+nr (nr <= ROWS) x packed blocks b0 .. b0+nc (nc <= COLS).
-    xf, wf: the raveled activations and packed weights; sx [T, nb]: activation scales, one per run of D / nb
-    inputs; wsum [nb, O]: the weights' sums over each run; acc: float32 scratch [ROWS * COLS * 16]."""
-    nb = wsum.shape[0]
+    xf, wf: the raveled signed activations (_tile_inputs) and packed weights; sx [T, nb]: activation scales, one per
+    run of D / nb inputs; xsum [T, nb]: the activations' sums over each run; acc: float32 scratch
+    [ROWS * COLS * 16]."""
+    nb = sx.shape[1]
     n4 = D // 4 // nb                                # 4-byte steps per activation block
     step = D // 4 * 64                               # bytes of one packed block (of 16 outputs)
-    O, CB = wsum.shape[1], COLS * BLOCK
-    sf, wsf = sx.ravel(), wsum.ravel()
+    CB = COLS * BLOCK
+    sf, xsf = sx.ravel(), xsum.ravel()
     # the tile: every activation block's exact integer dot products, offset undone, scaled by sx, added in float32
     if nr == ROWS and nc == COLS:
-        _tile_RC(xf, r0 * D, D, wf, b0 * step, step, n4, nb, wsf, b0 * BLOCK, O, sf, r0 * nb, nb, acc, 0, CB)
+        _tile_RC(xf, r0 * D, D, wf, b0 * step, step, n4, nb, xsf, sf, r0 * nb, nb, acc, 0, CB)
     elif nc == COLS:
         for r in range(nr):
-            _tile_1C(xf, (r0 + r) * D, D, wf, b0 * step, step, n4, nb, wsf, b0 * BLOCK, O, sf, (r0 + r) * nb, nb,
-                     acc, r * CB, CB)
+            _tile_1C(xf, (r0 + r) * D, D, wf, b0 * step, step, n4, nb, xsf, sf, (r0 + r) * nb, nb, acc, r * CB, CB)
     else:
         for r in range(nr):
             for c in range(nc):
-                _tile_11(xf, (r0 + r) * D, D, wf, (b0 + c) * step, step, n4, nb, wsf, (b0 + c) * BLOCK, O, sf,
-                         (r0 + r) * nb, nb, acc, r * CB + c * BLOCK, CB)
+                _tile_11(xf, (r0 + r) * D, D, wf, (b0 + c) * step, step, n4, nb, xsf, sf, (r0 + r) * nb, nb, acc,
+                         r * CB + c * BLOCK, CB)
     for r in range(nr):                              # then the weights' scale
         t = r0 + r
         for j in range(nc * BLOCK):
@@ -222,13 +229,14 @@ def matmul_w8a8(xu: np.ndarray, sx: np.ndarray, wp: np.ndarray, wsum: np.ndarray
                 out: np.ndarray | None = None, accumulate: bool = False) -> np.ndarray:
     """xu [T, D] uint8 (+128), sx [T] (one scale per row) or [T, nb] (per block of D / nb inputs), wp = pack_vnni(wq),
     wsum [O] or [nb, O] int32 = the sums of wq over each block's inputs (block_sums), sw [O] -> [T, O] float32.
-    With accumulate=True the result is added to `out` (the residual connection, without a temporary)."""
+    With accumulate=True the result is added to `out` (the residual connection, without a temporary). (The tiles
+    here put the + 128 on the weights and read only wsum's shape: int8_dot.py says why.)"""
     if out is None:
         out = np.empty((xu.shape[0], wp.shape[0] * BLOCK), np.float32)
     sx, wsum = sx.reshape(xu.shape[0], -1), wsum.reshape(-1, wp.shape[0] * BLOCK)
     if sx.shape[1] != wsum.shape[0]:
         raise ValueError(f"sx has {sx.shape[1]} scales per row but wsum sums {wsum.shape[0]} blocks")
-    _matmul_int8(W8A8Weights(wp, wsum, sw), xu, sx, out, accumulate)
+    _matmul_int8(W8A8Weights(wp, act_blocks_of(wsum.shape[0]), sw), xu, sx, out, accumulate)
     return out
 
 
@@ -337,7 +345,7 @@ def matmul_w8a32(x: np.ndarray, wp: np.ndarray, sw: np.ndarray, out: np.ndarray 
     """x [T, D] float32, wp = pack_w8a32(wq), sw [O] -> [T, O] float32 (added to `out` if accumulate)."""
     if out is None:
         out = np.empty((x.shape[0], wp.shape[0] * BLOCK), np.float32)
-    _matmul_w8a32_auto(W8A32Weights(wp, np.zeros((1, 0), np.int32), sw), x, out, accumulate)
+    _matmul_w8a32_auto(W8A32Weights(wp, act_blocks_of(1), sw), x, out, accumulate)
     return out
 
 
@@ -361,17 +369,6 @@ def pack_w4a8(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
         a.astype(np.float16).reshape(D // GROUP, O // BLOCK, BLOCK).transpose(1, 0, 2)).view(np.uint8)
     packed = np.concatenate([half(d), half(m), nibbles.reshape(O // BLOCK, D // GROUP, -1)], axis=2)
     return np.ascontiguousarray(packed)
-
-
-@njit(cache=True, inline="always")
-def block_sums_row(xu_row, sx_row, xs_row):
-    """xs_row[b] = sx_row[b] * (the sum of row's int8 values over block b): the term Q4_1's minimum multiplies."""
-    kb = xu_row.shape[0] // sx_row.shape[0]
-    for b in range(sx_row.shape[0]):
-        lo, s = b * kb, np.int32(0)
-        for i in range(kb):                          # (indexed lo + i, as in _quantize_row)
-            s += np.int32(xu_row[lo + i]) - 128
-        xs_row[b] = sx_row[b] * np.float32(s)
 
 
 @njit(cache=True, inline="always")
@@ -433,10 +430,11 @@ def _input(wt, x, xu):
 
 
 def _tile_inputs(wt, xu, sx):
-    """What the kind's tile reads besides the weights: (its activations, xs). W4A8: the activations as signed bytes
-    (uint8 + 128 with the sign bits flipped back: its tile broadcasts them straight from memory, int4_dot.py) and xs
-    [T, D/32], each row's activation sums per block times its scale (the term Q4_1's minimum multiplies); the other
-    kinds: xu as it is, and sx back (unread)."""
+    """What the kind's tile reads besides the weights: (its activations, xs). The int8-activation kinds: the
+    activations as signed bytes (uint8 + 128 with the sign bits flipped back: the tiles broadcast them straight from
+    memory) and xs [T, nb], each row's int8 values summed over each block: W8A8 as int32 (the term the weights'
+    + 128 adds, int8_dot.py), W4A8 times the block's scale (the term Q4_1's minimum multiplies, int4_dot.py).
+    W8A32: x as it is, and sx back (unread)."""
     raise NotImplementedError("called from Numba-compiled code only")
 
 
@@ -460,7 +458,7 @@ def _kind(wt):
 @overload(_layer, inline="always")
 def _layer_of_kind(wt, i):
     kind = _kind(wt)
-    return lambda wt, i: kind(wt.w[i], wt.wsum[i], wt.scale[i])
+    return lambda wt, i: kind(wt.w[i], wt.blocks[i], wt.scale[i])
 
 
 @overload(_input, inline="always")
@@ -470,20 +468,36 @@ def _input_of_kind(wt, x, xu):
     return lambda wt, x, xu: xu
 
 
+@njit(cache=True, inline="always")
+def signed_and_sums(xu, nb):
+    """xu [T, D] uint8 (+ 128) -> (the int8 values' bits in uint8 storage: xu ^ 0x80 = xu - 128; their sums over
+    each of nb blocks of a row, int32 [T, nb])."""
+    T, D = xu.shape
+    kb = D // nb
+    xi = np.empty_like(xu)
+    sums = np.empty((T, nb), np.int32)
+    for t in prange(T):                              # (parallel in matmul_items, serial in a decode-step thread)
+        for b in range(nb):
+            lo, s = b * kb, np.int32(0)
+            for i in range(kb):                      # (indexed lo + i, as in _quantize_row)
+                s += np.int32(xu[t, lo + i]) - 128
+                xi[t, lo + i] = xu[t, lo + i] ^ np.uint8(0x80)
+            sums[t, b] = s
+    return xi, sums
+
+
 @overload(_tile_inputs, inline="always")
 def _tile_inputs_of_kind(wt, xu, sx):
-    if _kind(wt) is not W4A8Weights:
+    kind = _kind(wt)
+    if kind is W8A32Weights:
         return lambda wt, xu, sx: (xu, sx)
+    if kind is W8A8Weights:
+        return lambda wt, xu, sx: signed_and_sums(xu, sx.shape[1])
 
-    def signed_and_sums(wt, xu, sx):
-        xs = np.empty_like(sx)
-        xi = np.empty_like(xu)                       # int8 bits in uint8 storage: xu ^ 0x80 = xu - 128
-        for t in prange(xu.shape[0]):                # (parallel in matmul_items, serial in a decode-step thread)
-            block_sums_row(xu[t], sx[t], xs[t])
-            for i in range(xu.shape[1]):
-                xi[t, i] = xu[t, i] ^ np.uint8(0x80)
-        return xi, xs
-    return signed_and_sums
+    def scaled_sums(wt, xu, sx):
+        xi, sums = signed_and_sums(xu, sx.shape[1])
+        return xi, sx * sums.astype(np.float32)
+    return scaled_sums
 
 
 @overload(_tile, inline="always")
@@ -491,7 +505,7 @@ def _tile_of_kind(wt, wf, xf, sx, xs, out, accumulate, D, r0, nr, b0, nc, acc):
     kind = _kind(wt)
     if kind is W8A8Weights:
         def tile(wt, wf, xf, sx, xs, out, accumulate, D, r0, nr, b0, nc, acc):
-            w8a8_tile(xf, sx, wf, wt.wsum, wt.scale, out, accumulate, D, r0, nr, b0, nc, acc)
+            w8a8_tile(xf, sx, xs, wf, wt.scale, out, accumulate, D, r0, nr, b0, nc, acc)
     elif kind is W4A8Weights:
         def tile(wt, wf, xf, sx, xs, out, accumulate, D, r0, nr, b0, nc, acc):
             w4a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc)
