@@ -31,7 +31,7 @@ from numba import njit, prange
 
 from ..attention_backends import check_paged_inputs
 from . import check_threading_layer
-from .key_chunks import CHUNK, LANES, chunk_softmax, combine, finish, fma32, transpose16
+from .key_chunks import CHUNK, chunk_softmax, combine, finish, fma32, transpose16
 from .simd import make_fma_microkernel
 
 TILE = CHUNK      # positions per step inside an item: kt is K*H*TILE*4 = 48 KiB for SmolLM2, cache-resident
@@ -146,7 +146,6 @@ def _paged_attention_kernel(q, k_cache, v_cache, block_tables, context_lens, que
         slots = np.empty(TILE, np.int64)                          # pool row of each position of the chunk
         s = np.empty((N, TILE), np.float32)                       # one row's scores, then exp weights
         pv = np.empty((N, H), np.float32)                         # one row's chunk sum of weights * V
-        lanes = np.empty(LANES, np.float32)
         mx = np.full((t1 - t0, N), -np.inf, np.float32)           # the rule's m, l, acc per (row, head)
         sm = np.zeros((t1 - t0, N), np.float32)
         acc = np.zeros((t1 - t0, N, H), np.float32)
@@ -174,7 +173,7 @@ def _paged_attention_kernel(q, k_cache, v_cache, block_tables, context_lens, que
                             s[h, j] = fma32(qd, kt[kh, d, j], s[h, j])
                 # 2. the online-softmax step of the rule
                 for h in range(N):
-                    mx[i, h], alpha[h], sm[i, h] = chunk_softmax(s[h], nt, scale, mx[i, h], sm[i, h], lanes)
+                    mx[i, h], alpha[h], sm[i, h] = chunk_softmax(s[h], nt, scale, mx[i, h], sm[i, h])
                 # 3. weighted sum of V, read in place from the pool; each V row serves its g query heads
                 pv[:] = 0.0
                 for j in range(nt):
@@ -219,7 +218,7 @@ def paged_attention_numba(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarra
 def decode_scratch(g, H):
     """The float32 and int64 scratch of decode_attention_heads for up to g heads of dimension H (allocate once,
     reuse for every call on one thread)."""
-    return np.zeros(2 * H * CHUNK + g * CHUNK + 2 * g * H + 3 * g + LANES, np.float32), np.empty(CHUNK + 16, np.int64)
+    return np.zeros(2 * H * CHUNK + g * CHUNK + 2 * g * H + 3 * g, np.float32), np.empty(CHUNK + 16, np.int64)
 
 
 @njit(cache=True)
@@ -252,8 +251,6 @@ def decode_attention_heads(q, k_rows, v_rows, block_tables, bs, context_lens, b,
     acc = fs[o:o + n * H].reshape(n, H)
     o += g * H
     mx, sm, alpha = fs[o:o + n], fs[o + g:o + g + n], fs[o + 2 * g:o + 2 * g + n]
-    o += 3 * g
-    lanes = fs[o:o + LANES]
     kt, vt, s, pv = ktf.reshape(H, CHUNK), vtf.reshape(CHUNK, H), sf.reshape(n, CHUNK), pvf.reshape(n, H)
     slots, offs = ints[:CHUNK], ints[CHUNK:CHUNK + 16]
     kf, qf = k_rows.reshape(-1), q.reshape(-1)
@@ -290,7 +287,7 @@ def decode_attention_heads(q, k_rows, v_rows, block_tables, bs, context_lens, b,
                     for j in range(nc):
                         s[r, j] = fma32(qd, kt[d, j], s[r, j])
         for r in range(n):                                    # 2. the softmax step
-            mx[r], alpha[r], sm[r] = chunk_softmax(s[r], nc, scale, mx[r], sm[r], lanes)
+            mx[r], alpha[r], sm[r] = chunk_softmax(s[r], nc, scale, mx[r], sm[r])
         if tiled:                                             # 3. P V: pv[r, d] = one fma chain over the nc keys
             for r0 in range(0, n, HEADS):
                 _weighted_values(min(HEADS, n - r0), sf, r0 * CHUNK, vtf, nc, pvf, r0 * H, H)

@@ -29,7 +29,7 @@ import numpy as np
 from numba import njit, prange
 
 from .attention import decode_attention_heads, decode_scratch
-from .key_chunks import CHUNK, LANES, chunk_softmax, combine, finish
+from .key_chunks import CHUNK, chunk_softmax, combine, finish
 from .simd import make_fma_microkernel
 
 ROWS = 16                        # query rows per work item
@@ -80,13 +80,11 @@ def _attention(q, k, v, out):
         mx = np.full(ROWS, -np.inf, np.float32)
         sm = np.zeros(ROWS, np.float32)
         alpha = np.empty(ROWS, np.float32)
-        lanes = np.empty(LANES, np.float32)
         for c0 in range(0, visible, CHUNK):                    # the key chunks, in ascending order
             for rr in range(nr):                               # the softmax step of every row that sees the chunk;
                 nt = min(CHUNK, S - m + r0 + rr + 1 - c0)      # weights of keys it does not see are 0 (the 4-row
                 if nt > 0:                                     # P V tile below adds them: fma(0, v, x) = x)
-                    mx[rr], alpha[rr], sm[rr] = chunk_softmax(p[rr, c0:c0 + CHUNK], nt, scale, mx[rr], sm[rr],
-                                                              lanes)
+                    mx[rr], alpha[rr], sm[rr] = chunk_softmax(p[rr, c0:c0 + CHUNK], nt, scale, mx[rr], sm[rr])
                 for j in range(max(nt, 0), CHUNK):
                     p[rr, c0 + j] = 0.0
             r = 0
