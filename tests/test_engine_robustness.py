@@ -13,6 +13,7 @@ from hypothesis import given, settings, strategies as st
 
 from tinyserve import engine as engine_mod
 from tinyserve import kv_cache
+from tinyserve.drafters import ModelDrafter
 from tinyserve.engine import Engine, StepOutput
 from tinyserve.sampling import SamplingParams
 from tinyserve.sequence import Status
@@ -39,6 +40,28 @@ def run_collecting(engine: Engine) -> dict[int, list[StepOutput]]:
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered")
+def test_a_failing_forward_of_a_speculative_step_ends_its_batch(tiny, monkeypatch):
+    """The step that fails verifies a draft: its requests end with the forward's error, and the step's stats
+    (which count accepted drafts) are still recorded."""
+    real, calls = engine_mod.forward, []
+
+    def fails_after_prefill(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 1:
+            raise MemoryError("pretend the batch did not fit")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_mod, "forward", fails_after_prefill)
+    engine = Engine(tiny, num_blocks=40, block_size=4, draft_k=3,
+                    speculative=lambda: ModelDrafter(tiny, target=tiny))       # drafts every step
+    rid = engine.add_request([5, 6, 7, 8], GREEDY)
+    engine.step()
+    outs = engine.step()
+    assert engine.stats[-1].num_drafted > 0, "the failing step was meant to verify a draft"
+    assert [o.finish_reason for o in outs] == ["error"] and "MemoryError: pretend" in engine.finished[rid].error
+    assert_no_leaks(engine)
+
+
 @pytest.mark.parametrize("prefix_caching", [False, True])
 def test_a_request_that_fails_while_sampling_ends_alone(tiny, prefix_caching):
     prompts = mixed_prompts(5, seed=21)

@@ -195,6 +195,7 @@ class Engine:
                 return failed
             batch = prepare_batch(scheduled, self.pool.num_blocks, self.block_size)   # step_batch.py
             drafted = sum(seq.num_drafted for seq in batch.seqs)
+            accepted_before = spec.stats.accepted if spec else 0
         try:
             # Nothing is advanced until the forward has returned: if it raises, every sequence is as it was (its
             # new blocks stay allocated and hold nothing yet), and the next step runs the same chunks again.
@@ -206,7 +207,6 @@ class Engine:
                 outputs = [self._fail(seq, e) for seq in batch.seqs]
         else:
             with interrupts_deferred():
-                accepted_before = spec.stats.accepted if spec else 0
                 outputs = self._advance(batch, logits)
         self.stats.append(StepStats(len(batch.seqs), len(batch.tokens), batch.num_decode, len(batch.sampled),
                                     n_preempted, n_admitted, self.blocks.allocator.num_used,
