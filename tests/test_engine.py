@@ -72,7 +72,7 @@ def test_one_forward_per_step_with_logits_only_for_sampled_rows(tiny, monkeypatc
     real = engine_mod.forward
 
     def spy(model, tokens, positions, attention, logit_rows=None, kv_layout=None):
-        calls.append((len(tokens), None if logit_rows is None else len(logit_rows)))
+        calls.append((len(tokens), len(tokens) if logit_rows is None else len(logit_rows)))   # None: every row
         return real(model, tokens, positions, attention, logit_rows=logit_rows, kv_layout=kv_layout)
 
     monkeypatch.setattr(engine_mod, "forward", spy)

@@ -118,7 +118,7 @@ def test_verification_rows_share_the_forward_with_plain_decodes_and_prefills(tin
     real_forward = __import__("tinyserve.engine", fromlist=["forward"]).forward
 
     def counting_forward(model, tokens, positions, attention, logit_rows=None, kv_layout=None):
-        calls.append((len(tokens), len(logit_rows)))
+        calls.append((len(tokens), len(tokens) if logit_rows is None else len(logit_rows)))   # None: every row
         return real_forward(model, tokens, positions, attention, logit_rows, kv_layout)
     monkeypatch.setattr("tinyserve.engine.forward", counting_forward)
     engine = Engine(tiny, num_blocks=128, block_size=4, max_batch_tokens=64, speculative="ngram", draft_k=4)

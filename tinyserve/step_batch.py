@@ -63,7 +63,15 @@ class StepBatch:
 
 
 def prepare_batch(scheduled: list[tuple[Sequence, int]], num_pool_blocks: int, block_size: int) -> StepBatch:
-    """Flatten the scheduled chunks into one batch of rows, and check its layout once for all layers."""
+    """Flatten the scheduled chunks into one batch of rows, and check its layout once for all layers. The common
+    step, decodes only, takes a shorter way to the same batch (decode_batch)."""
+    if all(n == 1 and seq.is_decoding for seq, n in scheduled):
+        return decode_batch([seq for seq, _ in scheduled], num_pool_blocks, block_size)
+    return chunk_batch(scheduled, num_pool_blocks, block_size)
+
+
+def chunk_batch(scheduled: list[tuple[Sequence, int]], num_pool_blocks: int, block_size: int) -> StepBatch:
+    """prepare_batch for any mix of chunks: prefill chunks, decodes, speculative verifies."""
     bs = block_size
     seqs = [seq for seq, _ in scheduled]
     counts = [n for _, n in scheduled]
@@ -92,3 +100,33 @@ def prepare_batch(scheduled: list[tuple[Sequence, int]], num_pool_blocks: int, b
         logit_starts = np.concatenate([[0], np.cumsum(n_rows)[:-1]]).tolist()
     return StepBatch(seqs, counts, tokens, positions, slots // bs, slots % bs, block_tables, context_lens,
                      query_starts, sampled, logit_rows, num_decode, logit_starts)
+
+
+def decode_batch(seqs: list[Sequence], num_pool_blocks: int, block_size: int) -> StepBatch:
+    """prepare_batch's batch when every sequence runs one decode row (the token it sampled last): the same arrays,
+    built from Python lists with a few NumPy calls and checked in plain Python.
+
+    Why a second way to build them: the general path makes ~40 small NumPy calls (per sequence, then the checks),
+    and a decode step runs them right after its kernel has streamed the weights through the caches, so each runs
+    cold; at batch 1 that was a few percent of the step (docs/performance.md, "The Python around a decode step").
+    tests/test_step_batch.py checks that both ways build the same batch."""
+    bs, B = block_size, len(seqs)
+    pos = [seq.num_computed_tokens for seq in seqs]                # each new row's position: the K/V so far
+    tables = [seq.block_table for seq in seqs]
+    for b, (table, p) in enumerate(zip(tables, pos)):              # what check_block_tables checks, for one row
+        used = table[:p // bs + 1]                                 # the blocks positions 0..p live in
+        if len(used) <= p // bs or min(used) < 0 or max(used) >= num_pool_blocks:
+            raise ValueError(f"paged_attention: sequence {b} has context_len {p + 1} = {p // bs + 1} blocks of "
+                             f"{bs}, but its block table starts {used} (needs {p // bs + 1} valid ids in "
+                             f"[0, {num_pool_blocks}))")
+    width = max(map(len, tables))
+    positions = np.array(pos, dtype=np.int64)                                                # [B]
+    return StepBatch(seqs, [1] * B,
+                     np.array([seq.output_ids[-1] for seq in seqs], dtype=np.int64),         # [B] tokens
+                     positions,
+                     np.array([t[p // bs] for t, p in zip(tables, pos)], dtype=np.int64),    # [B] write_blocks
+                     positions % bs,                                                         # [B] write_offsets
+                     np.array([t + [-1] * (width - len(t)) for t in tables], dtype=np.int64),  # [B, max_blocks]
+                     positions + 1,                                                          # [B] context_lens
+                     np.arange(B + 1, dtype=np.int64),                                       # [B+1] query_starts
+                     list(range(B)), np.arange(B, dtype=np.int64), B)                        # every row samples

@@ -53,7 +53,7 @@ from threadpoolctl import ThreadpoolController  # noqa: E402
 numba.config.reload_config()                 # (if numba was imported before us, it takes the variables now)
 
 _threading_checked = False
-_blas_controller: ThreadpoolController | None = None
+_blas_libraries: list | None = None   # threadpoolctl's controllers of the BLAS libraries NumPy loaded
 _blas_held = threading.local()        # .depth: 1 inside single_thread_blas() on this thread
 
 
@@ -81,18 +81,27 @@ def single_thread_blas():
     Use it around every engine step when the numba backend is active. OpenBLAS keeps its own pthreads
     spinning after a matmul; Numba's prange then starts its own threads on the same 2 cores, and the two pools
     take turns evicting each other: a decode step measured ~10x slower (docs/performance.md). One pool for the hot path.
-    Enter it once per step, not once per layer: entering + leaving costs ~20 µs with the controller we keep
-    (threadpoolctl's plain `threadpool_limits()` rescans every loaded library: ~0.75 ms each time, measured).
+    Enter it once per step, not once per layer. The BLAS libraries are found once (threadpoolctl's
+    `threadpool_limits()` rescans every loaded library, ~0.75 ms each time); after that, entering and leaving
+    asks each library its thread count and sets it only if it is not 1 already, a few calls where threadpoolctl's
+    `limit()` on a kept controller runs through its bookkeeping (docs/performance.md, "The Python around a decode
+    step").
     """
-    global _blas_controller
+    global _blas_libraries
     if getattr(_blas_held, "depth", 0):   # nested in this thread (the engine's step around the forward's): on already
         yield
         return
-    if _blas_controller is None:      # numpy (and its OpenBLAS) is loaded by now: scan the libraries once
-        _blas_controller = ThreadpoolController()
-    with _blas_controller.limit(limits=1, user_api="blas"):
-        _blas_held.depth = 1
-        try:
-            yield
-        finally:
-            _blas_held.depth = 0
+    if _blas_libraries is None:      # numpy (and its OpenBLAS) is loaded by now: find the libraries once
+        _blas_libraries = ThreadpoolController().select(user_api="blas").lib_controllers
+    before = [lib.get_num_threads() for lib in _blas_libraries]    # (None: a library that cannot say)
+    for lib, n in zip(_blas_libraries, before):
+        if n != 1:
+            lib.set_num_threads(1)
+    _blas_held.depth = 1
+    try:
+        yield
+    finally:
+        _blas_held.depth = 0
+        for lib, n in zip(_blas_libraries, before):
+            if n is not None and n != 1:
+                lib.set_num_threads(n)
