@@ -258,3 +258,51 @@ def test_a_matmul_refuses_weights_that_are_not_a_packed_kind():
     with pytest.raises(Exception, match="W8A8Weights, W8A32Weights or W4A8Weights"):
         mm.matmul_blocks(tuple(wt), x, xu, sx, np.zeros((1, 16), np.float32), False, 0, 1,
                          np.empty(mm.ROWS * mm.COLS * 16, np.float32))
+
+
+# --- key_chunks.lane_sum: the rule's chunk sum, in LLVM IR --------------------------------------------------------
+
+def _lane_sum_reference(x: np.ndarray) -> np.float32:
+    """The order key_chunks.lane_sum documents, one float32 add at a time: lane i adds x[i], x[i + 16], ... from 0,
+    then lane i + 8 folds onto lane i, then i + 4, i + 2, i + 1."""
+    lanes = [np.float32(0.0)] * 16
+    for j, v in enumerate(x):
+        lanes[j % 16] = np.float32(lanes[j % 16] + v)
+    half = 8
+    while half:
+        lanes = [np.float32(lanes[i] + lanes[(i + half) % 16]) for i in range(16)]
+        half //= 2
+    return lanes[0]
+
+
+def test_lane_sum_adds_in_its_documented_order():
+    from numba import njit
+    from tinyserve.kernels.key_chunks import lane_sum
+
+    @njit
+    def row_slice(p, r, lo, n):                   # how dense_attention passes a chunk: a slice of a row
+        return lane_sum(p[r, lo:lo + n], n)
+
+    rng = np.random.default_rng(0)
+    p = (rng.standard_normal((3, 260)) * 10.0 ** rng.integers(-20, 20, (3, 260))).astype(np.float32)
+    p[0, 5] = -0.0
+    for n in (0, 1, 15, 16, 17, 31, 64, 100, 200):
+        for lo in (0, 3, 60):
+            got = row_slice(p, 1, lo, n)
+            assert np.float32(got).tobytes() == _lane_sum_reference(p[1, lo:lo + n]).tobytes(), (n, lo)
+    # the elements past n are never read into the sum, whatever they hold
+    q = p.copy()
+    q[1, 40:] = np.nan
+    assert row_slice(q, 1, 0, 40) == _lane_sum_reference(p[1, :40])
+
+
+def test_lane_sum_refuses_a_strided_array():
+    from numba import njit
+    from tinyserve.kernels.key_chunks import lane_sum
+
+    @njit
+    def column(p):                                # a column: stride of a whole row, which lane_sum cannot follow
+        return lane_sum(p[:, 0], p.shape[0])
+
+    with pytest.raises(TypeError, match="C-contiguous"):
+        column(np.zeros((4, 8), np.float32))
