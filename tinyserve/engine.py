@@ -230,12 +230,12 @@ class Engine:
         layout = None     # lesson 7: a few rows that all need logits (decodes, verifies) may run as one kernel
         every_row = len(batch.logit_rows) == len(batch.tokens)      # that also writes the K/V
         if self.backend == "numba" and every_row:   # row: its sequence's block table, context up to itself
-            L, nb, bs, K, H = pool.k.shape          # (decodes only, the usual step: one row each, the batch's own)
-            one_each = batch.num_decode == len(batch.tokens)
+            L, nb, bs, K, H = pool.k.shape
+            one_each = batch.num_decode == len(batch.tokens)      # decodes only: row b is sequence b, no copy
             row_seq = slice(None) if one_each else np.repeat(np.arange(len(batch.seqs)), batch.counts)
             layout = KVLayout(pool.k.reshape(L, nb * bs, K, H), pool.v.reshape(L, nb * bs, K, H),
-                              batch.block_tables[row_seq], bs, batch.context_lens if one_each else batch.positions + 1)
-        with self._threads():    # (logit_rows None: every row's logits, which logit_rows then says in order)
+                              batch.block_tables[row_seq], bs, batch.positions + 1)
+        with self._threads():    # logit_rows=None asks for every row, which is what logit_rows names when it has T
             logits = forward(self.model, batch.tokens, batch.positions, attention,
                              logit_rows=None if every_row else batch.logit_rows, kv_layout=layout)
         if self.backend == "numba":
