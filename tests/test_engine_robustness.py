@@ -327,3 +327,42 @@ def test_fuzz_no_leak_no_livelock_and_valid_outputs_unchanged(tiny, workload):
     if engine.blocks.prefix_caching:
         engine.blocks.cache.clear()
     assert engine.blocks.allocator.num_free == engine.blocks.allocator.num_blocks
+
+
+@pytest.mark.parametrize("where", ["forward", "advance"])
+def test_a_real_ctrl_c_cuts_the_forward_at_once_and_waits_for_the_bookkeeping(tiny, monkeypatch, where):
+    # One SIGINT handler serves a whole step (interrupts.interrupts_held): a Ctrl-C while the forward runs must
+    # still interrupt there, before the logits exist, and one while the step samples and retires must wait for it.
+    real_forward, real_advance, reached = engine_mod.forward, Engine._advance, []
+
+    def forward(*args, **kwargs):
+        if where == "forward" and not reached:
+            os.kill(os.getpid(), signal.SIGINT)
+            reached.append("after the signal")          # Python's handler runs here: never appended
+        return real_forward(*args, **kwargs)
+
+    def advance(self, batch, logits):
+        if where == "advance" and not reached:
+            os.kill(os.getpid(), signal.SIGINT)
+            reached.append("after the signal")          # held: the bookkeeping runs to its end
+        return real_advance(self, batch, logits)
+
+    monkeypatch.setattr(engine_mod, "forward", forward)
+    monkeypatch.setattr(Engine, "_advance", advance)
+    prompts = mixed_prompts(3, seed=25)
+    engine = Engine(tiny, num_blocks=30, block_size=4, max_batch_tokens=16)
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    if where == "forward":
+        assert reached == [] and not engine.stats                    # cut inside the forward: no step recorded
+        assert all(engine.sequence(i).num_computed_tokens == 0 for i in ids)
+    else:
+        assert reached == ["after the signal"]
+        assert all(engine.sequence(i).num_computed_tokens > 0 for i in ids if engine.sequence(i) in engine.running)
+    reached.append("done")
+    engine.run()
+    for i, p in zip(ids, prompts):
+        assert engine.finished[i].output_ids == kv_cache.generate(tiny, p, params=GREEDY)
+    assert_no_leaks(engine)

@@ -37,7 +37,7 @@ from .config import check_positive_int, is_int
 from .backend import forward
 from .model import Model, check_token_ids
 from .kv_sizing import max_kv_blocks, max_kv_positions
-from .interrupts import interrupts_deferred
+from .interrupts import interrupts_deferred, interrupts_held
 from .paged import KVPool, write_kv_unchecked
 from .sampling import SamplingParams, sample_tokens
 from .scheduler import bind, plan_step
@@ -184,34 +184,34 @@ class Engine:
         per request that failed in this step (finish_reason "error")."""
         t0 = time.perf_counter()
         spec = self.speculator
-        with interrupts_deferred():          # the queues and block tables change together or not at all
-            failed = [self._fail(seq, e) for seq, e in spec.draft_all(self.running, self.blocks)] if spec else []
-            scheduled, n_preempted, n_admitted = self._schedule()
-            if spec is not None:
-                spec.fit_drafts(scheduled, (*self.running, *self.waiting))
-            if not scheduled:
-                # add_request refuses what could never fit, so an empty plan with work left is a scheduler bug
-                assert n_preempted or failed or not self.has_unfinished(), "the scheduler made no progress: a livelock"
-                return failed
-            batch = prepare_batch(scheduled, self.pool.num_blocks, self.block_size)   # step_batch.py
-            drafted = sum(seq.num_drafted for seq in batch.seqs)
-            accepted_before = spec.stats.accepted if spec else 0
-        try:
-            # Nothing is advanced until the forward has returned: if it raises, every sequence is as it was (its
-            # new blocks stay allocated and hold nothing yet), and the next step runs the same chunks again.
-            logits = self._forward(batch)                                                         # [R, V]
-        except Exception as e:
-            # one forward serves the whole batch, so its failure cannot be pinned on one request: all of them end,
-            # the waiting ones carry on. (KeyboardInterrupt is not an Exception: it propagates, nothing is lost.)
-            with interrupts_deferred():
-                outputs = [self._fail(seq, e) for seq in batch.seqs]
-        else:
-            with interrupts_deferred():
-                outputs = self._advance(batch, logits)
+        with interrupts_held() as deferred:    # one SIGINT handler a step: Ctrl-C may cut the forward, not the
+            with deferred:                     # bookkeeping (the queues and block tables change all together)
+                failed = [self._fail(seq, e) for seq, e in spec.draft_all(self.running, self.blocks)] if spec else []
+                scheduled, n_preempted, n_admitted = self._schedule()
+                if spec is not None:
+                    spec.fit_drafts(scheduled, (*self.running, *self.waiting))
+                if not scheduled:
+                    # add_request refuses what could never fit: an empty plan with work left is a scheduler bug
+                    assert n_preempted or failed or not self.has_unfinished(), "no progress: a livelock"
+                    return failed
+                batch = prepare_batch(scheduled, self.pool.num_blocks, self.block_size)   # step_batch.py
+                drafted = sum(seq.num_drafted for seq in batch.seqs)
+                accepted_before = spec.stats.accepted if spec else 0
+            try:
+                # Nothing is advanced until the forward has returned: if it raises, every sequence is as it was (its
+                # new blocks stay allocated and hold nothing yet), and the next step runs the same chunks again.
+                logits = self._forward(batch)                                                         # [R, V]
+            except Exception as e:
+                # one forward serves the whole batch, so its failure cannot be pinned on one request: all of them
+                # end, the waiting ones carry on (a KeyboardInterrupt is no Exception: it propagates, nothing lost)
+                with deferred:
+                    outputs = [self._fail(seq, e) for seq in batch.seqs]
+            else:
+                with deferred:
+                    outputs = self._advance(batch, logits)
         self.stats.append(StepStats(len(batch.seqs), len(batch.tokens), batch.num_decode, len(batch.sampled),
-                                    n_preempted, n_admitted, self.blocks.allocator.num_used,
-                                    time.perf_counter() - t0, drafted,
-                                    spec.stats.accepted - accepted_before if drafted else 0))
+                                    n_preempted, n_admitted, self.blocks.allocator.num_used, time.perf_counter() - t0,
+                                    drafted, spec.stats.accepted - accepted_before if drafted else 0))
         return failed + outputs
 
     def _forward(self, batch: StepBatch) -> np.ndarray:
