@@ -18,7 +18,7 @@ needs every thread's results (kernels/spin.py):
                                                                  quantisation of a, the norm of x, SwiGLU)
     [Q|K|V] = h @ Wqkv                                           thread i: output blocks [i/n, (i+1)/n) of the matrix
     --- barrier ---
-    RoPE, write K/V to the cache slot                            work items (row, KV head), dealt round robin
+    RoPE, write K/V to the cache slot                            work items (row, head), dealt round robin
     --- barrier ---
     attention over the cache                                     the (row, query head) pairs, split evenly
     --- barrier ---
@@ -204,14 +204,17 @@ def _thread_step(tid, n_threads, sync, timeout, w8a8, x, cos, sin, eps, weights,
         _share(_layer(lw.qkv, layer), h, xu, sx, qkv, False, tid, n_threads, acc)
         if not barrier(sync, n_threads, timeout):
             return
-        # RoPE and K/V into the cache, then attention: items (row t, KV head kh)
+        # RoPE and K/V into the cache, then attention: items (row t, head), dealt round robin; heads 0 .. N-1 are
+        # the query heads, N .. N+K-1 the KV heads (K roped into the row's cache slot, V copied there)
         k_rows, v_rows = k_pool[layer], v_pool[layer]
-        for item in range(tid, T * K, n_threads):
-            t, kh = item // K, item % K
+        for item in range(tid, T * (N + K), n_threads):
+            t, head = item // (N + K), item % (N + K)
+            if head < N:
+                rope_head(qkv[t], head * H, cos[t], sin[t], q[t, head])
+                continue
+            kh = head - N
             pos = context_lens[t] - 1                               # this row's position: the last of its context
             slot = block_tables[t, pos // bs] * bs + pos % bs
-            for r in range(g):
-                rope_head(qkv[t], (kh * g + r) * H, cos[t], sin[t], q[t, kh * g + r])
             rope_head(qkv[t], (N + kh) * H, cos[t], sin[t], k_rows[slot, kh])
             for d in range(H):
                 v_rows[slot, kh, d] = qkv[t, (N + K + kh) * H + d]
