@@ -38,10 +38,10 @@ def interrupts_held():
     The engine's bookkeeping (queues, block tables, refcounts, the prefix trie) must change all together or not at
     all: a KeyboardInterrupt landing between popping a request off the queue and adding it to `running` would lose
     it, with its blocks. A forward, which changes nothing the next step relies on, may be cut. One handler serves a
-    whole Engine step (its bookkeeping, forward, bookkeeping): installing one is a system call and ~20 µs of Python
-    that runs cold after a decode step's kernel, and a step installed two before (docs/performance.md, "The Python
-    around a decode step"). Only in the main thread, and only while Python's own handler is installed (an
-    application that installed its own SIGINT handler keeps it): elsewhere the sections hold nothing back."""
+    whole Engine step (its bookkeeping, forward, bookkeeping): installing one is a system call, and after a decode
+    step's kernel the Python around it runs cold (docs/performance.md, "The Python around a decode step"). Only in
+    the main thread, and only while Python's own handler is installed (an application that installed its own SIGINT
+    handler keeps it): elsewhere the sections hold nothing back."""
     if threading.current_thread() is not threading.main_thread() \
             or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         yield contextlib.nullcontext()
