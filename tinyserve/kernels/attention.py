@@ -32,7 +32,7 @@ from numba import njit, prange
 from ..attention_backends import check_paged_inputs
 from . import check_threading_layer
 from .key_chunks import CHUNK, chunk_softmax, combine, finish, fma32, transpose16
-from .simd import make_fma_microkernel
+from .simd import make_fma_microkernel, prefetch_l2
 
 TILE = CHUNK      # positions per step inside an item: kt is K*H*TILE*4 = 48 KiB for SmolLM2, cache-resident
 ROWS = 16         # query rows per work item: they share each transposed K chunk
@@ -221,15 +221,29 @@ def decode_scratch(g, H):
     return np.zeros(2 * H * CHUNK + g * CHUNK + 2 * g * H + 3 * g, np.float32), np.empty(CHUNK + 16, np.int64)
 
 
+@njit(cache=True, inline="always")
+def _prefetch_position(kf, vf, block_tables, bs, K, H, b, kh, j):
+    """Ask into L2 the K and V rows of sequence b's position j, KV head kh (kf, vf: the pool's rows, flat), 16
+    floats (a 64-byte line) at a time."""
+    base = ((block_tables[b, j // bs] * bs + j % bs) * K + kh) * H
+    for d in range(0, H, 16):
+        prefetch_l2(kf, base + d)
+        prefetch_l2(vf, base + d)
+
+
 @njit(cache=True)
-def decode_attention_heads(q, k_rows, v_rows, block_tables, bs, context_lens, b, kh, r_lo, r_hi, out, fs, ints):
+def decode_attention_heads(q, k_rows, v_rows, block_tables, bs, context_lens, b, kh, r_lo, r_hi, out, fs, ints,
+                           nb=-1, nkh=0):
     """Sequence b's one new row, query heads r_lo .. r_hi of the g that share KV head kh: out[b, heads] =
     softmax(q K^T / sqrt(H)) V over its context_lens[b] positions, in key_chunks' order. q, out: [B, N, H]; k_rows,
     v_rows: the pool as rows addressed by slot [num_blocks * bs, K, H], position j of sequence b at slot
     block_tables[b, j // bs] * bs + j % bs (a contiguous cache: one block of bs >= the context). Each head's
     arithmetic is the same whichever others it is computed with (the fused decode step splits a KV head's g query
     heads between threads: kernels/decode_step.py). fs, ints: decode_scratch(g, H), reused across calls (a call
-    per (row, KV head) allocating its own cost ~10 % of the attention)."""
+    per (row, KV head) allocating its own cost ~10 % of the attention). nb, nkh: the (sequence, KV head) this
+    thread attends next (nb = -1: none). Its K/V rows are asked into L2 one position per V row gathered here, so they
+    arrive while this run computes; asked for all at once before the run, most of the requests stalled it or were
+    dropped (docs/performance.md, "where a batch-16 step goes")."""
     N, H = q.shape[1], q.shape[2]
     K = k_rows.shape[1]
     g = N // K
@@ -253,7 +267,7 @@ def decode_attention_heads(q, k_rows, v_rows, block_tables, bs, context_lens, b,
     mx, sm, alpha = fs[o:o + n], fs[o + g:o + g + n], fs[o + 2 * g:o + 2 * g + n]
     kt, vt, s, pv = ktf.reshape(H, CHUNK), vtf.reshape(CHUNK, H), sf.reshape(n, CHUNK), pvf.reshape(n, H)
     slots, offs = ints[:CHUNK], ints[CHUNK:CHUNK + 16]
-    kf, qf = k_rows.reshape(-1), q.reshape(-1)
+    kf, qf, vf = k_rows.reshape(-1), q.reshape(-1), v_rows.reshape(-1)
     mx[:] = -np.inf
     sm[:] = 0.0
     acc[:] = 0.0
@@ -272,6 +286,8 @@ def decode_attention_heads(q, k_rows, v_rows, block_tables, bs, context_lens, b,
                 vrow = v_rows[slots[j], kh]                       # or a computed flat index compiles to
                 for d in range(H):                                # element-wise copies or gathers)
                     vt[j, d] = vrow[d]
+                if nb >= 0 and c0 + j < context_lens[nb] - 1:
+                    _prefetch_position(kf, vf, block_tables, bs, K, H, nb, nkh, c0 + j)
             for r0 in range(0, n, HEADS):                     # 1. scores, HEADS heads a call
                 _scores(min(HEADS, n - r0), qf, (b * N + kh * g + r_lo + r0) * H, ktf, sf, r0 * CHUNK)
         else:
@@ -301,6 +317,9 @@ def decode_attention_heads(q, k_rows, v_rows, block_tables, bs, context_lens, b,
                         pv[r, d] = fma32(w, vrow[d], pv[r, d])
         for r in range(n):
             combine(acc[r], alpha[r], pv[r])
+    if nb >= 0:                                               # the next run's positions past this one's
+        for j in range(S, context_lens[nb] - 1):
+            _prefetch_position(kf, vf, block_tables, bs, K, H, nb, nkh, j)
     for r in range(n):
         finish(acc[r], sm[r], out[b, kh * g + r_lo + r])
 

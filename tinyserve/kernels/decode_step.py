@@ -123,9 +123,10 @@ def _attend_heads(q, k_rows, v_rows, block_tables, bs, context_lens, lo, hi, a, 
     while h < hi:
         t, kh, r = h // N, h % N // g, h % g
         r_end = min(g, r + hi - h)
-        if h + r_end - r < hi:                   # the next run's K/V on its way while this one computes
-            _prefetch_kv(k_rows, v_rows, block_tables, bs, context_lens, N, h + r_end - r, h + r_end - r + 1, 1 << 30)
-        decode_attention_heads(q, k_rows, v_rows, block_tables, bs, context_lens, t, kh, r, r_end, a, fs, ints)
+        nxt = h + r_end - r                      # the next run's K/V on its way while this one computes
+        nb, nkh = (nxt // N, nxt % N // g) if nxt < hi else (-1, 0)
+        decode_attention_heads(q, k_rows, v_rows, block_tables, bs, context_lens, t, kh, r, r_end, a, fs, ints,
+                               nb, nkh)
         h += r_end - r
 
 
