@@ -41,7 +41,7 @@ if isa.FORCED_FEATURES is not None:          # a variant below this CPU's: compi
 # (estimated ~10-40 ms on recent x86) before they sleep. Alone on the machine that is harmless; beside another busy
 # program (a second engine, a test run, a browser) the spinning workers take the cores the other side's threads
 # need, and both collapse (a ~6 ms decode step took a median of 0.16-1.3 s beside a test run, 0.1 s with 10,000).
-# 30,000 turns (~0.6-0.9 ms on a Zen 4) outlast the ~0.3 ms of Python between two batch-1 decode steps, so the
+# 30,000 turns (under a millisecond) outlast the ~0.3 ms of Python between two batch-1 decode steps, so the
 # worker is still awake when the next step starts instead of being woken each step (docs/performance.md, "Why the
 # kernels' constants are what they are").
 # libgomp reads it when it is loaded (Numba's first parallel loop); a value you set yourself is kept.
