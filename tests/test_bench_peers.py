@@ -130,6 +130,14 @@ def test_the_roofline_share_pairs_each_round_with_the_bandwidth_measured_in_it(t
     assert rf["met"] is False and rf["goal"] == bp.ROOFLINE_GOAL and rf["bytes_per_token"] == 10**9
     assert bp._roofline_cell({"roofline": rf}) == "0.50 (0.25-0.90) of 50.0 GB/s, 1000 MB a token ✗"
     assert bp._roofline_cell({}) == "-"                    # a run recorded before the column
+    assert "token_sized" not in rf                         # no token-sized read measured
+    rep.token_sized_bandwidth = {0: 10e9, 1: 40e9, 2: 90e9}    # a read as large as a token's bytes, cache-helped
+    ts = rep.roofline_share(token_sized=True)              # 1.0, 0.5, 0.5: paired with the same rounds
+    assert (ts.median, ts.lo, ts.hi) == pytest.approx((0.5, 0.5, 1.0))
+    rf = bp.roofline_result(rep)
+    assert rf["met"] is False and rf["share"]["median"] == pytest.approx(0.5)    # the goal stays on 256 MiB
+    assert bp._roofline_cell({"roofline": rf}) == ("0.50 (0.25-0.90) of 50.0 GB/s, 1000 MB a token ✗; "
+                                                   "0.50 (0.50-1.00) of a token-sized read (40.0 GB/s)")
 
 
 def test_the_best_llama_format_is_chosen_per_workload_by_its_median():
@@ -310,6 +318,7 @@ def test_quick_run_with_tinyserve_alone_writes_the_json(tmp_path, capsys):
     rf = data["roofline"]                                  # B=1 against the bandwidth measured in the round
     assert rf["bytes_per_token"] > 0 and 0 < rf["share"]["median"] and rf["bandwidth"]["0"] > 1e8
     assert "of the read bandwidth measured in the same rounds" in printed
+    assert rf["token_sized"]["bandwidth"]["0"] > 1e8 and "of a read as large as a token's bytes" in printed
 
 
 # --- the run itself, with in-process fake engines -----------------------------------------------------------------
@@ -342,7 +351,7 @@ def _settings_and_report(rounds=2):
 
 def test_rounds_measure_every_engine_on_every_workload_and_drop_a_failing_one(capsys, monkeypatch):
     monkeypatch.setattr(bp, "COOLDOWN_S", 0.0)                 # the fake engines leave no threads spinning
-    monkeypatch.setattr(bp, "round_bandwidth", lambda threads: 1e10 * (1 + threads))
+    monkeypatch.setattr(bp, "round_bandwidth", lambda threads, nbytes=256 * 2**20: 1e10 * (1 + threads) + nbytes)
     st, rep = _settings_and_report(rounds=3)
     engines = {Q41: FakeEngine(100.0, fail_on_call=4), "PyTorch": FakeEngine(50.0),
                "tinyserve": FakeEngine(75.0)}
@@ -356,8 +365,25 @@ def test_rounds_measure_every_engine_on_every_workload_and_drop_a_failing_one(ca
     assert rep.speeds("PyTorch", "decode_bN").median == pytest.approx(50.0)
     assert rep.ratio("prefill", "PyTorch").median == pytest.approx(1.5)
     assert rep.ratio("decode_b1", Q41).n == 1
-    assert rep.bandwidth == {0: 3e10, 1: 3e10, 2: 3e10}       # once a round, at the engines' thread count (2)
+    assert rep.bandwidth == {0: 3e10 + 2**28, 1: 3e10 + 2**28, 2: 3e10 + 2**28}    # once a round, at 2 threads
+    assert rep.token_sized_bandwidth == {}                # bytes_per_token unknown: no token-sized read
     assert "dropped from the rest of the run" in capsys.readouterr().err
+
+
+def test_rounds_also_read_a_matrix_as_large_as_a_token_reads(capsys, monkeypatch):
+    monkeypatch.setattr(bp, "COOLDOWN_S", 0.0)
+    sizes = []
+
+    def bandwidth(threads, nbytes=256 * 2**20):             # 1, 2, 3, 4 GB/s in the order asked
+        sizes.append(nbytes)
+        return 1e9 * len(sizes)
+    monkeypatch.setattr(bp, "round_bandwidth", bandwidth)
+    st, rep = _settings_and_report(rounds=2)
+    rep.bytes_per_token = 99_000_000
+    bp.run_rounds({"tinyserve": FakeEngine(75.0)}, rep)
+    assert sizes == [2**28, 99_000_000] * 2                # each round: 256 MiB, then a token's bytes
+    assert rep.bandwidth == {0: 1e9, 1: 3e9} and rep.token_sized_bandwidth == {0: 2e9, 1: 4e9}
+    assert "4.0 GB/s over 99 MB, a token's bytes" in capsys.readouterr().out
 
 
 def test_greedy_check_compares_peers_with_tinyserve_and_warms_up_every_workload(capsys):

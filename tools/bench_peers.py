@@ -150,12 +150,16 @@ class Report:
     failed: dict[str, str] = field(default_factory=dict)      # engine -> why it dropped out
     bandwidth: dict[int, float] = field(default_factory=dict)  # round -> read bandwidth (bytes/s), measured in it
     bytes_per_token: int = 0                                   # what tinyserve's B=1 decode reads per token
+    # round -> the read bandwidth over a matrix of bytes_per_token bytes: where the last-level cache holds part of
+    # a token's bytes (a VM that reports hundreds of MiB of L3), this is faster than the 256 MiB figure
+    token_sized_bandwidth: dict[int, float] = field(default_factory=dict)
 
-    def roofline_share(self) -> Spread | None:
+    def roofline_share(self, token_sized: bool = False) -> Spread | None:
         """tinyserve's B=1 decode as a share of the memory bandwidth, round by round: tokens/s x bytes per token /
-        the bandwidth measured in the same round."""
+        the bandwidth measured in the same round (token_sized: over a matrix as large as what a token reads)."""
         by = {s.round: s.tokens_per_s for s in self.samples if s.engine == TINY and s.workload == "decode_b1"}
-        r = [by[i] * self.bytes_per_token / bw for i, bw in self.bandwidth.items() if i in by]
+        bandwidth = self.token_sized_bandwidth if token_sized else self.bandwidth
+        r = [by[i] * self.bytes_per_token / bw for i, bw in bandwidth.items() if i in by]
         return Spread.of(r) if r and self.bytes_per_token else None
 
     def speeds(self, engine: str, workload: str) -> Spread | None:
@@ -529,18 +533,22 @@ def run_rounds(engines: dict, report: Report) -> None:
                       f"{s.tokens_per_s:8.1f} tokens/s  ({s.tokens} tokens in {s.seconds:.2f} s)", flush=True)
         if TINY in engines:
             report.bandwidth[rnd] = round_bandwidth(st.threads)
-            print(f"round {rnd + 1}/{st.rounds}  read bandwidth ({st.threads} thread(s)) "
-                  f"{report.bandwidth[rnd] / 1e9:.1f} GB/s", flush=True)
+            line = f"{report.bandwidth[rnd] / 1e9:.1f} GB/s"
+            if report.bytes_per_token:
+                report.token_sized_bandwidth[rnd] = round_bandwidth(st.threads, report.bytes_per_token)
+                line += (f" (over 256 MiB); {report.token_sized_bandwidth[rnd] / 1e9:.1f} GB/s over "
+                         f"{report.bytes_per_token / 1e6:.0f} MB, a token's bytes")
+            print(f"round {rnd + 1}/{st.rounds}  read bandwidth ({st.threads} thread(s)) {line}", flush=True)
 
 
-def round_bandwidth(threads: int) -> float:
-    """roofline.measure_bandwidth (a float32 matrix-vector product over 256 MiB: the access pattern of streaming
+def round_bandwidth(threads: int, nbytes: int = 256 * 2**20) -> float:
+    """roofline.measure_bandwidth (a float32 matrix-vector product over `nbytes`: the access pattern of streaming
     weights) on `threads` BLAS threads, the engines' count."""
     from threadpoolctl import threadpool_limits
 
     from tinyserve.roofline import measure_bandwidth
     with threadpool_limits(threads):
-        return measure_bandwidth(repeat=5)
+        return measure_bandwidth(nbytes, repeat=5)
 
 
 def decode_bytes_per_token(model, st: Settings) -> int:
@@ -581,8 +589,12 @@ def _roofline_cell(result: dict) -> str:
     if not rf:
         return "-"
     bw = sorted(rf["bandwidth"].values())
-    return (f"{Spread(**rf['share']).fmt(2)} of {bw[len(bw) // 2] / 1e9:.1f} GB/s, "
+    cell = (f"{Spread(**rf['share']).fmt(2)} of {bw[len(bw) // 2] / 1e9:.1f} GB/s, "
             f"{rf['bytes_per_token'] / 1e6:.0f} MB a token" + (" ✓" if rf["met"] else " ✗"))
+    if ts := rf.get("token_sized"):                            # runs recorded before 2026-12-05 have none
+        bw = sorted(ts["bandwidth"].values())
+        cell += f"; {Spread(**ts['share']).fmt(2)} of a token-sized read ({bw[len(bw) // 2] / 1e9:.1f} GB/s)"
+    return cell
 
 
 TABLE_HEAD = """# tinyserve against its peers, as measured
@@ -600,7 +612,10 @@ PyTorch; AVX2-class: 1.2x / 1.3x / 1.0x / 1.0x). Workloads: decode B=1 (a 32-tok
 steps only), decode B=16 (16 such prompts together, aggregate), prefill of one 512-token prompt to its last logits.
 "decode B=1 / read bandwidth": tinyserve's B=1 tokens/s times the bytes a token reads (every weight once, and the
 K/V of the run's mean context), over the read bandwidth `roofline.measure_bandwidth` measured in the same round at
-the same thread count: the median share over the rounds and the bandwidth's median (goal: 0.8).
+the same thread count: the median share over the rounds and the bandwidth's median (goal: 0.8). Runs since
+2026-12-05 add the share of a read over a matrix as large as a token's bytes: where the last-level cache holds part
+of the weights between tokens (a VM that reports a 480 MiB L3), that read is faster than the 256 MiB one, and the
+first share can pass 1.
 """
 
 
@@ -651,9 +666,13 @@ def roofline_result(report: Report) -> dict | None:
     share = report.roofline_share()
     if share is None:
         return None
-    return {"bytes_per_token": report.bytes_per_token, "share": asdict(share), "goal": ROOFLINE_GOAL,
-            "met": share.median >= ROOFLINE_GOAL,
-            "bandwidth": {str(k): v for k, v in report.bandwidth.items()}}
+    out = {"bytes_per_token": report.bytes_per_token, "share": asdict(share), "goal": ROOFLINE_GOAL,
+           "met": share.median >= ROOFLINE_GOAL,
+           "bandwidth": {str(k): v for k, v in report.bandwidth.items()}}
+    if token_sized := report.roofline_share(token_sized=True):
+        out["token_sized"] = {"share": asdict(token_sized),
+                              "bandwidth": {str(k): v for k, v in report.token_sized_bandwidth.items()}}
+    return out
 
 
 def run(args: argparse.Namespace, st: Settings, weights: Path) -> tuple[int, dict]:
@@ -702,6 +721,10 @@ def run(args: argparse.Namespace, st: Settings, weights: Path) -> tuple[int, dic
         print(f"tinyserve decode B=1 reads {report.bytes_per_token / 1e6:.1f} MB a token (weights + K/V): "
               f"{share.fmt(2)} of the read bandwidth measured in the same rounds ({gbs[0]:.1f}-{gbs[-1]:.1f} GB/s); "
               f"goal >= {ROOFLINE_GOAL}")
+        if small := report.roofline_share(token_sized=True):
+            gbs = sorted(bw / 1e9 for bw in report.token_sized_bandwidth.values())
+            print(f"  and {small.fmt(2)} of a read as large as a token's bytes ({gbs[0]:.1f}-{gbs[-1]:.1f} GB/s): "
+                  f"where this share is the lower one, the last-level cache holds part of the weights between tokens")
     print(f"goals for the {isa.NAME} kernels (on a quiet machine):")
     print(format_targets(report, isa.NAME))
     for name, why in report.failed.items():
