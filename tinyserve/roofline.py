@@ -193,7 +193,10 @@ TPU_V5E = Chip("TPU v5e", 16e9, 8.1e11, 1.97e14, link_bandwidth=4.5e10)
 H100 = Chip("H100 SXM", 80e9, 3.35e12, 9.89e14, link_bandwidth=4.5e11)
 
 
-def measure_bandwidth(nbytes: int = 256 * 2**20, repeat: int = 7, kind: str = "read") -> float:
+BANDWIDTH_BYTES = 256 * 2**20     # measure_bandwidth's buffer: well above the last-level cache of most machines
+
+
+def measure_bandwidth(nbytes: int = BANDWIDTH_BYTES, repeat: int = 7, kind: str = "read") -> float:
     """Memory bandwidth of this machine in bytes/s, measured now: the median of `repeat` timed passes.
 
     kind="read" (the default, what decode needs): a float32 matrix-vector product over an `nbytes` matrix, the

@@ -532,23 +532,24 @@ def run_rounds(engines: dict, report: Report) -> None:
                 print(f"[{done}/{total}] round {rnd + 1}/{st.rounds}  {label:<26} {name:<10} "
                       f"{s.tokens_per_s:8.1f} tokens/s  ({s.tokens} tokens in {s.seconds:.2f} s)", flush=True)
         if TINY in engines:
+            from tinyserve.roofline import BANDWIDTH_BYTES
             report.bandwidth[rnd] = round_bandwidth(st.threads)
             line = f"{report.bandwidth[rnd] / 1e9:.1f} GB/s"
             if report.bytes_per_token:
                 report.token_sized_bandwidth[rnd] = round_bandwidth(st.threads, report.bytes_per_token)
-                line += (f" (over 256 MiB); {report.token_sized_bandwidth[rnd] / 1e9:.1f} GB/s over "
+                line += (f" (over {BANDWIDTH_BYTES >> 20} MiB); {report.token_sized_bandwidth[rnd] / 1e9:.1f} GB/s over "
                          f"{report.bytes_per_token / 1e6:.0f} MB, a token's bytes")
             print(f"round {rnd + 1}/{st.rounds}  read bandwidth ({st.threads} thread(s)) {line}", flush=True)
 
 
-def round_bandwidth(threads: int, nbytes: int = 256 * 2**20) -> float:
-    """roofline.measure_bandwidth (a float32 matrix-vector product over `nbytes`: the access pattern of streaming
-    weights) on `threads` BLAS threads, the engines' count."""
+def round_bandwidth(threads: int, nbytes: int | None = None) -> float:
+    """roofline.measure_bandwidth (a float32 matrix-vector product over `nbytes`, its own 256 MiB by default: the
+    access pattern of streaming weights) on `threads` BLAS threads, the engines' count."""
     from threadpoolctl import threadpool_limits
 
-    from tinyserve.roofline import measure_bandwidth
+    from tinyserve.roofline import BANDWIDTH_BYTES, measure_bandwidth
     with threadpool_limits(threads):
-        return measure_bandwidth(nbytes, repeat=5)
+        return measure_bandwidth(nbytes or BANDWIDTH_BYTES, repeat=5)
 
 
 def decode_bytes_per_token(model, st: Settings) -> int:
