@@ -3,7 +3,7 @@
 Symbol legend (every array in the package is annotated with these):
 
     L  layers                    D  hidden size (model dim)
-    F  MLP intermediate size     H  head_dim (D // N)
+    F  MLP intermediate size     H  head_dim (D // N unless the file sets it: Qwen3, Gemma 3)
     N  query heads               K  key/value heads (N % K == 0; g = N // K is the group size)
     V  vocabulary size           T  tokens in one forward (all sequences of a batch, flattened)
     B  sequences in a batch      m  new positions of one sequence in this step
@@ -45,6 +45,19 @@ class ModelConfig:
     norm_eps: float = 1e-5
     bos_token_id: int = 1
     eos_token_ids: tuple[int, ...] = field(default=(2,))
+    # --- what differs between the model families: every default is LLaMA's, so a SmolLM2 config sets none ---
+    arch: str = "llama"                   # GGUF general.architecture: llama | qwen2 | qwen3 | gemma3
+    key_length: int | None = None         # H when it is not D // N (Qwen3, Gemma 3: attention.key_length)
+    qkv_bias: bool = False                # Qwen2: Q, K and V projections add a bias
+    qk_norm: bool = False                 # Qwen3, Gemma 3: RMSNorm over each head's H values of q and k, before RoPE
+    post_norms: bool = False              # Gemma 3: a norm after attention and after the MLP, before each residual add
+    activation: str = "silu"              # the gated MLP's gate: "silu" (SwiGLU) | "gelu_tanh" (GeGLU, Gemma)
+    embed_scale: float = 1.0              # Gemma: embeddings are multiplied by sqrt(D) before the first layer
+    tied_embeddings: bool = True          # the LM head is the embedding (else the file has its own output matrix)
+    attn_scale: float | None = None       # scores are q.k * attn_scale (None: 1/sqrt(H))
+    sliding_window: int = 0               # Gemma 3: a local layer sees only the last `sliding_window` keys (0: none)
+    sliding_window_pattern: int = 0       # every n-th layer is global (attends to everything), the others local
+    rope_theta_local: float | None = None  # the local layers' RoPE base (Gemma 3: 10,000 beside 1,000,000)
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "intermediate_size", "vocab_size", "max_seq_len"):
@@ -55,8 +68,13 @@ class ModelConfig:
                 raise ValueError(f"config: {name} must be positive, got {value}")
         if not self.rope_theta > 0 or not self.norm_eps > 0:  # `not >` also rejects NaN
             raise ValueError(f"config: rope_theta and norm_eps must be positive, got {self.rope_theta}, {self.norm_eps}")
-        if self.dim % self.n_heads:
+        if self.key_length is None and self.dim % self.n_heads:
             raise ValueError(f"config: dim {self.dim} is not divisible by n_heads {self.n_heads}")
+        if self.activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"config: activation must be 'silu' or 'gelu_tanh', got {self.activation!r}")
+        if self.sliding_window < 0 or self.sliding_window_pattern < 0:
+            raise ValueError(f"config: sliding_window and sliding_window_pattern must be >= 0, got "
+                             f"{self.sliding_window}, {self.sliding_window_pattern}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"config: n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
         if self.head_dim % 2:
@@ -64,7 +82,24 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:   # H
-        return self.dim // self.n_heads
+        return self.key_length if self.key_length is not None else self.dim // self.n_heads
+
+    def layer_window(self, layer: int) -> int | None:
+        """How many of the latest keys layer `layer` attends to: None for a global layer (all of them).
+
+        Gemma 3's pattern: with sliding_window_pattern 6, layers 5, 11, 17, ... are global, the rest local.
+        """
+        if not self.sliding_window:
+            return None
+        if self.sliding_window_pattern and (layer + 1) % self.sliding_window_pattern == 0:
+            return None
+        return self.sliding_window
+
+    def layer_rope_theta(self, layer: int) -> float:
+        """The RoPE base of layer `layer`: local layers may use their own (Gemma 3)."""
+        if self.rope_theta_local is not None and self.layer_window(layer) is not None:
+            return self.rope_theta_local
+        return self.rope_theta
 
     @property
     def group_size(self) -> int:  # g: query heads that share one K/V head

@@ -43,16 +43,22 @@ def swiglu_mlp(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.n
     return (silu(x @ w_gate) * (x @ w_up)) @ w_down
 
 
-def rectangular_mask(m: int, S: int) -> np.ndarray:
+def rectangular_mask(m: int, S: int, window: int | None = None) -> np.ndarray:
     """[m, S] bool, True where new row i must NOT see key j (key j is in row i's future).
 
     The m new positions are the last m of the S keys, so row i sits at absolute position S - m + i and sees
     every key j <= S - m + i: all S - m history keys plus new keys 0..i. Decode (m = 1) masks nothing;
-    plain prefill (S = m) is lesson 1's triangle.
+    plain prefill (S = m) is lesson 1's triangle. With a sliding `window` (Gemma 3's local layers) row i also
+    stops seeing keys `window` or more positions behind it: it sees keys j with i_pos - window < j <= i_pos.
     """
     if not 1 <= m <= S:
         raise ValueError(f"need 1 <= m <= S (the new block is part of the keys), got m={m}, S={S}")
-    return np.arange(S)[None, :] > (S - m + np.arange(m))[:, None]
+    row_pos = (S - m + np.arange(m))[:, None]                # [m, 1] absolute position of each new row
+    keys = np.arange(S)[None, :]                             # [1, S]
+    mask = keys > row_pos
+    if window is not None:
+        mask |= keys <= row_pos - window
+    return mask
 
 
 def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
