@@ -31,6 +31,9 @@ class LetterChatTokenizer:
     def assistant_header():
         return "<a>"
 
+    def close_turn(self, reply):
+        return ([] if reply and reply[-1] == self.eos_id else [self.eos_id]) + self.encode("\n")
+
     def stream_decoder(self):
         tok = self
 

@@ -37,7 +37,8 @@ class TurnStats:
 
 
 class Conversation:
-    """The token ids of a ChatML conversation, grown turn by turn (SmolLM2's template, see tokenizer.py)."""
+    """The token ids of a conversation, grown turn by turn in the model's chat template (Tokenizer.render_turn,
+    assistant_header and close_turn cut each step out of the template's renderings)."""
 
     def __init__(self, tokenizer, system: str = DEFAULT_SYSTEM_PROMPT):
         self.tok = tokenizer
@@ -50,9 +51,9 @@ class Conversation:
         return self.ids + self.tok.encode(self.tok.render_turn("user", user_text) + self.tok.assistant_header())
 
     def commit(self, prompt: list[int], reply: list[int]) -> None:
-        """Append the turn: the prompt it ran with, the reply as generated, closed by <|im_end|>\\n."""
-        end = [] if reply and reply[-1] == self.tok.eos_id else [self.tok.eos_id]
-        new_ids = prompt + reply + end + self.tok.encode("\n")
+        """Append the turn: the prompt it ran with, the reply as generated, closed as the template closes a turn
+        (ChatML: <|im_end|>\\n, the marker only if the model did not emit it)."""
+        new_ids = prompt + reply + self.tok.close_turn(reply)
         self.turn_lens.append(len(new_ids) - len(self.ids))
         self.ids = new_ids
 

@@ -7,38 +7,58 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from .chat_template import ChatTemplate
 from .weights import DEFAULT_WEIGHTS_DIR, WeightsError
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 
 class Tokenizer:
+    """Text <-> token ids for a weights folder (tokenizer.json + tokenizer_config.json) or a GGUF file (built from
+    the file's own vocabulary: gguf_tokenizer.py), with the model's chat template (chat_template.py)."""
+
     def __init__(self, path: str | Path = DEFAULT_WEIGHTS_DIR):
-        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import Tokenizer as HFTokenizer, decoders
 
         d = Path(path)
-        if not (d / "tokenizer.json").exists():
-            raise WeightsError(f"no tokenizer.json in {d}: run `make weights`")
-        try:
-            self._tok = HFTokenizer.from_file(str(d / "tokenizer.json"))
-        except Exception as e:  # the tokenizers library raises a bare Exception on a bad file
-            raise WeightsError(f"{d / 'tokenizer.json'} is corrupt ({e}); delete {d} and run `make weights`") from e
-        cfg_path = d / "tokenizer_config.json"
-        cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        if d.suffix == ".gguf" or d.is_file():
+            from .gguf_tokenizer import load_gguf_tokenizer
+            self._tok, cfg = load_gguf_tokenizer(d)
+        else:
+            if not (d / "tokenizer.json").exists():
+                raise WeightsError(f"no tokenizer.json in {d}: run `make weights`")
+            try:
+                self._tok = HFTokenizer.from_file(str(d / "tokenizer.json"))
+            except Exception as e:  # the tokenizers library raises a bare Exception on a bad file
+                raise WeightsError(f"{d / 'tokenizer.json'} is corrupt ({e}); delete {d} and run `make weights`") from e
+            cfg_path = d / "tokenizer_config.json"
+            cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        self.source = d
         self.bos_token = cfg.get("bos_token", "<|im_start|>")
         self.eos_token = cfg.get("eos_token", "<|im_end|>")
-        self.bos_id = self._tok.token_to_id(self.bos_token)
-        self.eos_id = self._tok.token_to_id(self.eos_token)
+        self.bos_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        self.eos_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        # whether a plain prompt (no chat template) starts with BOS: SentencePiece models and Llama 3 want it
+        self.add_bos_token = bool(cfg.get("add_bos_token", False))
         self.special_ids = frozenset(self._tok.token_to_id(t) for t in cfg.get("additional_special_tokens", []))
         self.vocab_size = self._tok.get_vocab_size()
+        self._tok_plain = None   # the same tokenizer reading special-token markers as plain text (built on demand)
+        # The hand-written ChatML below is only the fallback for a model that ships no template
+        source = cfg.get("chat_template")
+        self.chat_template = None if not source else ChatTemplate(source, {
+            k: cfg.get(k) for k in ("bos_token", "eos_token", "unk_token", "pad_token")})
         # Byte-level BPE has no unknown token: a byte whose symbol is not in the vocabulary is silently dropped.
         # SmolLM2 lacks 21 (six ASCII control characters, and bytes that valid UTF-8 never or almost never uses),
         # so `encode` refuses text containing them instead of handing the model something else than was typed.
-        self._missing_bytes = bytes(b for b, ch in enumerate(_byte_level_symbols()) if self._tok.token_to_id(ch) is None)
+        # (SentencePiece vocabularies fall back to byte tokens instead: nothing is missing.)
+        byte_level = isinstance(self._tok.decoder, decoders.ByteLevel)
+        self._missing_bytes = bytes(b for b, ch in enumerate(_byte_level_symbols())
+                                    if byte_level and self._tok.token_to_id(ch) is None)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; special tokens written in the text (e.g. <|im_start|>) become their single id.
-        No BOS is added: the chat template starts every turn with <|im_start|> itself."""
+    def encode(self, text: str, *, add_bos: bool = False, parse_special: bool = True) -> list[int]:
+        """Token ids of `text`. Special tokens written in the text (e.g. <|im_start|>) become their single id
+        unless parse_special=False (then they are text like any other, as llama.cpp's parse_special=false).
+        No BOS unless add_bos: a chat template writes its own (`add_bos=tok.add_bos_token` for a plain prompt)."""
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, got {type(text).__name__}")
         try:
@@ -50,7 +70,15 @@ class Tokenizer:
                        != ch.encode("utf-8"))
             raise ValueError(f"the text contains {text[bad]!r} (U+{ord(text[bad]):04X}) at index {bad}, which the "
                              f"model's vocabulary cannot represent; remove or replace it")
-        return self._tok.encode(text, add_special_tokens=False).ids
+        tok = self._tok
+        if not parse_special:
+            if self._tok_plain is None:
+                from tokenizers import Tokenizer as HFTokenizer
+                self._tok_plain = HFTokenizer.from_str(self._tok.to_str())
+                self._tok_plain.encode_special_tokens = True
+            tok = self._tok_plain
+        ids = tok.encode(text, add_special_tokens=False).ids
+        return [self.bos_id, *ids] if add_bos and self.bos_id is not None else ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -75,38 +103,84 @@ class Tokenizer:
         (a byte-level symbol is one byte, and a character is at least one byte)."""
         return max(len(symbol) for symbol in self._tok.get_vocab(with_added_tokens=True))
 
-    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
-        """SmolLM2's ChatML template (the GGUF's Jinja template, written out in Python):
+    @property
+    def template_supports_tools(self) -> bool:
+        """Whether the chat template reads `tools` (so apply_chat_template can show the model its tools)."""
+        return self.chat_template is not None and self.chat_template.reads_tools
 
-            <|im_start|>system\\n{system}<|im_end|>\\n<|im_start|>user\\n{text}<|im_end|>\\n<|im_start|>assistant\\n
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                            tools: Sequence[dict] | None = None, **template_kwargs) -> str:
+        """The prompt text of a conversation, rendered by the model's own chat template as Hugging Face's
+        apply_chat_template renders it. Messages are dicts with 'role' and 'content'; an assistant message may
+        carry 'tool_calls' instead of content, a 'tool' message its 'tool_call_id': both reach the template as
+        given. `tools`: JSON schemas ({"type": "function", "function": {...}}), for a template that reads them.
 
-        A conversation that does not open with a system message gets the default one.
+        A model without a template (none in its tokenizer_config.json or GGUF) gets ChatML, SmolLM2's format,
+        written out below as the fallback:
+
+            <|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n
+
+        (a conversation that does not open with a system message gets the default one).
         """
-        if not messages:
-            raise ValueError("apply_chat_template: no messages")
+        _check_messages(messages)
+        if tools and not self.template_supports_tools:
+            raise ValueError("this model's chat template does not read `tools`: it cannot be shown tools")
+        if self.chat_template is not None:
+            return self.chat_template.render(messages, add_generation_prompt, tools, **template_kwargs)
         out = []
         for i, m in enumerate(messages):
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
             if i == 0 and m["role"] != "system":
-                out.append(self.render_turn("system", DEFAULT_SYSTEM_PROMPT))
-            out.append(self.render_turn(m["role"], m["content"]))
+                out.append(_chatml_turn("system", DEFAULT_SYSTEM_PROMPT))
+            out.append(_chatml_turn(m["role"], m.get("content") or ""))
         if add_generation_prompt:
-            out.append(self.assistant_header())
+            out.append(_CHATML_ASSISTANT)
         return "".join(out)
 
-    @staticmethod
-    def render_turn(role: str, content: str) -> str:
-        """One finished ChatML turn: <|im_start|>{role}\\n{content}<|im_end|>\\n."""
-        return f"<|im_start|>{role}\n{content}<|im_end|>\n"
+    # `python -m tinyserve chat` grows its prompt turn by turn as token ids (chat.py): these give the text each step
+    # adds, cut out of the template's own renderings, so that the ids equal those of the whole conversation rendered
+    # at once (the template must render a conversation as the concatenation of its turns; `_delta` checks it).
+    _SYSTEM = {"role": "system", "content": "S"}
+    _USER = {"role": "user", "content": "U"}
 
-    @staticmethod
-    def assistant_header() -> str:
+    def _delta(self, before: list[dict], after: list[dict], gen_before: bool, gen_after: bool) -> str:
+        a = self.chat_template.render(before, gen_before) if before else ""
+        b = self.chat_template.render(after, gen_after)
+        if not b.startswith(a):
+            raise ValueError("this chat template does not render a conversation turn by turn; the chat command "
+                             "cannot grow its prompt from the previous one")
+        return b[len(a):]
+
+    def render_turn(self, role: str, content: str) -> str:
+        """One finished turn (a system turn opens the conversation, with whatever the template puts first)."""
+        if self.chat_template is None:
+            return _chatml_turn(role, content)
+        turn = {"role": role, "content": content}
+        if role == "system":
+            return self._delta([], [turn], False, False)
+        return self._delta([self._SYSTEM], [self._SYSTEM, turn], False, False)
+
+    def assistant_header(self) -> str:
         """What the model's reply follows (the generation prompt): the opening of an assistant turn."""
-        return "<|im_start|>assistant\n"
+        if self.chat_template is None:
+            return _CHATML_ASSISTANT
+        return self._delta([self._SYSTEM, self._USER], [self._SYSTEM, self._USER], False, True)
 
-    def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+    def close_turn(self, reply: list[int]) -> list[int]:
+        """The ids that end an assistant turn after the model's `reply` ids (ChatML: <|im_end|>\n; the end marker
+        only if the model did not emit it itself)."""
+        if self.chat_template is None:
+            end = _CHATML_END
+        else:
+            marker = "\x00REPLY\x00"     # cannot occur in a template's own text
+            msgs = [self._SYSTEM, self._USER, {"role": "assistant", "content": marker}]
+            whole = self.chat_template.render(msgs, False)
+            end = whole[whole.index(marker) + len(marker):] if marker in whole else ""
+        ids = self.encode(end)
+        return ids[1:] if ids and reply and reply[-1] == ids[0] else ids
+
+    def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                    tools: Sequence[dict] | None = None) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools))
 
     def stream_decoder(self, skip_special_tokens: bool = True) -> "StreamDecoder":
         return StreamDecoder(self, skip_special_tokens)
@@ -145,6 +219,27 @@ class StreamDecoder:
 
     def extend(self, ids: Iterable[int]) -> str:
         return "".join(self.push(i) for i in ids)
+
+
+_CHATML_ASSISTANT = "<|im_start|>assistant\n"
+_CHATML_END = "<|im_end|>\n"
+
+
+def _chatml_turn(role: str, content: str) -> str:
+    """One finished ChatML turn: <|im_start|>{role}\n{content}<|im_end|>\n (the fallback template)."""
+    return f"<|im_start|>{role}\n{content}{_CHATML_END}"
+
+
+def _check_messages(messages) -> None:
+    """A clear error for what a template would otherwise fail on deep inside jinja (or render as 'None')."""
+    if not messages:
+        raise ValueError("apply_chat_template: no messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValueError(f"message {i} must be a dict with a 'role' string and 'content', got {m!r}")
+        if "content" not in m and not (m["role"] == "assistant" and m.get("tool_calls")):
+            raise ValueError(f"message {i} ({m['role']}) has no 'content' (only an assistant message with "
+                             f"'tool_calls' may omit it)")
 
 
 def _byte_level_symbols() -> list[str]:
@@ -190,9 +285,14 @@ class CharTokenizer:
     def token_bytes(self) -> list[bytes | None]:
         return [None] * 3 + [chr(i).encode() for i in range(3, self.vocab_size)]
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
-        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant: " if add_generation_prompt
-                                                                             else "")
+    template_supports_tools = False
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tools=None) -> str:
+        _check_messages(messages)
+        if tools:
+            raise ValueError("the tiny model's chat format cannot show tools")
+        return "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages) + (
+            "assistant: " if add_generation_prompt else "")
 
     def stream_decoder(self, skip_special_tokens: bool = True):
         return StreamDecoder(self, skip_special_tokens)
