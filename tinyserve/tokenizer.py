@@ -137,18 +137,22 @@ class Tokenizer:
         return "".join(out)
 
     # `python -m tinyserve chat` grows its prompt turn by turn as token ids (chat.py): these give the text each step
-    # adds, cut out of the template's own renderings, so that the ids equal those of the whole conversation rendered
-    # at once (the template must render a conversation as the concatenation of its turns; `_delta` checks it).
-    _SYSTEM = {"role": "system", "content": "S"}
-    _USER = {"role": "user", "content": "U"}
+    # adds, cut out of the template's own renderings of placeholder conversations, so that the ids equal those of
+    # the whole conversation rendered at once. That needs a template that renders a conversation as the
+    # concatenation of its turns: `_delta` refuses one that does not (Mistral's moves the system prompt into the
+    # last user turn).
+    _SYSTEM = {"role": "system", "content": "\x00system\x00"}   # \x00: cannot occur in a template's own text
+    _USER = {"role": "user", "content": "\x00user\x00"}
 
-    def _delta(self, before: list[dict], after: list[dict], gen_before: bool, gen_after: bool) -> str:
+    def _delta(self, before: list[dict], after: list[dict], gen_before: bool, gen_after: bool,
+               foreign: tuple[dict, ...] = ()) -> str:
         a = self.chat_template.render(before, gen_before) if before else ""
         b = self.chat_template.render(after, gen_after)
-        if not b.startswith(a):
+        delta = b[len(a):]
+        if not b.startswith(a) or any(m["content"] in delta for m in foreign):
             raise ValueError("this chat template does not render a conversation turn by turn; the chat command "
                              "cannot grow its prompt from the previous one")
-        return b[len(a):]
+        return delta
 
     def render_turn(self, role: str, content: str) -> str:
         """One finished turn (a system turn opens the conversation, with whatever the template puts first)."""
@@ -157,13 +161,14 @@ class Tokenizer:
         turn = {"role": role, "content": content}
         if role == "system":
             return self._delta([], [turn], False, False)
-        return self._delta([self._SYSTEM], [self._SYSTEM, turn], False, False)
+        return self._delta([self._SYSTEM], [self._SYSTEM, turn], False, False, foreign=(self._SYSTEM,))
 
     def assistant_header(self) -> str:
         """What the model's reply follows (the generation prompt): the opening of an assistant turn."""
         if self.chat_template is None:
             return _CHATML_ASSISTANT
-        return self._delta([self._SYSTEM, self._USER], [self._SYSTEM, self._USER], False, True)
+        return self._delta([self._SYSTEM, self._USER], [self._SYSTEM, self._USER], False, True,
+                           foreign=(self._SYSTEM, self._USER))
 
     def close_turn(self, reply: list[int]) -> list[int]:
         """The ids that end an assistant turn after the model's `reply` ids (ChatML: <|im_end|>\n; the end marker
@@ -171,7 +176,7 @@ class Tokenizer:
         if self.chat_template is None:
             end = _CHATML_END
         else:
-            marker = "\x00REPLY\x00"     # cannot occur in a template's own text
+            marker = "\x00reply\x00"
             msgs = [self._SYSTEM, self._USER, {"role": "assistant", "content": marker}]
             whole = self.chat_template.render(msgs, False)
             end = whole[whole.index(marker) + len(marker):] if marker in whole else ""
