@@ -180,3 +180,25 @@ def test_build_tokenizer_is_what_load_tokenizer_uses():
     path = vocab_gguf("gpt-2")
     hf = build_tokenizer(read_vocab(gguf_metadata(path), path))
     assert hf.encode("Hello world").ids == gguf_tok("gpt-2").encode("Hello world")
+
+
+def test_token_bytes_of_a_sentencepiece_vocabulary():
+    tok = gguf_tok("llama-spm")
+    table = tok.token_bytes()
+    assert len(table) == tok.vocab_size
+    assert table[tok.bos_id] is None and table[tok.eos_id] is None                # markers, not text
+    for text in ["Hello world", " x\n\ty", "日本語 \U0001F999"]:
+        ids = tok.encode(text)
+        # the bytes of the pieces are the text with the one leading space SentencePiece prepends
+        assert b"".join(table[i] for i in ids) == b" " + text.encode()
+
+
+@pytest.mark.parametrize("name, stops", [
+    ("llama-bpe", {"<|end_of_text|>", "<|eot_id|>"}),        # Llama 3.0: <|eom_id|> came with 3.1
+    ("qwen2", {"<|endoftext|>", "<|im_end|>"}),
+    ("phi-3", {"<|endoftext|>", "<|end|>"}),
+    ("llama-spm", {"</s>"}),
+])
+def test_stop_ids_follow_llama_cpps_end_of_generation_markers(name, stops):
+    tok = gguf_tok(name)
+    assert {tok.id_to_token(i) for i in tok.stop_ids} == stops

@@ -51,9 +51,14 @@ class Tokenizer:
         # SmolLM2 lacks 21 (six ASCII control characters, and bytes that valid UTF-8 never or almost never uses),
         # so `encode` refuses text containing them instead of handing the model something else than was typed.
         # (SentencePiece vocabularies fall back to byte tokens instead: nothing is missing.)
-        byte_level = isinstance(self._tok.decoder, decoders.ByteLevel)
+        self.byte_level = isinstance(self._tok.decoder, decoders.ByteLevel)
         self._missing_bytes = bytes(b for b, ch in enumerate(_byte_level_symbols())
-                                    if byte_level and self._tok.token_to_id(ch) is None)
+                                    if self.byte_level and self._tok.token_to_id(ch) is None)
+        # llama.cpp ends a generation at any of these markers (llama-vocab.cpp, special_eog_ids), not only at EOS:
+        # a Llama 3 file names <|end_of_text|> as EOS but its chat turns end with <|eot_id|>
+        self.stop_ids = frozenset(i for t in (self.eos_token, *_END_OF_GENERATION)
+                                  if t and (i := self._tok.token_to_id(t)) is not None
+                                  and (t == self.eos_token or i in self.special_ids))
 
     def encode(self, text: str, *, add_bos: bool = False, parse_special: bool = True) -> list[int]:
         """Token ids of `text`. Special tokens written in the text (e.g. <|im_start|>) become their single id
@@ -94,8 +99,14 @@ class Tokenizer:
         out: list[bytes | None] = []
         for i in range(self.vocab_size):
             piece = self._tok.id_to_token(i)
-            ok = i not in added and piece is not None and all(ch in byte_of for ch in piece)
-            out.append(bytes(byte_of[ch] for ch in piece) if ok else None)
+            if i in added or piece is None:
+                out.append(None)
+            elif not self.byte_level:   # SentencePiece: '▁' is a space, <0xXX> one byte (its byte fallback)
+                is_byte = len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">")
+                out.append(bytes([int(piece[3:5], 16)]) if is_byte else piece.replace("\u2581", " ").encode())
+            else:
+                ok = all(ch in byte_of for ch in piece)
+                out.append(bytes(byte_of[ch] for ch in piece) if ok else None)
         return out
 
     def max_token_chars(self) -> int:
@@ -226,6 +237,9 @@ class StreamDecoder:
         return "".join(self.push(i) for i in ids)
 
 
+# the end-of-turn and end-of-text markers of llama.cpp's end-of-generation list (the families' spellings)
+_END_OF_GENERATION = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+                      "<|end_of_text|>", "<EOT>", "<end_of_utterance>", "</s>")
 _CHATML_ASSISTANT = "<|im_start|>assistant\n"
 _CHATML_END = "<|im_end|>\n"
 
