@@ -59,12 +59,18 @@ PRE_TOKENIZER_REGEXES: dict[str, tuple[str, ...]] = {
 # (tokenizers: BPE(ignore_merges=True)); the others always merge
 _IGNORE_MERGES = {"llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral"}
 _ADD_BOS_BPE = {"llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral"}   # llama.cpp's default before the file's key
+# llama.cpp ends a generation at any token spelled like one of these, not only at EOS (llama-vocab.cpp,
+# special_eog_ids: a Llama 3 file names <|end_of_text|> as EOS, its chat turns end with <|eot_id|>), and treats such
+# a token as a control token whatever type the file gives it
+END_OF_GENERATION = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+                     "<|end_of_text|>", "<EOT>", "_<EOT>", "<end_of_utterance>", "</s>", "<eos>")
 
 
 @dataclass(slots=True)
 class GGUFVocab:
     """What a GGUF says about its tokenizer (the `tokenizer.*` keys); V tokens."""
     source: str                      # the file, for error messages
+    name: str                        # general.name (llama.cpp adjusts a few models' special tokens by name)
     model: str                       # tokenizer.ggml.model: "gpt2" | "llama"
     pre: str                         # tokenizer.ggml.pre (BPE only): which regexes cut the text into words
     tokens: list[str]                # [V]
@@ -79,14 +85,28 @@ class GGUFVocab:
     add_space_prefix: bool           # SentencePiece: the text gets a leading space, as every word has one
     chat_template: str | None
 
+    def _is_special(self, token: str, type_: int) -> bool:
+        return type_ in (TokenType.CONTROL, TokenType.UNKNOWN) or token in END_OF_GENERATION
+
     @property
     def special_tokens(self) -> list[str]:
-        """Control and unknown tokens: templates write them, text never becomes them unless it spells them."""
-        return [t for t, ty in zip(self.tokens, self.types) if ty in (TokenType.CONTROL, TokenType.UNKNOWN)]
+        """Control and unknown tokens (and any end-of-generation marker): templates write them, and text becomes
+        them only where special tokens are parsed."""
+        return [t for t, ty in zip(self.tokens, self.types) if self._is_special(t, ty)]
 
     @property
     def user_defined_tokens(self) -> list[str]:
-        return [t for t, ty in zip(self.tokens, self.types) if ty == TokenType.USER_DEFINED]
+        """Tokens added by hand: matched in any text before anything else."""
+        return [t for t, ty in zip(self.tokens, self.types)
+                if ty == TokenType.USER_DEFINED and not self._is_special(t, ty)]
+
+    @property
+    def rstrip_tokens(self) -> set[str]:
+        """Added tokens that swallow the whitespace after them: llama.cpp sets this by model name, for Phi-3 only
+        (its template writes '<|end|>\\n', and the newline is not part of the next turn)."""
+        if "phi-3" not in self.name.lower() and "phi3" not in self.name.lower():
+            return set()
+        return ({*self.special_tokens, *self.user_defined_tokens, "</s>"} - {"<unk>", "<s>", "<|endoftext|>"})
 
     def token(self, i: int | None) -> str | None:
         return self.tokens[i] if i is not None and 0 <= i < len(self.tokens) else None
@@ -157,7 +177,8 @@ def gguf_metadata(path: str | Path) -> dict:
         raise WeightsError(f"{p} is not a readable GGUF file: {e}") from None
 
 
-_TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
+_TOKENIZER_KEYS = ("general.name", "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
+                   "tokenizer.ggml.token_type",
                    "tokenizer.ggml.scores", "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id",
                    "tokenizer.ggml.eos_token_id", "tokenizer.ggml.unknown_token_id",
                    "tokenizer.ggml.padding_token_id", "tokenizer.ggml.add_bos_token",
@@ -217,7 +238,8 @@ def read_vocab(metadata, source: str | Path = "GGUF") -> GGUFVocab:
 
     default_bos = model == "llama" or pre in _ADD_BOS_BPE
     return GGUFVocab(
-        source=str(source), model=model, pre=pre, tokens=list(tokens), types=[int(t) for t in types],
+        source=str(source), name=str(meta.get("general.name", "")), model=model, pre=pre, tokens=list(tokens),
+        types=[int(t) for t in types],
         scores=[float(x) for x in scores] if scores is not None else None, merges=merges,
         bos_id=token_id("bos"), eos_id=token_id("eos"), unk_id=token_id("unknown"), pad_id=token_id("padding"),
         add_bos=bool(get("add_bos_token", default_bos)),
@@ -272,8 +294,11 @@ def build_tokenizer(vocab: GGUFVocab):
                                          *steps])
     # Control tokens are matched in the text only where special tokens are wanted (a chat template's markers);
     # user-defined ones always, before anything else, as llama.cpp's tokenizer_st_partition does
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in vocab.special_tokens])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in vocab.user_defined_tokens])
+    rstrip = vocab.rstrip_tokens
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False, rstrip=t in rstrip)
+                            for t in vocab.special_tokens])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False, rstrip=t in rstrip)
+                    for t in vocab.user_defined_tokens])
     return tok
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from .chat_template import ChatTemplate
+from .gguf_tokenizer import END_OF_GENERATION
 from .weights import DEFAULT_WEIGHTS_DIR, WeightsError
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -54,11 +55,9 @@ class Tokenizer:
         self.byte_level = isinstance(self._tok.decoder, decoders.ByteLevel)
         self._missing_bytes = bytes(b for b, ch in enumerate(_byte_level_symbols())
                                     if self.byte_level and self._tok.token_to_id(ch) is None)
-        # llama.cpp ends a generation at any of these markers (llama-vocab.cpp, special_eog_ids), not only at EOS:
-        # a Llama 3 file names <|end_of_text|> as EOS but its chat turns end with <|eot_id|>
-        self.stop_ids = frozenset(i for t in (self.eos_token, *_END_OF_GENERATION)
-                                  if t and (i := self._tok.token_to_id(t)) is not None
-                                  and (t == self.eos_token or i in self.special_ids))
+        # the ids that end a generation, as llama.cpp decides them (gguf_tokenizer.END_OF_GENERATION)
+        self.stop_ids = frozenset(i for t in (self.eos_token, *END_OF_GENERATION)
+                                  if t and (i := self._tok.token_to_id(t)) is not None)
 
     def encode(self, text: str, *, add_bos: bool = False, parse_special: bool = True) -> list[int]:
         """Token ids of `text`. Special tokens written in the text (e.g. <|im_start|>) become their single id
@@ -237,9 +236,6 @@ class StreamDecoder:
         return "".join(self.push(i) for i in ids)
 
 
-# the end-of-turn and end-of-text markers of llama.cpp's end-of-generation list (the families' spellings)
-_END_OF_GENERATION = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
-                      "<|end_of_text|>", "<EOT>", "<end_of_utterance>", "</s>")
 _CHATML_ASSISTANT = "<|im_start|>assistant\n"
 _CHATML_END = "<|im_end|>\n"
 
