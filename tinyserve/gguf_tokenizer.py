@@ -252,14 +252,13 @@ def _spm_merges(vocab: GGUFVocab) -> list[tuple[str, str]]:
     (llama.cpp's llm_tokenizer_spm). A BPE model does the same if every way of splitting each token into two
     tokens is a merge, ranked by the merged token's score."""
     ids = {t: i for i, t in enumerate(vocab.tokens)}
-    ranked = []
+    ranked: list[tuple[float, int, int]] = []   # (-score of the merged token, left id, right id)
     for t, score in zip(vocab.tokens, vocab.scores):
-        for k in range(1, len(t)):
-            left, right = t[:k], t[k:]
-            if left in ids and right in ids:
-                ranked.append((-score, ids[left], ids[right], left, right))
+        if len(t) > 1:   # a comprehension: this loop visits every split of every token (1.5M for Gemma 3)
+            ranked += [(-score, ids[a], ids[b]) for k in range(1, len(t))
+                       if (a := t[:k]) in ids and (b := t[k:]) in ids]
     ranked.sort()
-    return [(left, right) for *_, left, right in ranked]
+    return [(vocab.tokens[a], vocab.tokens[b]) for _, a, b in ranked]
 
 
 def build_tokenizer(vocab: GGUFVocab):
