@@ -150,7 +150,10 @@ class Tokenizer:
     # adds, cut out of the template's own renderings of placeholder conversations, so that the ids equal those of
     # the whole conversation rendered at once. That needs a template that renders a conversation as the
     # concatenation of its turns: `_delta` refuses one that does not (Mistral's moves the system prompt into the
-    # last user turn).
+    # last user turn). The texts then match exactly; the ids match where turns meet at a special token (ChatML,
+    # Llama 3, Qwen). A SentencePiece vocabulary whose turns meet in plain text (TinyLlama's "</s>\n<|user|>") may
+    # split the boundary differently turn by turn than at once: the prompt stays the template's text, its ids differ
+    # there from a one-shot encoding.
     _SYSTEM = {"role": "system", "content": "\x00system\x00"}   # \x00: cannot occur in a template's own text
     _USER = {"role": "user", "content": "\x00user\x00"}
 
