@@ -8,6 +8,7 @@ the few members used are extracted beside it. llama.cpp is MIT-licensed (its LIC
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -83,6 +84,13 @@ def llama_cpp_dir() -> Path:
 
 def vocab_gguf(name: str) -> Path:
     return llama_cpp_dir() / "models" / f"ggml-vocab-{name}.gguf"
+
+
+@functools.cache
+def vocab_tokenizer(name: str):
+    """tinyserve's Tokenizer of one vocabulary GGUF, built once per test session (up to a second each)."""
+    from tinyserve.tokenizer import load_tokenizer
+    return load_tokenizer(vocab_gguf(name))
 
 
 def vocab_cases(name: str) -> list[tuple[str, list[int]]]:

@@ -90,9 +90,9 @@ def test_a_syntax_error_is_one_line():
 
 def tokenizer_with(vocab: str, template_name: str | None):
     """A GGUF vocabulary's tokenizer wearing one of the fixture's templates (None: no template, the fallback)."""
-    from tests.llama_cpp_files import vocab_gguf
-    from tinyserve.tokenizer import load_tokenizer
-    tok = load_tokenizer(vocab_gguf(vocab))
+    import copy
+    from tests.llama_cpp_files import vocab_tokenizer
+    tok = copy.copy(vocab_tokenizer(vocab))      # the shared one keeps the file's own template
     tok.chat_template = template(template_name) if template_name else None
     return tok
 

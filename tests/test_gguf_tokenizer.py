@@ -17,18 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.llama_cpp_files import VOCABS, vocab_cases, vocab_gguf
+from tests.llama_cpp_files import VOCABS, vocab_cases, vocab_gguf, vocab_tokenizer
 from tinyserve.gguf_tokenizer import build_tokenizer, gguf_metadata, read_vocab, tokenizer_json_from_gguf
-from tinyserve.tokenizer import Tokenizer, load_tokenizer
+from tinyserve.tokenizer import load_tokenizer
 from tinyserve.weights import DEFAULT_WEIGHTS_DIR, GGUF_MEMBER, WeightsError, cache_dir
 
-_TOKENIZERS: dict[str, Tokenizer] = {}
-
-
-def gguf_tok(name: str) -> Tokenizer:
-    if name not in _TOKENIZERS:
-        _TOKENIZERS[name] = load_tokenizer(vocab_gguf(name))
-    return _TOKENIZERS[name]
+gguf_tok = vocab_tokenizer
 
 
 @pytest.mark.parametrize("name", VOCABS)
