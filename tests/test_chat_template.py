@@ -161,7 +161,9 @@ def test_a_template_that_does_not_render_turn_by_turn_says_so():
     [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
 ])
 def test_smollm2s_template_renders_the_chatml_fallback(smol_tok, messages):
+    from tinyserve.tokenizer import DEFAULT_SYSTEM_PROMPT, default_system_prompt
     assert smol_tok.chat_template is not None                  # the folder's tokenizer_config.json has one
+    assert default_system_prompt(smol_tok) == DEFAULT_SYSTEM_PROMPT
     fallback = smol_tok.chat_template
     try:
         smol_tok.chat_template = None
@@ -169,3 +171,10 @@ def test_smollm2s_template_renders_the_chatml_fallback(smol_tok, messages):
     finally:
         smol_tok.chat_template = fallback
     assert [smol_tok.apply_chat_template(messages, g) for g in (True, False)] == chatml
+
+
+def test_the_default_system_prompt_names_smollm_only_for_smollm():
+    from tinyserve.tokenizer import DEFAULT_SYSTEM_PROMPT, GENERIC_SYSTEM_PROMPT, default_system_prompt
+    assert default_system_prompt(tokenizer_with("qwen2", None)) == DEFAULT_SYSTEM_PROMPT            # ChatML fallback
+    assert default_system_prompt(tokenizer_with("llama-bpe", "meta-llama-Llama-3.2-3B-Instruct")) == \
+        GENERIC_SYSTEM_PROMPT

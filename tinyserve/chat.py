@@ -24,7 +24,7 @@ from typing import Iterable, TextIO
 from .backend import runs_on_kernels
 from .kv_sizing import max_kv_blocks
 from .sampling import SamplingParams
-from .tokenizer import DEFAULT_SYSTEM_PROMPT
+from .tokenizer import DEFAULT_SYSTEM_PROMPT, default_system_prompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,7 +192,7 @@ def main(args) -> int:
               f"{args.num_blocks} KV blocks of {args.block_size}. Type a message; /quit or Ctrl-D ends.",
               file=sys.stderr)
     try:
-        chat_loop(engine, tok, sys.stdin, params, system=args.system or DEFAULT_SYSTEM_PROMPT,
+        chat_loop(engine, tok, sys.stdin, params, system=args.system or default_system_prompt(tok),
                   prompt_marker="> " if interactive else "", before_turn=before_turn)
     except BaseException:
         if kernels is not None and kernels.bg is not None:

@@ -12,6 +12,15 @@ from .gguf_tokenizer import END_OF_GENERATION
 from .weights import DEFAULT_WEIGHTS_DIR, WeightsError
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+GENERIC_SYSTEM_PROMPT = "You are a helpful assistant."
+
+
+def default_system_prompt(tokenizer) -> str:
+    """The system prompt a chat opens with when none is given: SmolLM2's own (its template and the ChatML fallback
+    write it), a neutral one for a model whose template does not name it (a Llama must not be told it is SmolLM)."""
+    template = getattr(tokenizer, "chat_template", None)
+    return DEFAULT_SYSTEM_PROMPT if template is None or DEFAULT_SYSTEM_PROMPT in template.source \
+        else GENERIC_SYSTEM_PROMPT
 
 
 class Tokenizer:
