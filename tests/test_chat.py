@@ -34,6 +34,9 @@ class LetterChatTokenizer:
     def close_turn(self, reply):
         return ([] if reply and reply[-1] == self.eos_id else [self.eos_id]) + self.encode("\n")
 
+    def encode_after(self, history, text):
+        return self.encode(text)
+
     def stream_decoder(self):
         tok = self
 

@@ -88,12 +88,22 @@ def test_a_syntax_error_is_one_line():
 
 # --- through the Tokenizer --------------------------------------------------------------------------------------
 
+# TinyLlama-1.1B-Chat's template (Zephyr's format), for the turn boundaries of a SentencePiece vocabulary
+TINYLLAMA = ("{% for message in messages %}\n{% if message['role'] == 'user' %}\n{{ '<|user|>\n' + message['content'] + "
+             "eos_token }}\n{% elif message['role'] == 'system' %}\n{{ '<|system|>\n' + message['content'] + eos_token }}"
+             "\n{% elif message['role'] == 'assistant' %}\n{{ '<|assistant|>\n'  + message['content'] + eos_token }}\n"
+             "{% endif %}\n{% if loop.last and add_generation_prompt %}\n{{ '<|assistant|>' }}\n{% endif %}\n{% endfor %}")
+
+
 def tokenizer_with(vocab: str, template_name: str | None):
     """A GGUF vocabulary's tokenizer wearing one of the fixture's templates (None: no template, the fallback)."""
     import copy
     from tests.llama_cpp_files import vocab_tokenizer
     tok = copy.copy(vocab_tokenizer(vocab))      # the shared one keeps the file's own template
-    tok.chat_template = template(template_name) if template_name else None
+    if template_name == "tinyllama":
+        tok.chat_template = ChatTemplate(TINYLLAMA, {"bos_token": "<s>", "eos_token": "</s>"})
+    else:
+        tok.chat_template = template(template_name) if template_name else None
     return tok
 
 
@@ -128,12 +138,15 @@ def test_the_gguf_template_is_used():
 
 @pytest.mark.parametrize("vocab, name", [("llama-bpe", "meta-llama-Llama-3.2-3B-Instruct"),
                                          ("qwen2", "Qwen-Qwen2.5-7B-Instruct"), ("qwen2", "Qwen-Qwen3-0.6B"),
-                                         ("qwen2", None)])
+                                         ("qwen2", None), ("llama-spm", "tinyllama"),
+                                         ("phi-3", "microsoft-Phi-3.5-mini-instruct")])
 def test_chat_grows_the_prompt_as_the_template_renders_the_conversation(vocab, name):
     # `python -m tinyserve chat` keeps the conversation as ids and appends each turn; every prompt must be the ids of
     # the whole conversation rendered at once (else every turn would miss the prefix cache, or the model would see
     # a prompt it was not tuned on). Qwen3 renders the last assistant turn with an empty <think> block only while it
-    # is the last: the prompt of the next turn is what must match.
+    # is the last: the prompt of the next turn is what must match. TinyLlama's Zephyr template on Llama 2's
+    # SentencePiece vocabulary (turns meet in plain text after </s>: '</s>\\n<|user|>') and Phi-3's (its markers
+    # swallow the newline after them) test encode_after's boundaries.
     from tinyserve.chat import Conversation
     tok = tokenizer_with(vocab, name)
     conv = Conversation(tok, system="Be brief.")
@@ -142,7 +155,8 @@ def test_chat_grows_the_prompt_as_the_template_renders_the_conversation(vocab, n
         msgs.append({"role": "user", "content": question})
         prompt = conv.prompt_for(question)
         assert prompt == tok.encode_chat(msgs)
-        conv.commit(prompt, tok.encode(answer) + tok.close_turn([])[:1])   # the reply ends with the end marker
+        reply = tok.encode_after(prompt, answer) + tok.close_turn([])[:1]   # as the model writes it, end marker
+        conv.commit(prompt, reply)                                         # included
         msgs.append({"role": "assistant", "content": answer})
 
 

@@ -48,7 +48,8 @@ class Conversation:
 
     def prompt_for(self, user_text: str) -> list[int]:
         """The ids the model sees for this turn: history + user message + the assistant header."""
-        return self.ids + self.tok.encode(self.tok.render_turn("user", user_text) + self.tok.assistant_header())
+        turn = self.tok.render_turn("user", user_text) + self.tok.assistant_header()
+        return self.ids + self.tok.encode_after(self.ids, turn)
 
     def commit(self, prompt: list[int], reply: list[int]) -> None:
         """Append the turn: the prompt it ran with, the reply as generated, closed as the template closes a turn

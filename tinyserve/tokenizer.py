@@ -159,22 +159,31 @@ class Tokenizer:
     # adds, cut out of the template's own renderings of placeholder conversations, so that the ids equal those of
     # the whole conversation rendered at once. That needs a template that renders a conversation as the
     # concatenation of its turns: `_delta` refuses one that does not (Mistral's moves the system prompt into the
-    # last user turn). The texts then match exactly; the ids match where turns meet at a special token (ChatML,
-    # Llama 3, Qwen). A SentencePiece vocabulary whose turns meet in plain text (TinyLlama's "</s>\n<|user|>") may
-    # split the boundary differently turn by turn than at once: the prompt stays the template's text, its ids differ
-    # there from a one-shot encoding.
+    # last user turn). The ids match too when each turn is encoded with encode_after (the boundary between two
+    # turns is split as in one piece).
     _SYSTEM = {"role": "system", "content": "\x00system\x00"}   # \x00: cannot occur in a template's own text
     _USER = {"role": "user", "content": "\x00user\x00"}
 
     def _delta(self, before: list[dict], after: list[dict], gen_before: bool, gen_after: bool,
                foreign: tuple[dict, ...] = ()) -> str:
-        a = self.chat_template.render(before, gen_before) if before else ""
-        b = self.chat_template.render(after, gen_after)
+        a = self._render(before, gen_before) if before else ""
+        b = self._render(after, gen_after)
         delta = b[len(a):]
         if not b.startswith(a) or any(m["content"] in delta for m in foreign):
             raise ValueError("this chat template does not render a conversation turn by turn; the chat command "
                              "cannot grow its prompt from the previous one")
         return delta
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        """The template's text, without the EOS some templates (Phi-3.5) put after a finished conversation only:
+        a turn that will be continued does not end with it."""
+        text = self.chat_template.render(messages, add_generation_prompt)
+        if add_generation_prompt or not self.eos_token or not text.endswith(self.eos_token):
+            return text
+        probe = [self._SYSTEM, self._USER]
+        finished, continued = self.chat_template.render(probe, False), self.chat_template.render(probe, True)
+        closes_with_eos = finished.endswith(self.eos_token) and not continued.startswith(finished)
+        return text[:-len(self.eos_token)] if closes_with_eos else text
 
     def render_turn(self, role: str, content: str) -> str:
         """One finished turn (a system turn opens the conversation, with whatever the template puts first)."""
@@ -200,10 +209,27 @@ class Tokenizer:
         else:
             marker = "\x00reply\x00"
             msgs = [self._SYSTEM, self._USER, {"role": "assistant", "content": marker}]
-            whole = self.chat_template.render(msgs, False)
+            whole = self._render(msgs, False)
             end = whole[whole.index(marker) + len(marker):] if marker in whole else ""
         ids = self.encode(end)
-        return ids[1:] if ids and reply and reply[-1] == ids[0] else ids
+        # the model's own end marker (<|im_end|>, <|eot_id|>, </s>) stands for the template's: keep what follows it
+        last = reply[-1] if reply else None
+        if last in ids and (last in self.special_ids or last in self.stop_ids):
+            return ids[ids.index(last) + 1:]
+        return ids
+
+    def encode_after(self, history: Sequence[int], text: str) -> list[int]:
+        """The ids `text` adds after the `history` ids, split as encoding the whole conversation at once would split
+        them. The tokenizer cuts text at special tokens and encodes each piece alone, so the piece `text` continues
+        is the history after its last special token: that tail is encoded again together with `text` (where it
+        would merge across the boundary, e.g. SentencePiece's '\\n<|user|>'), and must come out as it was."""
+        start = next((i + 1 for i in range(len(history) - 1, -1, -1) if history[i] in self.special_ids), None)
+        if start is None:
+            return self.encode(text)
+        tail = list(history[start:])
+        # decoded alone, the tail loses the one space SentencePiece put in front of a piece: encode puts it back
+        ids = self.encode(self.decode(tail) + text)
+        return ids[len(tail):] if ids[:len(tail)] == tail else self.encode(text)
 
     def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
                     tools: Sequence[dict] | None = None) -> list[int]:
