@@ -96,9 +96,11 @@ def _plain(value: Any) -> Any:
         return value
     if isinstance(value, np.generic):                 # np.bool_(False) would otherwise be a truthy placeholder
         return _plain(value.item())
-    for base in (bool, str, int, float):               # subclasses (enums, ...) back to the base type
+    if isinstance(value, str):                        # subclasses (enums, ...) back to the base type; str() of a
+        return str.__str__(value)                     # str-valued enum would give its name, not its value
+    for base in (bool, int, float):
         if isinstance(value, base):
-            return base(value) if base is bool else getattr(base, f"__{base.__name__}__")(value)
+            return base(value)
     if isinstance(value, Mapping):
         return {_plain(k): _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -107,6 +109,8 @@ def _plain(value: Any) -> Any:
 
 
 class ChatTemplate:
+    """One model's template, parsed once; `render` gives the prompt text of a conversation."""
+
     def __init__(self, source: str, special_tokens: Mapping[str, str | None] | None = None):
         import jinja2
         from jinja2 import meta
