@@ -57,7 +57,7 @@ def test_prepare_packs_once_and_only_for_the_kernels():
 
 
 def test_commands_ask_backend_whether_a_model_runs_on_the_kernels():
-    for name in ("__main__.py", "bench.py", "chat.py", "server.py"):
+    for name in ("generate.py", "bench.py", "chat.py", "server.py"):
         text = (PKG / name).read_text()
         assert "runs_on_kernels(" in text, name
         assert 'backend == "numba" and' not in text, f"{name} decides the path itself"

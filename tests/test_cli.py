@@ -130,3 +130,27 @@ def test_empty_prompt_exit_2(smol_tok):
 def test_argparse_errors_exit_2():
     r = run_cli("--temperature", "warm", "hello", timeout=120)   # not a number: argparse's own message
     assert r.returncode == 2 and "Traceback" not in r.stderr and "invalid float value" in r.stderr
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve", "bench", "speed"])
+def test_model_names_the_weights_and_weights_is_its_alias(command, tmp_path):
+    # --model PATH reaches weights.load_model / tokenizer.load_tokenizer unchanged (a folder or a .gguf file);
+    # --weights, its old name, fills the same option
+    from tinyserve.__main__ import build_parser
+    extra = ["hello"] if command == "generate" else []
+    path = str(tmp_path / "model.gguf")
+    for flag in ("--model", "--weights"):
+        args = build_parser().parse_args([command, flag, path, *extra])
+        assert args.model == path and not hasattr(args, "weights")
+    assert build_parser().parse_args([command, *extra]).model == str(DEFAULT_WEIGHTS_DIR)
+
+
+def test_model_path_goes_to_the_loaders_unchanged(monkeypatch, tmp_path):
+    from tinyserve import cli_options, tokenizer, weights
+    from tinyserve.__main__ import build_parser
+    seen = []
+    monkeypatch.setattr(tokenizer, "load_tokenizer", lambda path: seen.append(("tok", path)))
+    monkeypatch.setattr(weights, "load_model", lambda path, **kw: seen.append(("model", path)))
+    path = str(tmp_path / "some.gguf")
+    cli_options.load_for_cli(build_parser().parse_args(["generate", "--model", path, "hi"]))
+    assert seen == [("tok", path), ("model", path)]

@@ -135,12 +135,12 @@ def main(args) -> int:
     from .quant import set_backend
     from .weights import load_model
 
-    base = load_model(args.weights)
+    base = load_model(args.model)
     chosen = [b.strip() for b in args.backends.split(",")]
     unknown = [b for b in chosen if b not in BACKENDS]
     if unknown:
         raise ValueError(f"unknown backend(s) {unknown}; choose from {list(BACKENDS)}")
-    models = {label: set_backend(base, *BACKENDS[label], weights_dir=args.weights) for label in chosen}
+    models = {label: set_backend(base, *BACKENDS[label], weights_dir=args.model) for label in chosen}
     batches = tuple(int(b) for b in args.batches.split(",") if b)
     prefills = tuple(int(n) for n in args.prefills.split(",") if n)
     from .kernels import isa
