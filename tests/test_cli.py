@@ -41,8 +41,8 @@ def test_generate_json_chat(smol_tok):
 
 @pytest.mark.real
 def test_generate_default_is_the_fast_path(smol_tok):
-    """Without options, generate runs the fast path (quant.default_quant on the Numba kernels: w4a8 for SmolLM2,
-    whose layers are Q4_1, on the variants of quant.W4A8_DEFAULT_ON, w8a8-64 on the others with a byte dot product,
+    """Without options, generate runs the fast path (backend.default_quant on the Numba kernels: w4a8 for SmolLM2,
+    whose layers are Q4_1, on the variants of backend.W4A8_DEFAULT_ON, w8a8-64 on the others with a byte dot product,
     else int8) and still answers correctly; its token-level agreement with float32 is measured in
     tests/test_quant_accuracy.py, not assumed here.
 
@@ -50,11 +50,11 @@ def test_generate_default_is_the_fast_path(smol_tok):
     least 0.97 logits between its top two choices, 2.54 at the first token). The fixture's chat prompt (France)
     opens on a near tie in float32 ("The" 25.33, "L" 25.24): there W4A8 answers "L'Étoile, la Marseillaise, ...",
     and so does llama.cpp on the same 4-bit weights (measured), while float32 says Paris: a coin toss, not a test."""
-    from tinyserve import quant
+    from tinyserve import backend
     r = run_cli("--json", "--chat", "--max-new-tokens", "16", "--weights", WEIGHTS, "What is the capital of Japan?")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert (out["quant"], out["backend"]) == (quant.default_quant(), "numba")
+    assert (out["quant"], out["backend"]) == (backend.default_quant(), "numba")
     assert out["quant"] in ("int8", "w8a8-64", "w4a8")
     assert "Tokyo" in out["text"] and out["output_ids"][-1] == smol_tok.eos_id
 

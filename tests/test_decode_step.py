@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from numba import njit, prange
 
 import tinyserve as ts
-from tinyserve import kv_cache, quant, speculative
+from tinyserve import backend, kv_cache, quant, speculative
 from tinyserve.attention_backends import KVLayout
 from tinyserve.drafters import ModelDrafter
 from tinyserve.engine import Engine
@@ -43,7 +43,7 @@ def tiny_fast():
     out = {}
     for mode in ("int8", "w8a8", "w8a8-64", "w4a8"):
         base = ts.tiny_model(seed=0, **({"dim": 128, "intermediate_size": 192} if mode == "w8a8-64" else {}))
-        out[mode] = quant.set_backend(quant.quantize_model(base, mode), mode, "numba")
+        out[mode] = backend.set_backend(quant.quantize_model(base, mode), mode, "numba")
     return out
 
 

@@ -59,7 +59,16 @@ def test_engine_is_split_by_idea():
     # lifecycle and the step loop
     from tinyserve import engine, interrupts, step_batch
     assert engine.StepBatch is step_batch.StepBatch and engine.interrupts_deferred is interrupts.interrupts_deferred
-    assert len((PKG / "engine.py").read_text().splitlines()) < 400
+
+
+def test_engine_step_has_no_speculation_branch():
+    # speculation is a step strategy the Engine is given (spec_step.step_strategy): Engine.step calls it the same way
+    # whether it drafts or not, so no `if` in the step asks about it
+    tree = ast.parse((PKG / "engine.py").read_text())
+    step = next(f for c in tree.body if isinstance(c, ast.ClassDef) and c.name == "Engine"
+                for f in c.body if isinstance(f, ast.FunctionDef) and f.name == "step")
+    tests = [ast.unparse(n.test) for n in ast.walk(step) if isinstance(n, (ast.If, ast.IfExp))]
+    assert tests and not [t for t in tests if "spec" in t or "draft" in t], tests
 
 
 def test_one_positive_int_check():
@@ -82,20 +91,21 @@ LAYERS = (
      "constrained", "constrained.automaton", "constrained.masks", "constrained.schema", "constrained.vocab"),
     # 1. the readable reference: the float32 model and what every strategy shares
     ("model", "attention_backends", "sampling", "gqa", "online_attention"),
-    # 2. the quantisation modes and their NumPy references
+    # 2. the quantisation formats and their NumPy references (nothing that starts Numba)
     ("quant",),
     # 3. the Numba kernels: they compute what the reference defines
     ("kernels", "kernels.simd", "kernels.fast_exp", "kernels.int8_dot", "kernels.int4_dot", "kernels.matmul",
      "kernels.layer", "kernels.spin", "kernels.key_chunks", "kernels.attention", "kernels.dense_attention", "kernels.decode_step",
      "kernels.forward"),
-    # 4. which forward runs for a model: the reference or the kernels
+    # 4. which path runs for a model (mode, backend, kernel variant): the one door into the kernels
     ("backend",),
     # 5. the strategies and the engine (lessons 1-9), the weights and the tokenizer
     ("stopping", "naive", "weights", "tokenizer", "kv_cache", "paged", "cache_base", "prefix_cache",
      "block_hash_cache", "scheduler", "sequence", "drafters", "speculative", "spec_step", "block_manager",
      "step_batch", "engine", "engine_loop", "tensor_parallel", "orchestrators"),
     # 6. the programs: the compile swap, the command line and what it runs
-    ("jit", "cli_options", "bench", "chat", "http_guard", "structured_api", "server", "speed", "loadgen", "__main__", ""),
+    ("jit", "cli_options", "generate", "bench", "chat", "http_guard", "structured_api", "server", "speed", "loadgen",
+     "__main__", ""),
 )
 
 
@@ -121,15 +131,29 @@ def import_graph() -> dict[str, set[str]]:
                     mod = node.module.removeprefix("tinyserve").lstrip(".")
                 else:
                     continue
-                for a in node.names:    # `from .kernels import isa` imports the module kernels.isa
+                for a in node.names:    # `from .kernels import isa` imports the module kernels.isa ...
                     sub = f"{mod}.{a.name}" if mod else a.name
                     out.add(sub if sub in files else mod)
+                out.update(packages_of(f"{mod}.", name))      # ... and runs the package kernels on the way
             elif isinstance(node, ast.Import):
-                out.update(a.name.removeprefix("tinyserve").lstrip(".") for a in node.names
-                           if a.name.split(".")[0] == "tinyserve")
+                for a in node.names:
+                    if a.name.split(".")[0] == "tinyserve":
+                        mod = a.name.removeprefix("tinyserve").lstrip(".")
+                        out.add(mod)
+                        out.update(packages_of(mod, name))
         out.discard(name)
         graph[name] = out
     return graph
+
+
+def packages_of(module: str, importer: str = "") -> set[str]:
+    """The packages Python runs on the way to `module`: `from .kernels import isa` and `from .kernels.isa import X`
+    both run kernels/__init__.py (Numba, its cache folder, the OpenMP spin setting), so both import the package
+    `kernels` too. Left out: tinyserve's own __init__ (it runs for every import of the package) and the importer's
+    own packages (they are running already when a submodule imports its sibling)."""
+    parts = module.split(".")
+    return {p for p in (".".join(parts[:i]) for i in range(1, len(parts)))
+            if p and not (importer == p or importer.startswith(p + "."))}
 
 
 def test_relative_imports_resolve_as_python_does():
@@ -139,6 +163,23 @@ def test_relative_imports_resolve_as_python_does():
     assert {"kernels.matmul", "kernels.spin", "attention_backends", "quant"} <= graph["kernels.decode_step"]
     assert {"kernels.isa", "kernels.decode_step"} <= graph["kernels.forward"]
     assert {"config", "layers"} <= graph["model"] and "kernels.isa" in graph["kernels.simd"]
+
+
+def test_the_package_kernels_counts_when_a_submodule_is_imported():
+    # `from .kernels import isa` runs kernels/__init__.py (it imports numba): quant once reached the kernels so
+    graph = import_graph()
+    assert {"kernels", "kernels.isa", "kernels.forward"} <= graph["backend"]
+    assert packages_of("kernels.isa") == {"kernels"} and packages_of("constrained.masks") == {"constrained"}
+    assert packages_of("kernels.") == {"kernels"}          # `from .kernels import isa`: the package, then isa
+    assert not packages_of("") and not packages_of("quant") and not packages_of("kernels.isa", "kernels.simd")
+
+
+def test_only_backend_reaches_into_the_kernels():
+    # one module decides the path and calls the kernels; quant.py is the NumPy reference of the formats
+    outside = sorted(m for m, targets in import_graph().items()
+                     if not m.startswith("kernels") and m != "backend" and any(t.startswith("kernels") for t in targets))
+    assert not outside, f"modules other than backend.py that import kernels/: {outside}"
+    assert not any(t.startswith("kernels") for t in import_graph()["quant"])
 
 
 def test_every_module_has_a_layer():

@@ -125,7 +125,7 @@ def main(args) -> int:
     if args.server:      # lesson 8
         return run_server(args)
     from .cli_options import is_tiny
-    from .quant import set_backend
+    from .backend import set_backend
     from .weights import load_model, tiny_model
 
     model = (set_backend(tiny_model(seed=0), args.quant, args.backend) if is_tiny(args)

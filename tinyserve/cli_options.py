@@ -17,7 +17,7 @@ TINY = "tiny"                        # --model tiny: the random tiny model, not 
 
 
 def add_backend_options(p: argparse.ArgumentParser) -> None:
-    # auto by default: the fastest mode within int8's accuracy bounds on this CPU (quant.default_quant): W4A8 for
+    # auto by default: the fastest mode within int8's accuracy bounds on this CPU (backend.default_quant): W4A8 for
     # weights that are Q4_1 already (SmolLM2's: the model's own weights, 5 bits each) on the x86 variants, where it
     # measured fastest at decode, else W8A8-64 where the kernels have a byte dot product, else int8; lesson 7's
     # tables measure them
@@ -47,7 +47,7 @@ def is_tiny(args) -> bool:
 def load_for_cli(args):
     """(tokenizer, model) for --model PATH (a weights folder or a .gguf file) or tiny (random, a character
     tokenizer)."""
-    from .quant import set_backend
+    from .backend import set_backend
     if is_tiny(args):
         from .tokenizer import CharTokenizer
         from .weights import tiny_model
@@ -62,8 +62,8 @@ def describe_backend(model) -> str:
     what = get_mode(model.quant).label
     if model.backend != "numba":
         return f"{what}, {model.backend} backend"
-    from .kernels import isa                   # which instruction set the kernels were built for (lesson 7)
-    return f"{what}, {model.backend} backend, {isa.describe()}"
+    from .backend import describe_kernels     # which instruction set the kernels were built for (lesson 7)
+    return f"{what}, {model.backend} backend, {describe_kernels()}"
 
 
 # --- lesson 6: speculative decoding ----------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from .backend import runs_on_kernels, step_threads
 from .cli_options import (add_backend_options, add_model_options, add_speculative_options, describe_backend,
                           draft_model_for, is_tiny, load_for_cli)
 
@@ -82,7 +83,6 @@ def kernels_for(args, model, ids: list[int], strategy: str):
     Cold, the kv and naive strategies answer on the NumPy path while a child process compiles, and switch between
     two tokens (jit.py); the others (and --compile wait) compile here first, announced."""
     from . import jit
-    from .backend import runs_on_kernels
     from .model import check_token_ids
     if not runs_on_kernels(model):
         return model, None
@@ -156,10 +156,7 @@ def stream_answer(args, model, ids, generate_stream, params, tok, kernels) -> An
     answer = Answer(tok.stream_decoder(), list(ids), [], [], {"ready": time.time() - T_START})
     paused = 0.0
     # on the numba path BLAS stays at one thread (kernels/__init__.py), and on the NumPy stand-in (jit.prepare)
-    blas = contextlib.nullcontext()
-    if kernels is not None:
-        from .kernels import single_thread_blas
-        blas = single_thread_blas()
+    blas = contextlib.nullcontext() if kernels is None else step_threads("numba")
     t0 = time.perf_counter()
     try:
         with blas:

@@ -50,9 +50,8 @@ def workload_for(strategy: str) -> str:
 
 
 def cache_dir() -> Path:
-    from . import kernels   # noqa: F401  (sets NUMBA_CACHE_DIR before numba reads it)
-    import numba
-    return Path(numba.config.CACHE_DIR)
+    from .backend import kernel_cache_dir
+    return Path(kernel_cache_dir())
 
 
 def cache_key(quant: str, workload: str) -> dict:
@@ -82,7 +81,7 @@ def warm_up(quant: str, workload: str = "kv", log=None) -> float:
     stamp. Returns the seconds it took. log(str) gets one line per phase."""
     from .engine import Engine
     from .kv_cache import KVCache, forward_with_cache, prefill
-    from .quant import set_backend
+    from .backend import set_backend
     from .sampling import SamplingParams
     from .weights import tiny_model
 
@@ -342,7 +341,7 @@ def main(args) -> int:
     --start: only start that in the background and return (`make run` does, so the compile overlaps the weights'
     download; the generate that follows finds it by its lock file and waits for it instead of compiling again)."""
     if args.quant == AUTO:                     # what `generate` will choose for SmolLM2 on this CPU
-        from .quant import default_quant
+        from .backend import default_quant
         args.quant = default_quant()
     if args.start:
         if not is_warm(args.quant, args.workload):

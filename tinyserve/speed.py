@@ -132,7 +132,7 @@ def format_report(models: dict[str, Model], results: dict[tuple[str, str], Sprea
 
 def main(args) -> int:
     """The `speed` subcommand (see __main__.build_parser)."""
-    from .quant import set_backend
+    from .backend import describe_kernels, set_backend
     from .weights import load_model
 
     base = load_model(args.model)
@@ -143,8 +143,7 @@ def main(args) -> int:
     models = {label: set_backend(base, *BACKENDS[label], weights_dir=args.model) for label in chosen}
     batches = tuple(int(b) for b in args.batches.split(",") if b)
     prefills = tuple(int(n) for n in args.prefills.split(",") if n)
-    from .kernels import isa
-    print(f"CPU: {cpu_name()}; {isa.describe()}; {args.rounds} interleaved rounds; decode: prompt 32, {args.new_tokens} "
+    print(f"CPU: {cpu_name()}; {describe_kernels()}; {args.rounds} interleaved rounds; decode: prompt 32, {args.new_tokens} "
           "new tokens")
     bandwidth = measure_bandwidth()
     results = run(models, batches, prefills, args.rounds, args.new_tokens)
