@@ -19,8 +19,8 @@ TINY = "tiny"                        # --model tiny: the random tiny model, not 
 def add_backend_options(p: argparse.ArgumentParser) -> None:
     # auto by default: the fastest mode within int8's accuracy bounds on this CPU (backend.default_quant): W4A8 for
     # weights that are Q4_1 already (SmolLM2's: the model's own weights, 5 bits each) on the x86 variants, where it
-    # measured fastest at decode, else W8A8-64 where the kernels have a byte dot product, else int8; lesson 7's
-    # tables measure them
+    # decodes fastest, else W8A8-64 where the kernels have a byte dot product, else int8; lesson 7's tables measure
+    # them
     p.add_argument("--quant", default=AUTO, choices=QUANTS,
                    help="quantisation (lesson 7; default auto: the fastest accurate mode on this CPU; int8: int8 "
                         "weights, float32 activations; w8a8-64: int8 activations too, one scale per 64 values; "

@@ -215,7 +215,7 @@ class Engine:
         """One forward over all rows of the batch -> logits [R, V] of its sampled rows. Attention is the only
         per-sequence part: each layer writes the new K/V through the slot mapping, then reads every sequence's
         K/V through its block table. The batch was checked once in prepare_batch, so the L calls per step skip
-        the public functions' checks and conversions (at B=16 these cost ~1 ms per step)."""
+        the public functions' checks and conversions (at batch 16 those would cost a visible share of a step)."""
         pool, attend = self.pool, self._attend
 
         def attention(layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:

@@ -13,8 +13,9 @@ Four int8 modes (`quantize_model(model, mode)`), and a 4-bit one:
   the sum is an exact integer (int32; at most D * 127 * 127 = 25 M for D = 1536, far below 2^31), so the
   kernels (kernels/matmul.py) reproduce this reference bit for bit.
 - "w8a8-64": the same, with one activation scale per block of 64 inputs of a row (ACT_BLOCKS), as llama.cpp
-  quantises activations (blocks of 32 there). A token's largest activation is 10-28x its RMS in SmolLM2, so one
-  scale per row leaves the typical entry only a few int8 steps; per block, only the outlier's own block pays.
+  quantises activations (blocks of 32 there). A token's largest activation is many times its RMS in SmolLM2
+  (lesson 7 measures it), so one scale per row leaves the typical entry only a few int8 steps; per block, only the
+  outlier's own block pays.
   Each block's dot product is an exact integer; the blocks are added in float32, in block order:
       y[t, o] = (sum_b float32(sum_{i in b} xq[t, i] * wq[i, o]) * sx[t, b]) * scale[o]
   (lesson 7, "outliers": accuracy and speed of the three, and of SmoothQuant, which moves the outliers into the
@@ -22,8 +23,8 @@ Four int8 modes (`quantize_model(model, mode)`), and a 4-bit one:
 - "w4a8": the layers' weights as SmolLM2's GGUF ships them, Q4_1 (4-bit, a scale and a minimum per 32 inputs),
   recovered exactly from the float32 weights (`quantize_q4_1`), times int8 activations per 32: the model's own
   weights at 5 bits each (4-bit values plus a float16 scale and minimum per 32), so a decode step reads ~95 MB
-  instead of int8's ~135 (see "W4A8" below). The default
-  (`default_quant`) for weights that are Q4_1 already, on the instruction sets where it measured fastest.
+  instead of int8's ~135 (see "W4A8" below). The default (backend.default_quant) for weights that are Q4_1 already,
+  on the instruction sets where it is fastest (docs/performance.md, "The quantisation modes, measured").
 Why the int8 weights keep one scale per output channel, not per group of 32/64 inputs: it costs little accuracy on
 SmolLM2 (lesson 7 measures both), and one weight scale per output keeps each block's sum an integer dot product.
 
@@ -386,7 +387,7 @@ def load_or_quantize(model: Model, weights_dir: str | Path | None, mode: str) ->
     if get_mode(mode) is NONE:
         return model
     check_blocks(model, mode)
-    if weights_dir is None or get_mode(mode) is W4A8:         # (w4a8 reads its blocks back from the float32 weights: ~2 s)
+    if weights_dir is None or get_mode(mode) is W4A8:         # (w4a8 reads its blocks back from the float32 weights)
         return quantize_model(model, mode)
     from safetensors.numpy import load_file, save_file
     d = Path(weights_dir)
@@ -413,12 +414,12 @@ def load_or_quantize(model: Model, weights_dir: str | Path | None, mode: str) ->
         tmp.replace(path)
         meta_path.write_text(json.dumps(key))
     except OSError:
-        pass                                   # a read-only folder: quantising each start is ~2 s, still correct
+        pass                                   # a read-only folder: quantising at each start is slower, still correct
     return qm
 
 
 def is_q4_1(model: Model) -> bool:
     """Are every layer matrix's weights Q4_1 blocks already (quantize_q4_1 gives them back exactly)? SmolLM2's are
-    (weights.py: the GGUF's layers are Q4_1); a random or a float16 model's are not. ~1 s for SmolLM2."""
+    (weights.py: the GGUF's layers are Q4_1); a random or a float16 model's are not."""
     return all(np.array_equal(quantize_q4_1(getattr(w, f)).dequantize(), getattr(w, f))
                for w in model.layers for f in MATRICES)

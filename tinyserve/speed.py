@@ -10,10 +10,10 @@ decode_run and prefill_run are the workloads every tokens/s of the course is mea
 tools/bench_variants.py, tools/quant_table.py, lesson 7).
 Next to each decode figure: the bytes one step must read (every weight once + the KV cache of the B sequences),
 and the share of the roofline bound B / (bytes / bandwidth) it reached, the bandwidth measured on the spot by
-roofline.measure_bandwidth (a float32 matrix-vector product over 256 MiB on BLAS's 2 threads: the access pattern of
-streaming weights). An earlier version summed an array in a Numba loop whose 16 running sums lived in an array LLVM
-could not keep in registers (it might alias the data): the loop ran scalar and reported ~12 GB/s where BLAS reads
-~27, flattering every roofline share by 2x. Measure the measuring instrument too.
+roofline.measure_bandwidth (a float32 matrix-vector product over a matrix far larger than the caches, on BLAS's
+threads: the access pattern of streaming weights). The instrument must read at the machine's speed: a Numba loop
+whose running sums live in an array LLVM cannot keep in registers (it might alias the data) runs scalar, reports
+a fraction of the bandwidth, and flatters every roofline share. Measure the measuring instrument too.
 """
 from __future__ import annotations
 
