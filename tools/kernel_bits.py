@@ -31,6 +31,14 @@ def capture(weights: str) -> dict[str, np.ndarray]:
     params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)   # every step runs: no early EOS
     out: dict[str, np.ndarray] = {}
     real_forward = engine_module.forward
+    from tinyserve.kernels import decode_step as fused            # count the steps the fused kernel ran
+    real_fused, fused_calls = fused.decode_step, [0]
+
+    def counting(*a, **k):
+        fused_calls[0] += 1
+        return real_fused(*a, **k)
+
+    fused.decode_step = counting
     for quant in ("auto", "w8a8"):
         model = load_model(weights, quant=quant, backend="numba")
         for name, prompts, spec in (("b1", [ids], {}), ("b16", [ids[i:] for i in range(16)], {}),
@@ -50,7 +58,8 @@ def capture(weights: str) -> dict[str, np.ndarray]:
                 engine_module.forward = real_forward
             for i, logits in enumerate(calls):
                 out[f"{quant}/{name}/{i}:{logits.shape[0]}"] = logits
-            print(f"{quant} {name}: {len(calls)} forwards, rows {[c.shape[0] for c in calls]}", file=sys.stderr)
+            print(f"{quant} {name}: {len(calls)} forwards, rows {[c.shape[0] for c in calls]}, fused decode steps "
+                  f"so far {fused_calls[0]}", file=sys.stderr)
     return out
 
 
