@@ -248,3 +248,51 @@ def test_architecture_lists_every_module():
     named = architecture_modules()
     assert not sorted(files - named), f"modules docs/architecture.md does not list: {sorted(files - named)}"
     assert not sorted(named - files), f"docs/architecture.md lists files that do not exist: {sorted(named - files)}"
+
+
+# --- comments state rules; the measurements that justify them live in docs/ ---------------------------------------
+# A comment or docstring says why a line is as it is, in the present tense; a figure measured on some CPU on some day
+# goes to docs/performance.md (a command regenerates it) and the comment names that section. The files of the other
+# owners' current work are not held to it yet (their comments are being moved by their owners).
+NOT_YET = {"weights.py", "config.py", "model.py", "layers.py", "tokenizer.py", "server.py", "protocol.py",
+           "structured_api.py", "http_guard.py", "paged.py", "block_manager.py", "scheduler.py",
+           "attention_backends.py", "prefix_cache.py", "kv_sizing.py", "engine_loop.py", "kv_cache.py", "naive.py",
+           "cache_base.py", "constrained/__init__.py", "constrained/automaton.py", "constrained/masks.py",
+           "constrained/schema.py", "constrained/vocab.py"}
+MEASURED = re.compile(
+    r"\b\d+(\.\d+)?(-\d+(\.\d+)?)?\s?(ms|µs|us|ns)\b|~\d+(\.\d+)?(-\d+(\.\d+)?)?\s?s\b"      # a time
+    r"|\d\s?(GB/s|MB/s|tokens/s)"                                                             # a rate
+    r"|\b\d+(\.\d+)?(-\d+(\.\d+)?)?x (faster|slower)\b|\b\d+(\.\d+)?(-\d+(\.\d+)?)? ?% (faster|slower)\b"  # a speed-up
+    r"|\b20\d\d-\d\d-\d\d\b"                                                                  # a date
+    r"|\b(Zen ?\d|EPYC|Xeon|Haswell|Skylake|Cascade Lake|Alder Lake|Ice Lake|Sapphire Rapids|Graviton|Apple M\d)\b")
+
+
+def comment_lines(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of every comment and docstring line of a file."""
+    import io
+    import tokenize
+    src = path.read_text()
+    out = [(t.start[0], t.string) for t in tokenize.generate_tokens(io.StringIO(src).readline)
+           if t.type == tokenize.COMMENT]
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value,
+                                                                                                 str):
+                out += [(first.lineno + i, line) for i, line in enumerate(first.value.value.splitlines())]
+    return out
+
+
+def test_no_comment_holds_a_measurement_a_date_or_a_cpu_model():
+    found = [f"tinyserve/{p.relative_to(PKG).as_posix()}:{line}: {text.strip()[:100]}"
+             for p in sorted(PKG.rglob("*.py")) if p.relative_to(PKG).as_posix() not in NOT_YET
+             for line, text in comment_lines(p) if MEASURED.search(text)]
+    assert not found, "comments with a measured figure, a date or a CPU model (move it to docs/):\n" + "\n".join(found)
+
+
+def test_the_measurement_check_can_fail():
+    for text in ("# a decode step took ~9 ms", "# 1.5x faster", "# reads at 27 GB/s", "# measured 2026-12-06",
+                 "# on the AMD EPYC", "# ~20-45 s cold", "# 15-40 % faster"):
+        assert MEASURED.search(text), text
+    for text in ("# [T, N, H] float32", "# a 4 x 16 tile", "# 5 bits each", "# one scale per 64 values"):
+        assert not MEASURED.search(text), text

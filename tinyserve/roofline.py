@@ -187,7 +187,7 @@ class Chip:
             raise ValueError(f"Chip {self.name!r}: memory, bandwidth and FLOP/s must be positive, got {self!r}")
 
 
-# Public datasheet figures (bf16 dense). TPU v5e: ICI 4.5e10 B/s one way per link. H100 SXM: NVLink 4 is 900 GB/s
+# Public datasheet figures (bf16 dense). TPU v5e: ICI 4.5e10 B/s one way per link. H100 SXM: NVLink 4 is 9e11 B/s
 # both ways together, 4.5e11 one way.
 TPU_V5E = Chip("TPU v5e", 16e9, 8.1e11, 1.97e14, link_bandwidth=4.5e10)
 H100 = Chip("H100 SXM", 80e9, 3.35e12, 9.89e14, link_bandwidth=4.5e11)
