@@ -4,7 +4,9 @@
 
 Each batch: prefill the prompts, a few warm-up steps, then N decode steps timed one by one; the median step time.
 Run it alternately on the two trees (`--pairs` does that from one command) and compare medians: the machine is
-shared, so only interleaved runs say anything.
+shared, so only interleaved runs say anything. `--cpu` runs the step on one thread and times it by the process's CPU
+time: on a machine whose cores other programs keep busy, the wall clock of a step whose threads meet at barriers
+measures the other programs; one thread's CPU time measures the code.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import sys
 import time
 
 
-def measure(weights: str, steps: int) -> dict:
+def measure(weights: str, steps: int, cpu: bool) -> dict:
     from tinyserve.engine import Engine
     from tinyserve.sampling import SamplingParams
     from tinyserve.weights import load_model
@@ -31,11 +33,12 @@ def measure(weights: str, steps: int) -> dict:
             engine.add_request([1 + (7 * b + j) % 4000 for j in range(64)], params)
         for _ in range(4):                 # the prefill and warm-up decode steps
             engine.step()
+        clock = time.process_time if cpu else time.perf_counter
         times = []
         for _ in range(steps):
-            t = time.perf_counter()
+            t = clock()
             engine.step()
-            times.append(time.perf_counter() - t)
+            times.append(clock() - t)
         out[f"b{batch}_ms"] = statistics.median(times) * 1e3
     return out
 
@@ -47,17 +50,20 @@ def main() -> int:
     p.add_argument("--pairs", type=int, default=0, help="run A/B pairs: --a TREE --b TREE, alternating")
     p.add_argument("--a")
     p.add_argument("--b")
+    p.add_argument("--cpu", action="store_true", help="one thread, timed by CPU time (see the docstring)")
     args = p.parse_args()
     if not args.pairs:
-        print(json.dumps(measure(args.weights, args.steps)))
+        print(json.dumps(measure(args.weights, args.steps, args.cpu)))
         return 0
     runs = {"a": [], "b": []}
     for i in range(args.pairs):
         for side in ("a", "b") if i % 2 == 0 else ("b", "a"):      # ABBA: neither side always goes first
             tree = getattr(args, side)
             env = dict(os.environ, PYTHONPATH=tree, NUMBA_CACHE_DIR=f"{tree}/.numba_cache")
-            r = subprocess.run([sys.executable, __file__, "--weights", args.weights, "--steps", str(args.steps)],
-                               env=env, capture_output=True, text=True, check=True)
+            if args.cpu:
+                env["NUMBA_NUM_THREADS"] = "1"
+            r = subprocess.run([sys.executable, __file__, "--weights", args.weights, "--steps", str(args.steps)]
+                               + (["--cpu"] if args.cpu else []), env=env, capture_output=True, text=True, check=True)
             runs[side].append(json.loads(r.stdout.strip().splitlines()[-1]))
             print(side, runs[side][-1], flush=True)
     for key in ("b1_ms", "b16_ms"):
