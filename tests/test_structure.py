@@ -94,7 +94,8 @@ LAYERS = (
     ("quant",),
     # 3. the Numba kernels: they compute what the reference defines
     ("kernels", "kernels.simd", "kernels.fast_exp", "kernels.int8_dot", "kernels.int4_dot", "kernels.matmul",
-     "kernels.layer", "kernels.spin", "kernels.key_chunks", "kernels.attention", "kernels.dense_attention", "kernels.decode_step",
+     "kernels.layer", "kernels.spin", "kernels.key_chunks", "kernels.attention", "kernels.dense_attention",
+     "kernels.decode_step",
      "kernels.forward"),
     # 4. which path runs for a model (mode, backend, kernel variant): the one door into the kernels
     ("backend",),
@@ -175,8 +176,8 @@ def test_the_package_kernels_counts_when_a_submodule_is_imported():
 
 def test_only_backend_reaches_into_the_kernels():
     # one module decides the path and calls the kernels; quant.py is the NumPy reference of the formats
-    outside = sorted(m for m, targets in import_graph().items()
-                     if not m.startswith("kernels") and m != "backend" and any(t.startswith("kernels") for t in targets))
+    outside = sorted(m for m, targets in import_graph().items() if not m.startswith("kernels") and m != "backend"
+                     and any(t.startswith("kernels") for t in targets))
     assert not outside, f"modules other than backend.py that import kernels/: {outside}"
     assert not any(t.startswith("kernels") for t in import_graph()["quant"])
 

@@ -33,7 +33,8 @@ def default_strategy() -> str:
 
 
 def main(args) -> int:
-    """`python -m tinyserve generate` (see __main__.py for the options): check the request, load, get the kernels, wire speculation, stream the answer, report."""
+    """`python -m tinyserve generate` (see __main__.py for the options): check the request, load, get the kernels,
+    wire speculation, stream the answer, report."""
     params, strategy, prompt = check_generate_args(args)       # 1. bad input answers before anything loads
     tok, model = load_for_cli(args)                             # 2. weights, quantisation, backend
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}]) if args.chat else prompt)

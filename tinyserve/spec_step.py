@@ -1,13 +1,13 @@
 """Lesson 6 inside the Engine: drafting before the schedule, verification after the shared forward.
 
 The Engine is given how its steps decode (`step_strategy`): a `Speculator` built from a `SpecConfig`, or, with
-speculation off, `OneTokenSteps`, which answers the same calls with nothing to do, so `Engine.step` is the same
-code either way. With a Speculator every request gets its own `SpecState` (sequence.py). A decoding request with a drafter appends its draft to output_ids for the
-length of one step, so the scheduler, the block manager and the batch (step_batch.py) see one ordinary chunk of
-k + 1 rows; the forward returns logits for all of them; `Speculator.verify` keeps the accepted prefix plus the
-target's own token, rewinds the rest (blocks left empty go back to the pool) and only then lets the block manager
-publish blocks, so a block holding an unverified token never reaches the prefix trie. Between steps no request
-holds a draft.
+speculation off, `OneTokenSteps`, which answers the same calls with nothing to do, so `Engine.step` is the same code
+either way. With a Speculator every request gets its own `SpecState` (sequence.py). A decoding request with a drafter
+appends its draft to output_ids for the length of one step, so the scheduler, the block manager and the batch
+(step_batch.py) see one ordinary chunk of k + 1 rows; the forward returns logits for all of them; `Speculator.verify`
+keeps the accepted prefix plus the target's own token, rewinds the rest (blocks left empty go back to the pool) and
+only then lets the block manager publish blocks, so a block holding an unverified token never reaches the prefix
+trie. Between steps no request holds a draft.
 
 The Speculator changes sequences and their blocks, never the Engine's queues: what fails or finishes it reports
 back (a `Verdict`, or the failures of `draft_all`), and the Engine retires the request.

@@ -334,6 +334,38 @@ def _decode_step_kernel(threads, rows, weights, kv, logits):
                   weights.final_norm, weights.lm_head)
 
 
+_KERNEL = _decode_step_kernel            # the compiled one (a test or lesson 7's timer may put a stand-in in its place)
+
+
+def _type_key(value) -> object:
+    """What Numba's type of an argument depends on (numba.typeof: an array's dtype, dimensions, layout and
+    writability; a scalar's type; a named tuple's class and fields), read without typing it."""
+    if isinstance(value, np.ndarray):
+        f = value.flags
+        return type(value), value.dtype.str, value.ndim, f.c_contiguous, f.f_contiguous, f.writeable
+    if isinstance(value, tuple):
+        return type(value), *map(_type_key, value)
+    return type(value)
+
+
+def _run_kernel(fw, threads: StepThreads, rows: StepRows, kv: KVView, logits: np.ndarray) -> None:
+    """_decode_step_kernel(threads, rows, fw.decode, kv, logits). Numba's dispatcher types every named tuple of a
+    call in Python, which costs a visible share of a batch-1 step; so the first call of each argument type goes
+    through it (compiling or loading the kernel) and the compiled entry point it picked is kept on the model's
+    FastWeights, keyed by what the types depend on (_type_key; the weights' types are the model's own)."""
+    args = (threads, rows, fw.decode, kv, logits)
+    if _decode_step_kernel is not _KERNEL:
+        _decode_step_kernel(*args)
+        return
+    key = (_type_key(threads), _type_key(rows), _type_key(kv), _type_key(logits))
+    entry = fw.decode_entries.get(key)
+    if entry is not None:
+        entry(*args)
+        return
+    _KERNEL(*args)
+    fw.decode_entries[key] = _KERNEL.overloads[tuple(map(_KERNEL.typeof_pyval, args))].entry_point
+
+
 _disabled_reason: str | None = None      # set when a step failed: every later step takes the three-call path
 _switched_off = False                    # inside `three_call_path()`
 threads = numba.get_num_threads          # how many threads a step starts (a test makes it lie)
@@ -381,7 +413,7 @@ def decode_step(model, tokens: np.ndarray, layout: KVLayout) -> np.ndarray | Non
                     is_w8a8(fw.mode))
     kv = KVView(layout.k, layout.v, layout.block_tables, layout.block_size, layout.context_lens)
     try:
-        _decode_step_kernel(StepThreads(n_threads, sync, TIMEOUT_CYCLES), rows, fw.decode, kv, logits)
+        _run_kernel(fw, StepThreads(n_threads, sync, TIMEOUT_CYCLES), rows, kv, logits)
     except Exception as e:                 # it failed to compile for this CPU (the step itself raises nothing)
         if _decode_step_kernel.signatures:
             raise

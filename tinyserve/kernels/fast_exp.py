@@ -3,8 +3,9 @@ of a row (the softmax's shift). Attention's exp + sum of a chunk is kernels/key_
 
 exp(x) = 2^(x log2 e) = 2^k * 2^f with k = round(x log2 e) and |f| <= 1/2; 2^f = e^(f ln 2) by its Taylor series
 to degree 6 (relative error < 2e-7, about float32's epsilon). Why not math.exp: LLVM can only call it one number at
-a time, and a prefill layer needs one per query row and key position in attention alone. This form is plain arithmetic that
-LLVM turns into 16-wide SIMD; 2^k is built from its bits (exponent field k + 127, kernels/simd.py's bits_float).
+a time, and a prefill layer needs one per query row and key position in attention alone. This form is plain
+arithmetic that LLVM turns into 16-wide SIMD; 2^k is built from its bits (exponent field k + 127, kernels/simd.py's
+bits_float).
 """
 from __future__ import annotations
 

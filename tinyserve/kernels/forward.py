@@ -17,7 +17,7 @@ What it does differently, and why each pays (lesson 7 measures them; docs/perfor
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -54,6 +54,8 @@ class FastWeights:
     lm_head: Packed        # [D, V]
     decode: DecodeWeights
     float32: object | None = None   # quant.dequantize_model(model), made on first use (BLAS_FROM_ROWS)
+    decode_entries: dict = field(default_factory=dict)   # the fused step's compiled entry by argument types
+                                                           # (decode_step._run_kernel)
 
 
 def _pack(mode: str, *qs) -> Packed:

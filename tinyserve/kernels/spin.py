@@ -11,8 +11,8 @@ every matmul, and let them wait for each other at a *barrier* when the next step
     arrive:  gen = generation;  if I am the last to arrive (count + 1 == n): count = 0, generation += 1
              else: spin until generation != gen
 
-A barrier costs a fraction of a fork and join when the threads arrive together. It needs atomic read-modify-write on shared
-integers, which Numba does not offer; the intrinsics below emit LLVM's `atomicrmw` / atomic load and store.
+A barrier costs a fraction of a fork and join when the threads arrive together. It needs atomic read-modify-write
+on shared integers, which Numba does not offer; the intrinsics below emit LLVM's `atomicrmw` / atomic load and store.
 
 The catch: a barrier is only safe if all n threads really run at the same time. OpenMP (Numba's `omp` threading
 layer) guarantees that for the threads of one parallel loop; TBB does not (it may run two iterations one after the
@@ -117,8 +117,8 @@ def os_yield(typingctx):
 
 @intrinsic
 def cycle_counter(typingctx):
-    """A clock that costs a few tens of cycles to read: x86's time-stamp counter (rdtsc); elsewhere LLVM's steady counter
-    (arm64: the generic timer, CNTVCT_EL0: its cycle counter PMCCNTR_EL0 traps in user space on Linux)."""
+    """A clock that costs a few tens of cycles to read: x86's time-stamp counter (rdtsc); elsewhere LLVM's steady
+    counter (arm64: the generic timer, CNTVCT_EL0: its cycle counter PMCCNTR_EL0 traps in user space on Linux)."""
     def codegen(context, builder, signature, args):
         name = "llvm.readcyclecounter" if ARCH == "x86" else "llvm.readsteadycounter"
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I64, []), name)
