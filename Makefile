@@ -17,7 +17,7 @@ LESSONS := $(sort $(patsubst lessons/%/,%,$(wildcard lessons/[0-9][0-9]_*/)))
 .DEFAULT_GOAL := help
 
 help:
-	@echo "make run        generate a streamed chat answer from SmolLM2-135M-Instruct"
+	@echo "make run        generate a streamed chat answer from SmolLM2-135M-Instruct (MODEL=path: another model)"
 	@echo "make test       the whole suite: unit + reference tests, exercise stubs must fail, every lesson notebook"
 	@echo "make test-fast  the unit tests only: no real-model (real) or slow tests, no notebooks"
 	@echo "make lessons    execute every lesson notebook headless into build/"
@@ -66,8 +66,9 @@ weights: $(RUNTIME)
 # The first run compiles the int8 kernels in the background from the moment numba is installed (the tiny model
 # needs no weights), so the compile overlaps the weights' download; generate answers on the NumPy path meanwhile and
 # returns when the answer is done (the compile goes on, its log named), so the next run starts on the fast path
+# MODEL=PATH runs another model (a weights folder or a .gguf file); the default is SmolLM2's converted folder
 run: $(RUNTIME) compile-start weights
-	$(PYTHON) -m tinyserve generate --chat "$(PROMPT)"
+	$(PYTHON) -m tinyserve generate --chat $(if $(MODEL),--model "$(MODEL)") "$(PROMPT)"
 
 .PHONY: compile-start
 compile-start: $(RUNTIME)

@@ -30,18 +30,18 @@ def causal(layer, q, k, v):
 def test_runs_on_kernels_only_for_quantised_weights_on_numba():
     base = ts.tiny_model(seed=0)
     assert not backend.runs_on_kernels(base)
-    assert not backend.runs_on_kernels(quant.set_backend(base, "none", "numba"))   # only the attention is Numba's
-    assert not backend.runs_on_kernels(quant.set_backend(base, "int8", "numpy"))   # the NumPy int8 reference
-    assert backend.runs_on_kernels(quant.set_backend(base, "int8", "numba"))
+    assert not backend.runs_on_kernels(backend.set_backend(base, "none", "numba"))   # only the attention is Numba's
+    assert not backend.runs_on_kernels(backend.set_backend(base, "int8", "numpy"))   # the NumPy int8 reference
+    assert backend.runs_on_kernels(backend.set_backend(base, "int8", "numba"))
 
 
 def test_the_reference_forward_knows_nothing_of_the_kernels():
     assert "kv_layout" not in inspect.signature(model_mod.forward).parameters
-    fast = quant.set_backend(ts.tiny_model(seed=0), "w8a8", "numba")
+    fast = backend.set_backend(ts.tiny_model(seed=0), "w8a8", "numba")
     tokens, pos = np.array(PROMPT), np.arange(len(PROMPT))
     ref = model_mod.forward(fast, tokens, pos, causal)
     assert fast.fast is None, "model.forward packed weights for the kernels: it ran the fast path"
-    want = model_mod.forward(quant.set_backend(fast, "w8a8", "numpy"), tokens, pos, causal)
+    want = model_mod.forward(backend.set_backend(fast, "w8a8", "numpy"), tokens, pos, causal)
     assert np.array_equal(ref, want)
     got = backend.forward(fast, tokens, pos, causal)
     assert fast.fast is not None, "backend.forward did not run the kernels for a model loaded for them"
@@ -51,13 +51,13 @@ def test_the_reference_forward_knows_nothing_of_the_kernels():
 def test_prepare_packs_once_and_only_for_the_kernels():
     base = ts.tiny_model(seed=0)
     assert backend.prepare(base).fast is None
-    fast = backend.prepare(quant.set_backend(base, "int8", "numba"))
+    fast = backend.prepare(backend.set_backend(base, "int8", "numba"))
     packed = fast.fast
     assert packed is not None and backend.prepare(fast).fast is packed
 
 
 def test_commands_ask_backend_whether_a_model_runs_on_the_kernels():
-    for name in ("__main__.py", "bench.py", "chat.py", "server.py"):
+    for name in ("generate.py", "bench.py", "chat.py", "server.py"):
         text = (PKG / name).read_text()
         assert "runs_on_kernels(" in text, name
         assert 'backend == "numba" and' not in text, f"{name} decides the path itself"

@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tinyserve as ts
-from tinyserve import kv_cache, quant
+from tinyserve import backend, kv_cache, quant
 from tinyserve.engine import Engine
 from tinyserve.kernels.attention import paged_attention_numba
 from tinyserve.kernels.dense_attention import causal_attention
@@ -130,7 +130,7 @@ GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_new_tokens=N_TOKEN
 
 @pytest.fixture(scope="module")
 def tiny_w4a8():
-    return quant.set_backend(quant.quantize_model(ts.tiny_model(seed=0), "w4a8"), "w4a8", "numba")
+    return backend.set_backend(quant.quantize_model(ts.tiny_model(seed=0), "w4a8"), "w4a8", "numba")
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +196,7 @@ REAL_QUESTIONS = ["What is a prime number?", "Name a colour of the sky at dusk."
 def test_real_model_logits_do_not_depend_on_the_batch(smol, smol_tok):
     """SmolLM2 on quant="auto": 9 chat prompts alone, 9 together (the three-call path), 3 at a time (fused steps)
     with prefix caching and chunked prompts, and through kv_cache: the same logits, bit for bit."""
-    model = quant.set_backend(smol, "auto", "numba")
+    model = backend.set_backend(smol, "auto", "numba")
     prompts = [smol_tok.encode_chat([{"role": "user", "content": q}]) for q in REAL_QUESTIONS]
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_new_tokens=8)
     want, _ = engine_logits(model, prompts, params, 1)

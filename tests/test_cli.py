@@ -41,8 +41,8 @@ def test_generate_json_chat(smol_tok):
 
 @pytest.mark.real
 def test_generate_default_is_the_fast_path(smol_tok):
-    """Without options, generate runs the fast path (quant.default_quant on the Numba kernels: w4a8 for SmolLM2,
-    whose layers are Q4_1, on the variants of quant.W4A8_DEFAULT_ON, w8a8-64 on the others with a byte dot product,
+    """Without options, generate runs the fast path (backend.default_quant on the Numba kernels: w4a8 for SmolLM2,
+    whose layers are Q4_1, on the variants of backend.W4A8_DEFAULT_ON, w8a8-64 on the others with a byte dot product,
     else int8) and still answers correctly; its token-level agreement with float32 is measured in
     tests/test_quant_accuracy.py, not assumed here.
 
@@ -50,11 +50,11 @@ def test_generate_default_is_the_fast_path(smol_tok):
     least 0.97 logits between its top two choices, 2.54 at the first token). The fixture's chat prompt (France)
     opens on a near tie in float32 ("The" 25.33, "L" 25.24): there W4A8 answers "L'Étoile, la Marseillaise, ...",
     and so does llama.cpp on the same 4-bit weights (measured), while float32 says Paris: a coin toss, not a test."""
-    from tinyserve import quant
+    from tinyserve import backend
     r = run_cli("--json", "--chat", "--max-new-tokens", "16", "--weights", WEIGHTS, "What is the capital of Japan?")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert (out["quant"], out["backend"]) == (quant.default_quant(), "numba")
+    assert (out["quant"], out["backend"]) == (backend.default_quant(), "numba")
     assert out["quant"] in ("int8", "w8a8-64", "w4a8")
     assert "Tokyo" in out["text"] and out["output_ids"][-1] == smol_tok.eos_id
 
@@ -130,3 +130,27 @@ def test_empty_prompt_exit_2(smol_tok):
 def test_argparse_errors_exit_2():
     r = run_cli("--temperature", "warm", "hello", timeout=120)   # not a number: argparse's own message
     assert r.returncode == 2 and "Traceback" not in r.stderr and "invalid float value" in r.stderr
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve", "bench", "speed"])
+def test_model_names_the_weights_and_weights_is_its_alias(command, tmp_path):
+    # --model PATH reaches weights.load_model / tokenizer.load_tokenizer unchanged (a folder or a .gguf file);
+    # --weights, its old name, fills the same option
+    from tinyserve.__main__ import build_parser
+    extra = ["hello"] if command == "generate" else []
+    path = str(tmp_path / "model.gguf")
+    for flag in ("--model", "--weights"):
+        args = build_parser().parse_args([command, flag, path, *extra])
+        assert args.model == path and not hasattr(args, "weights")
+    assert build_parser().parse_args([command, *extra]).model == str(DEFAULT_WEIGHTS_DIR)
+
+
+def test_model_path_goes_to_the_loaders_unchanged(monkeypatch, tmp_path):
+    from tinyserve import cli_options, tokenizer, weights
+    from tinyserve.__main__ import build_parser
+    seen = []
+    monkeypatch.setattr(tokenizer, "load_tokenizer", lambda path: seen.append(("tok", path)))
+    monkeypatch.setattr(weights, "load_model", lambda path, **kw: seen.append(("model", path)))
+    path = str(tmp_path / "some.gguf")
+    cli_options.load_for_cli(build_parser().parse_args(["generate", "--model", path, "hi"]))
+    assert seen == [("tok", path), ("model", path)]

@@ -15,6 +15,7 @@ import types
 import pytest
 
 import tinyserve.__main__ as cli
+from tinyserve import generate as generate_mod
 from tinyserve import tokenizer as tokenizer_mod
 from tinyserve import weights as weights_mod
 
@@ -61,7 +62,7 @@ def fake_generate(monkeypatch):
         if plan["then"] is not None:
             raise plan["then"]
 
-    monkeypatch.setattr(cli, "strategies", lambda: {"kv": strategy})
+    monkeypatch.setattr(generate_mod, "strategies", lambda: {"kv": strategy})
     monkeypatch.setattr(tokenizer_mod, "load_tokenizer", lambda path: tok)
     monkeypatch.setattr(weights_mod, "load_model",
                         lambda path, **backend: types.SimpleNamespace(quant="none", backend="numpy"))

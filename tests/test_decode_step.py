@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from numba import njit, prange
 
 import tinyserve as ts
-from tinyserve import kv_cache, quant, speculative
+from tinyserve import backend, kv_cache, quant, speculative
 from tinyserve.attention_backends import KVLayout
 from tinyserve.drafters import ModelDrafter
 from tinyserve.engine import Engine
@@ -43,7 +43,7 @@ def tiny_fast():
     out = {}
     for mode in ("int8", "w8a8", "w8a8-64", "w4a8"):
         base = ts.tiny_model(seed=0, **({"dim": 128, "intermediate_size": 192} if mode == "w8a8-64" else {}))
-        out[mode] = quant.set_backend(quant.quantize_model(base, mode), mode, "numba")
+        out[mode] = backend.set_backend(quant.quantize_model(base, mode), mode, "numba")
     return out
 
 
@@ -362,3 +362,24 @@ def test_a_speculative_verify_of_up_to_max_rows_runs_fused(tiny_fast, mode, monk
     got = speculative.generate(model, prompt, params=params, drafter=ModelDrafter(model, target=model), k=k)
     assert got == want
     assert max(calls) == k + 1, f"verify steps of {sorted(set(calls))} rows ran fused; expected one of {k + 1}"
+
+
+def test_the_compiled_entry_is_kept_and_computes_what_the_dispatcher_does(tiny_fast, monkeypatch):
+    """decode_step._run_kernel calls the compiled entry the dispatcher picked on the first step (the dispatcher's
+    typing of the named tuples costs a share of a batch-1 step); the logits are the dispatcher's, bit for bit."""
+    model = tiny_fast["w8a8"]
+    kv_cache.generate(model, [1, 2, 3], 2)                          # a parallel kernel has run: the layer is known
+    cache = kv_cache.KVCache.allocate(model.config, 16)
+    kv_cache.prefill(model, cache, [5, 17, 99, 3, 42])
+    snapshot = (cache.k.copy(), cache.v.copy(), cache.length)
+    _require_fused(1, kv_cache.fused_step_layout(model, cache, 1, True, None), None)
+    model.fast.decode_entries.clear()
+    kept = [kv_cache.forward_with_cache(model, cache, [t]) for t in (9, 10, 11)]
+    assert len(model.fast.decode_entries) == 1
+    cache.k[:], cache.v[:], cache.length = snapshot
+    monkeypatch.setattr(decode_step, "_decode_step_kernel", lambda *args: decode_step._KERNEL(*args))
+    dispatched = [kv_cache.forward_with_cache(model, cache, [t]) for t in (9, 10, 11)]
+    for a, b in zip(kept, dispatched):
+        np.testing.assert_array_equal(a, b)
+    c, f = np.zeros((2, 3), np.float32), np.zeros((3, 2), np.float32).T      # same dtype and shape, other layouts
+    assert decode_step._type_key(c) != decode_step._type_key(f)

@@ -11,7 +11,7 @@ import tinyserve as ts
 from tinyserve import kv_cache
 from tinyserve import engine as engine_mod
 from tinyserve.engine import Engine, StepOutput, generate_stream
-from tinyserve.paged import max_kv_positions
+from tinyserve.kv_sizing import max_kv_positions
 from tinyserve.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)

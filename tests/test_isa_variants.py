@@ -30,7 +30,7 @@ SCRIPT = textwrap.dedent("""
     import sys
     import numpy as np
     import tinyserve as ts
-    from tinyserve import kv_cache, naive, quant
+    from tinyserve import backend, kv_cache, naive, quant
     from tinyserve.kernels import isa
     from tinyserve.kernels.matmul import (block_sums, matmul_w4a8, matmul_w8a8, matmul_w8a32, pack_vnni, pack_w4a8,
                                           pack_w8a32, quantize_rows)
@@ -64,12 +64,12 @@ SCRIPT = textwrap.dedent("""
     prompt = [5, 17, 99, 3, 42, 250, 7, 7, 128]
     for mode in ("int8", "w8a8", "w8a8-64", "w4a8"):
         tiny = ts.tiny_model(seed=0, **({"dim": 128, "intermediate_size": 192} if mode == "w8a8-64" else {}))
-        fast = quant.set_backend(quant.quantize_model(tiny, mode), mode, "numba")
+        fast = backend.set_backend(quant.quantize_model(tiny, mode), mode, "numba")
         out[f"logits_{mode}"] = naive.forward(fast, prompt)
         greedy = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
         out[f"greedy_{mode}"] = np.array(kv_cache.generate(fast, prompt, params=greedy))   # the fused decode step
     long_prompt = [int(t) for t in rng.integers(3, 250, 40)]        # a prefill long enough for BLAS_FROM_ROWS
-    fast = quant.set_backend(quant.quantize_model(ts.tiny_model(seed=0), "int8"), "int8", "numba")
+    fast = backend.set_backend(quant.quantize_model(ts.tiny_model(seed=0), "int8"), "int8", "numba")
     out["prefill40_int8"] = kv_cache.prefill(fast, kv_cache.KVCache.allocate(fast.config, 40), long_prompt)
     out["prefill40_via_blas"] = np.array(fast.fast.float32 is not None)
     from numba import njit

@@ -15,7 +15,7 @@ import pytest
 
 from tinyserve import jit, kv_cache
 from tinyserve.__main__ import main
-from tinyserve.quant import set_backend
+from tinyserve.backend import set_backend
 from tinyserve.sampling import SamplingParams
 from tinyserve.weights import tiny_model
 

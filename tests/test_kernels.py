@@ -16,7 +16,8 @@ from threadpoolctl import threadpool_info
 import tinyserve as ts
 from tinyserve import kernels
 from tinyserve.kernels.attention import paged_attention_numba
-from tinyserve.paged import KVPool, get_paged_attention, paged_attention, slot_mapping, write_kv
+from tinyserve.attention_backends import get_paged_attention
+from tinyserve.paged import KVPool, paged_attention, slot_mapping, write_kv
 
 from .test_paged_attention import CASES, make_batch
 

@@ -231,7 +231,7 @@ def test_empty_steps_are_rejected(tiny):
 
 
 def test_cli_uses_kv_by_default():
-    from tinyserve.__main__ import default_strategy, strategies
+    from tinyserve.generate import default_strategy, strategies
     assert strategies()["kv"] is kc.generate_stream
     assert default_strategy() == "kv"
 

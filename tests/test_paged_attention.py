@@ -13,8 +13,8 @@ import pytest
 
 import tinyserve as ts
 from tinyserve.gqa import grouped_attention
-from tinyserve.paged import (KVPool, check_block_tables, get_paged_attention, paged_attention, slot_mapping,
-                             write_kv)
+from tinyserve.attention_backends import check_block_tables, get_paged_attention
+from tinyserve.paged import KVPool, paged_attention, slot_mapping, write_kv
 
 
 @dataclass

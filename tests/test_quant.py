@@ -29,7 +29,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tinyserve as ts
-from tinyserve import kv_cache, naive, quant
+from tinyserve import backend, kv_cache, naive, quant
 from tinyserve.engine import Engine
 from tinyserve.gqa import grouped_attention
 from tinyserve.kernels import forward as kernel_forward
@@ -253,7 +253,7 @@ def tiny_q():
     for mode in ("int8", "w8a8", "w8a8-64"):   # w8a8-64: a tiny model whose inputs split into blocks of 64
         base = ts.tiny_model(seed=0, **({"dim": 128, "intermediate_size": 192} if mode == "w8a8-64" else {}))
         ref = quant.quantize_model(base, mode)
-        out[mode] = (ref, quant.set_backend(ref, mode, "numba"))
+        out[mode] = (ref, backend.set_backend(ref, mode, "numba"))
     return out
 
 
@@ -294,7 +294,7 @@ def test_greedy_tokens_identical_across_backends_smol(smol, mode, monkeypatch):
     from tests.quant_accuracy import reference_prompts
     monkeypatch.setattr(kernel_forward, "silu_exp", np.exp)   # the reference's SiLU: W8A8 is then bit-exact
     ref = quant.quantize_model(smol, mode)
-    fast = quant.set_backend(ref, mode, "numba")
+    fast = backend.set_backend(ref, mode, "numba")
     prompts = [ids for name, ids in reference_prompts().items() if name in ("english", "chat")]
     want = [kv_cache.generate(ref, p, 16, GREEDY) for p in prompts]
     # the int8 kernels against the reference under the same (NumPy) attention: bit-identical for W8A8
@@ -369,9 +369,9 @@ def test_set_backend_switches_an_already_quantised_model():
     """Found while writing these tests: set_backend(quantised model, same mode, "numba") quantised the
     QuantizedLinears again (TypeError deep in NumPy) instead of only switching the backend."""
     q = quant.quantize_model(ts.tiny_model(), "w8a8")
-    fast = quant.set_backend(q, "w8a8", "numba")
+    fast = backend.set_backend(q, "w8a8", "numba")
     assert fast.backend == "numba" and fast.layers[0].wq is q.layers[0].wq     # the same int8 tensors
-    back = quant.set_backend(fast, "int8", "numpy")
+    back = backend.set_backend(fast, "int8", "numpy")
     assert back.backend == "numpy" and back.quant == "int8" and back.layers[0].wq.wq is q.layers[0].wq.wq
     with pytest.raises(ValueError, match="already quantised"):
-        quant.set_backend(q, "none", "numpy")
+        backend.set_backend(q, "none", "numpy")

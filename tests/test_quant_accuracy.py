@@ -19,7 +19,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from tinyserve import quant
+from tinyserve import backend, quant
 
 from .quant_accuracy import PPL_TOKENS, agreement, fp32_logits, perplexity, perplexity_ids
 
@@ -36,7 +36,7 @@ pytestmark = pytest.mark.real
 # W8A8 costs visibly more: one scale per token is set by that token's largest activation, typically 10-17x the
 # row's RMS in SmolLM2, so a typical entry keeps only ~7-12 int8 levels (measured; lesson 7's README).
 # Bounds: the measurement with room for ~1.5x the logit error and a few more flips, far from what a bug does.
-# w8a8-64 is held to int8's bounds: it is the default where it is the faster of the two (quant.default_quant), so
+# w8a8-64 is held to int8's bounds: it is the default where it is the faster of the two (backend.default_quant), so
 # it must be as accurate. (Its top-1 has 3 positions of room: 345 of 360 agree, the bound is 342.)
 BOUNDS = {
     "int8": dict(top1=0.95, max_logit_err=5.0, ppl_ratio=1.02, flip_margin=1.0),
@@ -55,7 +55,7 @@ def test_smollm2s_layers_are_q4_1_so_w4a8_holds_them_exactly(smol):
     assert quant.is_q4_1(smol)
     w = smol.layers[7].w_gate
     np.testing.assert_array_equal(quant.quantize_q4_1(w).dequantize(), w)
-    assert quant.default_quant(smol) == ("w4a8" if isa.NAME in quant.W4A8_DEFAULT_ON else
+    assert backend.default_quant(smol) == ("w4a8" if isa.NAME in backend.W4A8_DEFAULT_ON else
                                          "int8" if isa.NAME == "generic" else "w8a8-64")
 
 
@@ -75,7 +75,7 @@ def fp32_ppl(smol, ppl_ids):
 
 
 def fast(smol, mode: str):
-    return quant.set_backend(quant.quantize_model(smol, mode), mode, "numba")
+    return backend.set_backend(quant.quantize_model(smol, mode), mode, "numba")
 
 
 def test_the_shipped_text_is_long_enough(smol_tok):

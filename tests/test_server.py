@@ -864,7 +864,7 @@ def _serve_args(*extra: str):
 
 def test_serve_defaults_to_generates_fast_path_and_says_so(monkeypatch, tmp_path):
     from tinyserve import jit
-    from tinyserve.quant import set_backend
+    from tinyserve.backend import set_backend
     from tinyserve.server import build
     monkeypatch.setattr(jit, "cache_dir", lambda: tmp_path)       # cold: no stamp
     monkeypatch.setattr(jit, "warm_up", lambda quant, workload="kv", log=None: 0.0)   # the kernels load when used

@@ -59,7 +59,7 @@ def test_greedy_speculative_equals_kv_cache_greedy_tiny(tiny, kind, k):
 @pytest.mark.parametrize("k", KS)
 def test_int8_copy_of_the_target_drafts_well_and_changes_nothing(tiny, k):
     # lesson 7's int8 weights (NumPy reference here) as the draft model: the same tokens, and most drafts accepted
-    from tinyserve.quant import set_backend
+    from tinyserve.backend import set_backend
     int8 = set_backend(tiny, "int8", "numpy")
     ids = prompts()[2]
     stats = sp.SpecStats()
@@ -482,8 +482,8 @@ def test_greedy_speculation_on_the_quantised_default_decodes_plain_decodings_tok
     prefilled whole (the first token comes from its logits, as in plain decoding) and each verify of k + 1 <=
     MAX_ROWS rows runs in the fused step, whose rows equal one-row decode steps bit for bit."""
     from tinyserve import quant
-    mode = quant.default_quant()
-    model = quant.set_backend(quant.quantize_model(smol, mode), mode, "numba")
+    mode = backend.default_quant()
+    model = backend.set_backend(quant.quantize_model(smol, mode), mode, "numba")
     differs = []
     for q in CHAT_QUESTIONS:
         ids = smol_tok.encode_chat([{"role": "user", "content": q}])

@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tinyserve as ts
-from tinyserve import kv_cache, naive, quant
+from tinyserve import backend, kv_cache, naive, quant
 from tinyserve.kernels import decode_step
 from tinyserve.kernels import forward as fast
 from tinyserve.kernels import matmul as km
@@ -117,7 +117,7 @@ def test_the_numba_path_computes_the_numpy_reference(tiny_w4a8, monkeypatch):
     """Prefill and decode on the kernels (three-call layers; SiLU's exp NumPy's, as the reference) against
     model.forward on the NumPy reference: the same logits up to attention's float order."""
     qm = quant.quantize_model(tiny_w4a8, "w4a8")
-    ref, numba_model = quant.set_backend(qm, "w4a8", "numpy"), quant.set_backend(qm, "w4a8", "numba")
+    ref, numba_model = backend.set_backend(qm, "w4a8", "numpy"), backend.set_backend(qm, "w4a8", "numba")
     prompt = [5, 17, 99, 3, 42, 250, 7, 7, 128, 64, 1, 2]
     want = naive.forward(ref, prompt)
     with decode_step.three_call_path():
@@ -128,7 +128,7 @@ def test_the_numba_path_computes_the_numpy_reference(tiny_w4a8, monkeypatch):
 
 
 def test_packed_weights_are_4_bits_and_the_lm_head_int8(tiny_w4a8):
-    m = quant.set_backend(tiny_w4a8, "w4a8", "numba")
+    m = backend.set_backend(tiny_w4a8, "w4a8", "numba")
     fw = fast.prepare(m)
     assert isinstance(fw.layers[0].qkv, km.W4A8Weights) and fw.layers[0].qkv.w.dtype == np.uint8
     assert isinstance(fw.lm_head, km.W8A8Weights) and fw.lm_head.w.dtype == np.int8  # the head: W8A8, per 32
@@ -141,20 +141,20 @@ def test_packed_weights_are_4_bits_and_the_lm_head_int8(tiny_w4a8):
 
 
 def test_w4a8_cannot_become_an_int8_mode(tiny_w4a8):
-    m = quant.set_backend(tiny_w4a8, "w4a8", "numba")
+    m = backend.set_backend(tiny_w4a8, "w4a8", "numba")
     with pytest.raises(ValueError, match="w4a8 holds other weights"):
-        quant.set_backend(m, "w8a8-64", "numba")
+        backend.set_backend(m, "w8a8-64", "numba")
     with pytest.raises(ValueError, match="w4a8 holds other weights"):
-        quant.with_mode(quant.set_backend(tiny_w4a8, "int8", "numba"), "w4a8")
+        quant.with_mode(backend.set_backend(tiny_w4a8, "int8", "numba"), "w4a8")
 
 
 def test_auto_picks_w4a8_only_for_q4_1_weights(tiny_w4a8):
     from tinyserve.kernels import isa
     assert quant.is_q4_1(tiny_w4a8) and not quant.is_q4_1(ts.tiny_model(seed=0))
-    if isa.NAME not in quant.W4A8_DEFAULT_ON:                            # not measured faster there (yet)
-        assert "w4a8" not in (quant.default_quant(tiny_w4a8), quant.default_quant())
+    if isa.NAME not in backend.W4A8_DEFAULT_ON:                            # not measured faster there (yet)
+        assert "w4a8" not in (backend.default_quant(tiny_w4a8), backend.default_quant())
         return
-    assert quant.default_quant(tiny_w4a8) == "w4a8"
-    assert quant.default_quant(ts.tiny_model(seed=0)) != "w4a8"          # random weights: 4 bits would round them
-    assert quant.default_quant() == "w4a8"                               # SmolLM2 (its layers are Q4_1)
-    assert quant.set_backend(tiny_w4a8, "auto", "numba").quant == "w4a8"
+    assert backend.default_quant(tiny_w4a8) == "w4a8"
+    assert backend.default_quant(ts.tiny_model(seed=0)) != "w4a8"          # random weights: 4 bits would round them
+    assert backend.default_quant() == "w4a8"                               # SmolLM2 (its layers are Q4_1)
+    assert backend.set_backend(tiny_w4a8, "auto", "numba").quant == "w4a8"

@@ -121,12 +121,15 @@ def format_table(results: list[BenchResult]) -> str:
 
 
 def main(args) -> int:
-    """The `bench` subcommand (see __main__.build_parser)."""
+    """The `bench` subcommand (see __main__.build_parser); with --server, the same workload against a server."""
+    if args.server:      # lesson 8
+        return run_server(args)
+    from .cli_options import is_tiny
+    from .backend import set_backend
     from .weights import load_model, tiny_model
 
-    from .quant import set_backend
-    model = tiny_model(seed=0) if args.model == "tiny" else load_model(args.weights)
-    model = set_backend(model, args.quant, args.backend, None if args.model == "tiny" else args.weights)
+    model = (set_backend(tiny_model(seed=0), args.quant, args.backend) if is_tiny(args)
+             else load_model(args.model, quant=args.quant, backend=args.backend))
     if runs_on_kernels(model):   # lesson 7: compile (announced) before anything is timed
         from . import jit
         _, kernels = jit.prepare(model, "engine", background=False, log=print)

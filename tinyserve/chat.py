@@ -171,10 +171,10 @@ def main(args) -> int:
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
                             seed=args.seed)
-    tok = load_tokenizer(args.weights)
+    tok = load_tokenizer(args.model)
     from .cli_options import describe_backend, engine_kwargs
     from . import jit
-    model = load_model(args.weights, quant=args.quant, backend=args.backend)
+    model = load_model(args.model, quant=args.quant, backend=args.backend)
     print(f"[{describe_backend(model)}]", file=sys.stderr)
     kernels = None
     log = lambda line: print(line, file=sys.stderr, flush=True)   # noqa: E731

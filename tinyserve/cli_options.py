@@ -13,13 +13,14 @@ from .weights import DEFAULT_WEIGHTS_DIR
 
 # --- lesson 7: the backend and the quantisation --------------------------------------------------------------------
 QUANTS = (AUTO, *QUANT_MODES)        # quant.py's registry: one spelling of every mode
+TINY = "tiny"                        # --model tiny: the random tiny model, not a path
 
 
 def add_backend_options(p: argparse.ArgumentParser) -> None:
-    # auto by default: the fastest mode within int8's accuracy bounds on this CPU (quant.default_quant): W4A8 for
+    # auto by default: the fastest mode within int8's accuracy bounds on this CPU (backend.default_quant): W4A8 for
     # weights that are Q4_1 already (SmolLM2's: the model's own weights, 5 bits each) on the x86 variants, where it
-    # measured fastest at decode, else W8A8-64 where the kernels have a byte dot product, else int8; lesson 7's
-    # tables measure them
+    # decodes fastest, else W8A8-64 where the kernels have a byte dot product, else int8; lesson 7's tables measure
+    # them
     p.add_argument("--quant", default=AUTO, choices=QUANTS,
                    help="quantisation (lesson 7; default auto: the fastest accurate mode on this CPU; int8: int8 "
                         "weights, float32 activations; w8a8-64: int8 activations too, one scale per 64 values; "
@@ -30,23 +31,30 @@ def add_backend_options(p: argparse.ArgumentParser) -> None:
 
 
 def add_model_options(p: argparse.ArgumentParser, tiny: bool = True) -> None:
-    """--weights, and --model smollm2|tiny where the command can run on the random tiny model."""
-    if tiny:
-        p.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"],
-                       help="tiny: a random 2-layer model with a character tokenizer (tests; answers are noise)")
-    p.add_argument("--weights", default=str(DEFAULT_WEIGHTS_DIR))
+    """--model PATH (--weights is the same option): the weights folder (or a .gguf file), passed unchanged to
+    weights.load_model and tokenizer.load_tokenizer; `--model tiny` where the command can run on the random tiny
+    model."""
+    extra = "; tiny: a random 2-layer model with a character tokenizer (tests; answers are noise)" if tiny else ""
+    p.add_argument("--model", "--weights", dest="model", metavar="PATH", default=str(DEFAULT_WEIGHTS_DIR),
+                   help=f"the model: a weights folder or a .gguf file (default: {DEFAULT_WEIGHTS_DIR}){extra}")
+
+
+def is_tiny(args) -> bool:
+    """Does the command run on the random tiny model (`--model tiny`)?"""
+    return getattr(args, "model", None) == TINY
 
 
 def load_for_cli(args):
-    """(tokenizer, model) for --model smollm2 (the converted weights) or tiny (random, a character tokenizer)."""
-    from .quant import set_backend
-    if getattr(args, "model", "smollm2") == "tiny":
+    """(tokenizer, model) for --model PATH (a weights folder or a .gguf file) or tiny (random, a character
+    tokenizer)."""
+    from .backend import set_backend
+    if is_tiny(args):
         from .tokenizer import CharTokenizer
         from .weights import tiny_model
         return CharTokenizer(), set_backend(tiny_model(seed=0), args.quant, args.backend)
     from .tokenizer import load_tokenizer
     from .weights import load_model
-    return load_tokenizer(args.weights), load_model(args.weights, quant=args.quant, backend=args.backend)
+    return load_tokenizer(args.model), load_model(args.model, quant=args.quant, backend=args.backend)
 
 
 def describe_backend(model) -> str:
@@ -54,8 +62,8 @@ def describe_backend(model) -> str:
     what = get_mode(model.quant).label
     if model.backend != "numba":
         return f"{what}, {model.backend} backend"
-    from .kernels import isa                   # which instruction set the kernels were built for (lesson 7)
-    return f"{what}, {model.backend} backend, {isa.describe()}"
+    from .backend import describe_kernels     # which instruction set the kernels were built for (lesson 7)
+    return f"{what}, {model.backend} backend, {describe_kernels()}"
 
 
 # --- lesson 6: speculative decoding ----------------------------------------------------------------------------------
@@ -86,7 +94,7 @@ def speculative_engine_kwargs(args, model) -> dict:
     if not kind:
         return {}
     return dict(speculative=kind, draft_k=args.draft_k, adaptive_k=args.adaptive_k,
-                draft_model=draft_model_for(kind, args.weights))
+                draft_model=draft_model_for(kind, args.model))
 
 
 # --- lesson 4: the engine's size -------------------------------------------------------------------------------------

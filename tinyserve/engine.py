@@ -23,7 +23,6 @@ engine is as before the step and the next step redoes that work. `abort(request_
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from collections import deque
@@ -34,14 +33,14 @@ import numpy as np
 from .attention_backends import KVLayout, get_paged_attention
 from .block_manager import BlockManager
 from .config import check_positive_int, is_int
-from .backend import forward
+from .backend import check_threading_layer, forward, step_threads
 from .model import Model, check_token_ids
 from .kv_sizing import max_kv_blocks, max_kv_positions
 from .interrupts import interrupts_deferred, interrupts_held
 from .paged import KVPool, write_kv_unchecked
 from .sampling import SamplingParams, sample_tokens
 from .scheduler import bind, plan_step
-from .spec_step import SpecConfig, Speculator, Verdict
+from .spec_step import OneTokenSteps, SpecConfig, Speculator, Verdict, step_strategy
 from .speculative import SpecStats
 from .sequence import Sequence, Status
 from .step_batch import StepBatch, StepOutput, StepStats, prepare_batch   # StepOutput, StepStats: also imported
@@ -75,8 +74,9 @@ class Engine:
         self.finished: dict[int, Sequence] = {}
         self.stats: list[StepStats] = []          # one per step: a long-running caller may clear() it
         self._next_id = 0
-        spec = SpecConfig.of(speculative, **spec_options)
-        self.speculator = Speculator(model, spec) if spec is not None else None   # lesson 6 (None: off)
+        # how a step decodes: one token per request, or lesson 6's draft-and-verify (spec_step.py); the step below
+        # calls the same four methods either way
+        self.steps: OneTokenSteps | Speculator = step_strategy(model, speculative, **spec_options)
 
     # --- requests --------------------------------------------------------------------------------------------
     def add_request(self, prompt_ids: Seq[int], params: SamplingParams | None = None) -> int:
@@ -101,8 +101,7 @@ class Engine:
                              f"(shorten the prompt or max_new_tokens, or give the engine more blocks)")
         stopper = StopChecker(self.config, params, self.tokenizer, prompt_len=len(ids))  # ValueError on stop w/o tok
         seq = Sequence(self._next_id, [int(t) for t in ids], params, stopper, params.make_rng())
-        if self.speculator is not None:
-            self.speculator.attach(seq)
+        self.steps.attach(seq)
         return seq
 
     def add_prefilled(self, prompt_ids: Seq[int], params: SamplingParams | None, first_token: int, k: np.ndarray,
@@ -183,20 +182,18 @@ class Engine:
         """Schedule, run one batched forward, sample, retire. Returns one StepOutput per sampled token, and one
         per request that failed in this step (finish_reason "error")."""
         t0 = time.perf_counter()
-        spec = self.speculator
+        steps = self.steps
         with interrupts_held() as deferred:    # one SIGINT handler a step: Ctrl-C may cut the forward, not the
             with deferred:                     # bookkeeping (the queues and block tables change all together)
-                failed = [self._fail(seq, e) for seq, e in spec.draft_all(self.running, self.blocks)] if spec else []
+                failed = [self._fail(seq, e) for seq, e in steps.draft_all(self.running, self.blocks)]
                 scheduled, n_preempted, n_admitted = self._schedule()
-                if spec is not None:
-                    spec.fit_drafts(scheduled, (*self.running, *self.waiting))
+                steps.fit_drafts(scheduled, (*self.running, *self.waiting))
                 if not scheduled:
                     # add_request refuses what could never fit: an empty plan with work left is a scheduler bug
                     assert n_preempted or failed or not self.has_unfinished(), "no progress: a livelock"
                     return failed
                 batch = prepare_batch(scheduled, self.pool.num_blocks, self.block_size)   # step_batch.py
-                drafted = sum(seq.num_drafted for seq in batch.seqs)
-                accepted_before = spec.stats.accepted if spec else 0
+                drafted, accepted_before = sum(seq.num_drafted for seq in batch.seqs), steps.stats.accepted
             try:
                 # Nothing is advanced until the forward has returned: if it raises, every sequence is as it was (its
                 # new blocks stay allocated and hold nothing yet), and the next step runs the same chunks again.
@@ -211,14 +208,14 @@ class Engine:
                     outputs = self._advance(batch, logits)
         self.stats.append(StepStats(len(batch.seqs), len(batch.tokens), batch.num_decode, len(batch.sampled),
                                     n_preempted, n_admitted, self.blocks.allocator.num_used, time.perf_counter() - t0,
-                                    drafted, spec.stats.accepted - accepted_before if drafted else 0))
+                                    drafted, steps.stats.accepted - accepted_before))
         return failed + outputs
 
     def _forward(self, batch: StepBatch) -> np.ndarray:
         """One forward over all rows of the batch -> logits [R, V] of its sampled rows. Attention is the only
         per-sequence part: each layer writes the new K/V through the slot mapping, then reads every sequence's
         K/V through its block table. The batch was checked once in prepare_batch, so the L calls per step skip
-        the public functions' checks and conversions (at B=16 these cost ~1 ms per step)."""
+        the public functions' checks and conversions (at batch 16 those would cost a visible share of a step)."""
         pool, attend = self.pool, self._attend
 
         def attention(layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
@@ -235,11 +232,10 @@ class Engine:
             row_seq = slice(None) if one_each else np.repeat(np.arange(len(batch.seqs)), batch.counts)
             layout = KVLayout(pool.k.reshape(L, nb * bs, K, H), pool.v.reshape(L, nb * bs, K, H),
                               batch.block_tables[row_seq], bs, batch.positions + 1)
-        with self._threads():    # logit_rows=None asks for every row, which is what logit_rows names when it has T
-            logits = forward(self.model, batch.tokens, batch.positions, attention,
+        with step_threads(self.backend):   # logit_rows=None asks for every row, which is what logit_rows names
+            logits = forward(self.model, batch.tokens, batch.positions, attention,      # when it has T
                              logit_rows=None if every_row else batch.logit_rows, kv_layout=layout)
         if self.backend == "numba":
-            from .kernels import check_threading_layer
             check_threading_layer()          # warns (once) if numba fell back to its slow thread pool
         return logits
 
@@ -256,7 +252,7 @@ class Engine:
                 self.blocks.commit(seq)
                 continue
             if seq.num_drafted:               # lesson 6: k + 1 rows to verify
-                verdict = self.speculator.verify(seq, n, logits[row[b]:row[b] + n], now, self.blocks)
+                verdict = self.steps.verify(seq, n, logits[row[b]:row[b] + n], now, self.blocks)
                 outputs.append(self._conclude(seq, verdict))
                 continue
             try:
@@ -268,8 +264,7 @@ class Engine:
                 continue
             seq.output_ids.extend(new)
             seq.token_times.extend([now] * len(new))
-            if seq.spec is not None:          # a step without a draft (prefill, or k = 0): one token, no verdict
-                self.speculator.record(seq, 0, 0, len(new))
+            self.steps.record(seq, 0, 0, len(new))   # a step without a draft (prefill, k = 0, speculation off)
             seq.num_computed_tokens += n
             self.blocks.commit(seq)
             try:
@@ -307,12 +302,10 @@ class Engine:
         seq.status = Status.FINISHED
         self.finished[seq.request_id] = seq
 
-    def _threads(self):
-        """With the Numba backend, keep OpenBLAS to one thread during the step (two pools on 2 cores ~10x slower)."""
-        if self.backend == "numba":
-            from .kernels import single_thread_blas
-            return single_thread_blas()
-        return contextlib.nullcontext()
+    @property
+    def speculator(self) -> Speculator | None:
+        """Lesson 6's Speculator when this engine speculates, else None."""
+        return self.steps if isinstance(self.steps, Speculator) else None
 
     # --- conveniences ----------------------------------------------------------------------------------------
     def run(self, progress=None) -> None:

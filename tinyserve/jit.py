@@ -1,15 +1,16 @@
 """The first run's JIT compile (lesson 7): announced, timed apart from the model, and off the first answer's path.
 
 Numba compiles a kernel the first time it is called and keeps the machine code in an on-disk cache
-(NUMBA_CACHE_DIR, kernels/__init__.py). From an empty cache the int8 path compiles for ~20-45 s (measured: the fused
-layer calls and the LM head at the first prefill, the fused decode step at the first decode). Called inside a
-timed request, that time lands in TTFT and in tokens/s: the first number a newcomer sees would be the compiler's.
+(NUMBA_CACHE_DIR, kernels/__init__.py). From an empty cache the int8 path compiles for tens of seconds (the fused
+layer calls and the LM head at the first prefill, the fused decode step at the first decode; docs/performance.md,
+"The first run"). Called inside a timed request, that time lands in TTFT and in tokens/s: the first number a
+newcomer sees would be the compiler's.
 
 So nothing the user times calls a kernel cold. `warm_up` runs every kernel of a path once on the tiny synthetic
 model: Numba specialises on types (float32 [T, D] C-contiguous, int8, ...), not on shapes, so the tiny model fills
 the cache for SmolLM2 too. It then writes a stamp beside the cache that says which kernels it holds and for what
 (the numba version, this CPU, the kernel sources' size and mtime: Numba itself drops a cache entry when its source
-file changes). `is_warm` reads the stamp: warm, a run only loads the kernels (~1 s, reported, not timed as the
+file changes). `is_warm` reads the stamp: warm, a run only loads the kernels (reported, not timed as the
 model); cold, the CLI says so before compiling.
 
 Cold, who waits? `BackgroundCompile` runs `python -m tinyserve compile` in a process of its own (at low priority)
@@ -50,9 +51,8 @@ def workload_for(strategy: str) -> str:
 
 
 def cache_dir() -> Path:
-    from . import kernels   # noqa: F401  (sets NUMBA_CACHE_DIR before numba reads it)
-    import numba
-    return Path(numba.config.CACHE_DIR)
+    from .backend import kernel_cache_dir
+    return Path(kernel_cache_dir())
 
 
 def cache_key(quant: str, workload: str) -> dict:
@@ -82,7 +82,7 @@ def warm_up(quant: str, workload: str = "kv", log=None) -> float:
     stamp. Returns the seconds it took. log(str) gets one line per phase."""
     from .engine import Engine
     from .kv_cache import KVCache, forward_with_cache, prefill
-    from .quant import set_backend
+    from .backend import set_backend
     from .sampling import SamplingParams
     from .weights import tiny_model
 
@@ -292,8 +292,8 @@ def prepare(fast, workload: str, background: bool, log) -> tuple[object, Kernels
         bg = BackgroundCompile(quant, workload)
         log(f"[compiling {what} in the background; the answer starts on the NumPy path and moves to the fast path "
             f"when they are ready (log: {bg.log_path})]")
-        # the stand-in's BLAS gets one thread: the other core compiles, and two BLAS threads on a busy core made a
-        # decode step ~10x slower (1.5 vs 22 tokens/s measured); process-wide, so the server's engine thread too
+        # the stand-in's BLAS gets one thread: the other core compiles, and two BLAS threads on a busy core make a
+        # decode step many times slower; process-wide, so the server's engine thread too
         from threadpoolctl import threadpool_limits
         return stand_in(fast), Kernels("background", bg=bg, fast=fast, blas_limit=threadpool_limits(1, "blas"))
     log(f"[compiling {what}; not counted in TTFT or tokens/s]")
@@ -342,7 +342,7 @@ def main(args) -> int:
     --start: only start that in the background and return (`make run` does, so the compile overlaps the weights'
     download; the generate that follows finds it by its lock file and waits for it instead of compiling again)."""
     if args.quant == AUTO:                     # what `generate` will choose for SmolLM2 on this CPU
-        from .quant import default_quant
+        from .backend import default_quant
         args.quant = default_quant()
     if args.start:
         if not is_warm(args.quant, args.workload):

@@ -21,7 +21,8 @@ from .attention_backends import KVLayout
 from .config import ModelConfig, check_positive_int, is_int
 from .gqa import grouped_attention
 from .layers import rectangular_mask, softmax
-from .backend import forward as model_forward      # model.forward, or the kernels for a model loaded for them
+from .backend import dense_attention, forward as model_forward   # model.forward, or the kernels for a model
+                                                                 # loaded for them
 from .model import AttentionFn, Model, check_token_ids
 from .kv_sizing import max_kv_positions
 from .sampling import SamplingParams, sample
@@ -146,10 +147,7 @@ def rectangular_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.nda
 def attention_for(model: Model) -> AttendFn:
     """The attention a strategy uses unless told otherwise: lesson 3's grouped attention, or on the numba backend
     (lesson 7) its kernel (kernels/dense_attention.py: same result within rtol 1e-4)."""
-    if model.backend == "numba":
-        from .kernels.dense_attention import causal_attention
-        return causal_attention
-    return grouped_attention
+    return dense_attention(model.backend) or grouped_attention
 
 
 def cache_attention(cache: KVCache, attend: AttendFn = grouped_attention) -> AttentionFn:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .engine import Engine
-from .paged import blocks_for
+from .kv_sizing import blocks_for
 from .sampling import SamplingParams
 from .sequence import Sequence
 

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .attention_backends import check_block_tables, check_paged_inputs, get_paged_attention  # noqa: F401
+from .attention_backends import check_paged_inputs
 from .config import ModelConfig, check_positive_int
 from .gqa import grouped_attention
-from .kv_sizing import blocks_for, max_kv_positions  # noqa: F401  (lessons and tests import them from here too)
+from .kv_sizing import blocks_for
 
 
 class OutOfBlocks(RuntimeError):

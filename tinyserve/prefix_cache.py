@@ -29,7 +29,7 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Iterator, NamedTuple, Sequence
 
-from .cache_base import BlockCache, CacheStats, block_tokens  # noqa: F401  (CacheStats, BlockCache lived here)
+from .cache_base import BlockCache, block_tokens
 from .paged import BlockAllocator
 
 

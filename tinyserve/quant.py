@@ -13,8 +13,9 @@ Four int8 modes (`quantize_model(model, mode)`), and a 4-bit one:
   the sum is an exact integer (int32; at most D * 127 * 127 = 25 M for D = 1536, far below 2^31), so the
   kernels (kernels/matmul.py) reproduce this reference bit for bit.
 - "w8a8-64": the same, with one activation scale per block of 64 inputs of a row (ACT_BLOCKS), as llama.cpp
-  quantises activations (blocks of 32 there). A token's largest activation is 10-28x its RMS in SmolLM2, so one
-  scale per row leaves the typical entry only a few int8 steps; per block, only the outlier's own block pays.
+  quantises activations (blocks of 32 there). A token's largest activation is many times its RMS in SmolLM2
+  (lesson 7 measures it), so one scale per row leaves the typical entry only a few int8 steps; per block, only the
+  outlier's own block pays.
   Each block's dot product is an exact integer; the blocks are added in float32, in block order:
       y[t, o] = (sum_b float32(sum_{i in b} xq[t, i] * wq[i, o]) * sx[t, b]) * scale[o]
   (lesson 7, "outliers": accuracy and speed of the three, and of SmoothQuant, which moves the outliers into the
@@ -22,8 +23,8 @@ Four int8 modes (`quantize_model(model, mode)`), and a 4-bit one:
 - "w4a8": the layers' weights as SmolLM2's GGUF ships them, Q4_1 (4-bit, a scale and a minimum per 32 inputs),
   recovered exactly from the float32 weights (`quantize_q4_1`), times int8 activations per 32: the model's own
   weights at 5 bits each (4-bit values plus a float16 scale and minimum per 32), so a decode step reads ~95 MB
-  instead of int8's ~135 (see "W4A8" below). The default
-  (`default_quant`) for weights that are Q4_1 already, on the instruction sets where it measured fastest.
+  instead of int8's ~135 (see "W4A8" below). The default (backend.default_quant) for weights that are Q4_1 already,
+  on the instruction sets where it is fastest (docs/performance.md, "The quantisation modes, measured").
 Why the int8 weights keep one scale per output channel, not per group of 32/64 inputs: it costs little accuracy on
 SmolLM2 (lesson 7 measures both), and one weight scale per output keeps each block's sum an integer dot product.
 
@@ -386,7 +387,7 @@ def load_or_quantize(model: Model, weights_dir: str | Path | None, mode: str) ->
     if get_mode(mode) is NONE:
         return model
     check_blocks(model, mode)
-    if weights_dir is None or get_mode(mode) is W4A8:         # (w4a8 reads its blocks back from the float32 weights: ~2 s)
+    if weights_dir is None or get_mode(mode) is W4A8:         # (w4a8 reads its blocks back from the float32 weights)
         return quantize_model(model, mode)
     from safetensors.numpy import load_file, save_file
     d = Path(weights_dir)
@@ -413,76 +414,12 @@ def load_or_quantize(model: Model, weights_dir: str | Path | None, mode: str) ->
         tmp.replace(path)
         meta_path.write_text(json.dumps(key))
     except OSError:
-        pass                                   # a read-only folder: quantising each start is ~2 s, still correct
+        pass                                   # a read-only folder: quantising at each start is slower, still correct
     return qm
-
-
-BACKENDS = ("numpy", "numba")
 
 
 def is_q4_1(model: Model) -> bool:
     """Are every layer matrix's weights Q4_1 blocks already (quantize_q4_1 gives them back exactly)? SmolLM2's are
-    (weights.py: the GGUF's layers are Q4_1); a random or a float16 model's are not. ~1 s for SmolLM2."""
+    (weights.py: the GGUF's layers are Q4_1); a random or a float16 model's are not."""
     return all(np.array_equal(quantize_q4_1(getattr(w, f)).dequantize(), getattr(w, f))
                for w in model.layers for f in MATRICES)
-
-
-# Where quant="auto" picks w4a8 for Q4_1 weights: the variants where it measured faster than w8a8-64 at batch 1
-# (the step that streams every weight: 5 bits a weight against 8) and level at batch 16 (docs/performance.md, "The
-# quantisation modes, measured"). With VNNI's one instruction per 64 byte multiply-adds, W4A8's float epilogue per 32
-# inputs weighs more than the bytes it saves once the tile is compute-bound, so it prefills slower there; decode is
-# what a chat waits for, so auto takes W4A8 and `--quant w8a8-64` remains for prefill. neon is left out until a
-# measurement says it belongs.
-W4A8_DEFAULT_ON = ("avx512vnni", "avxvnni", "avx2")
-
-
-def default_quant(model: Model | None = None, backend: str = "numba") -> str:
-    """quant="auto" (the CLI's default): the fastest mode whose accuracy stays within int8's bounds (top-1 >= 95 %,
-    perplexity <= 1.02x float32: tests/test_quant_accuracy.py pins them for int8, w8a8-64 and w4a8; per-token w8a8
-    misses them). On the numba backend:
-    - w4a8 for a model whose layers are Q4_1 already (is_q4_1; SmolLM2, the model of the course, when model is
-      None), on the variants of W4A8_DEFAULT_ON: it computes with the model's own weights, and reads the fewest
-      bytes (~95 MB a decode step where w8a8-64 reads ~135): faster than w8a8-64 at batch 1 and level at batch 16 on
-      every x86 variant, slower at prefill with VNNI (W4A8_DEFAULT_ON);
-    - else w8a8-64 wherever the kernels multiply bytes with a dot-product instruction (kernels/isa.py: vpdpbusd,
-      vpmaddubsw + vpmaddwd, sdot), where it measured faster than int8 at batch 1, 16 and prefill 512 (lesson 7);
-    - int8 on the `generic` kernels (plain loops: W8A8 measured slower than int8 there) or for a model whose
-      matrices' inputs do not split into blocks of 64.
-    On the numpy backend, float32: the NumPy int8 paths are readable references, slower than BLAS."""
-    if backend != "numba":
-        return NONE.name
-    from .kernels import isa
-    if isa.NAME == "generic":
-        return INT8.name
-    if model is not None and model.quant == W4A8.name:
-        return W4A8.name
-    q4 = isa.NAME in W4A8_DEFAULT_ON
-    if model is None:
-        return (W4A8 if q4 else W8A8_64).name
-    try:
-        check_blocks(model, W4A8.name)
-        if q4 and model.quant == NONE.name and is_q4_1(model):
-            return W4A8.name
-        check_blocks(model, W8A8_64.name)
-    except ValueError:
-        return INT8.name
-    return W8A8_64.name
-
-
-def set_backend(model: Model, quant: str = NONE.name, backend: str = "numpy", weights_dir=None) -> Model:
-    """The one place the backend is chosen: quantise (or load the cached int8 tensors) and record the backend.
-    Every strategy (kv_cache, Engine, speculative) calls backend.forward, which runs what is chosen here.
-    quant="auto" picks default_quant(model, backend)."""
-    if quant == AUTO and backend in BACKENDS:
-        quant = default_quant(model, backend)
-    if quant not in QUANT_MODES:
-        raise ValueError(f"quant must be one of {QUANT_MODES} or {AUTO!r}, got {quant!r}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if model.quant != NONE.name and quant != model.quant:
-        if quant == NONE.name:
-            raise ValueError("this model is already quantised; load the float32 weights again for quant='none'")
-        model = with_mode(model, quant)
-    elif quant != NONE.name and model.quant == NONE.name:   # (quantised in this mode already: the backend changes)
-        model = load_or_quantize(model, weights_dir, quant)
-    return dataclasses.replace(model, backend=backend)

@@ -187,7 +187,7 @@ class Chip:
             raise ValueError(f"Chip {self.name!r}: memory, bandwidth and FLOP/s must be positive, got {self!r}")
 
 
-# Public datasheet figures (bf16 dense). TPU v5e: ICI 4.5e10 B/s one way per link. H100 SXM: NVLink 4 is 900 GB/s
+# Public datasheet figures (bf16 dense). TPU v5e: ICI 4.5e10 B/s one way per link. H100 SXM: NVLink 4 is 9e11 B/s
 # both ways together, 4.5e11 one way.
 TPU_V5E = Chip("TPU v5e", 16e9, 8.1e11, 1.97e14, link_bandwidth=4.5e10)
 H100 = Chip("H100 SXM", 80e9, 3.35e12, 9.89e14, link_bandwidth=4.5e11)
@@ -203,7 +203,7 @@ def measure_bandwidth(nbytes: int = BANDWIDTH_BYTES, repeat: int = 7, kind: str 
     very access pattern of streaming weights; it runs on BLAS's threads (all cores: 2 here), and counts the
     matrix's bytes only. kind="copy": np.copyto between two `nbytes` buffers, one thread, counting read + write
     (2 * nbytes); usually above one core's read figure, below the all-core read figure.
-    Choose nbytes well above the last-level cache (32 MiB here) or you measure the cache. Shared machines are
+    Choose nbytes well above the last-level cache (`lscpu` says how large) or you measure the cache. Shared machines are
     noisy: the median of a few repeats (measure.time_repeated), and only ratios measured in one run are worth
     comparing.
     """
@@ -238,7 +238,7 @@ def measure_flops(n: int = 1024, repeat: int = 5) -> float:
 
 
 def this_cpu(bandwidth: float | None = None, flops: float | None = None) -> Chip:
-    """This machine as a Chip: its RAM, its read bandwidth and fp32 matmul FLOP/s measured on the spot (~1 s)
+    """This machine as a Chip: its RAM, its read bandwidth and fp32 matmul FLOP/s measured on the spot
     unless given. The bandwidth is measure_bandwidth(kind="read"): what streaming the weights can reach."""
     import os
 

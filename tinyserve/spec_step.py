@@ -1,12 +1,13 @@
 """Lesson 6 inside the Engine: drafting before the schedule, verification after the shared forward.
 
-The Engine owns one `Speculator` (None when speculation is off), built from a `SpecConfig`; every request gets its
-own `SpecState` (sequence.py) from it. A decoding request with a drafter appends its draft to output_ids for the
-length of one step, so the scheduler, the block manager and the batch (step_batch.py) see one ordinary chunk of
-k + 1 rows; the forward returns logits for all of them; `Speculator.verify` keeps the accepted prefix plus the
-target's own token, rewinds the rest (blocks left empty go back to the pool) and only then lets the block manager
-publish blocks, so a block holding an unverified token never reaches the prefix trie. Between steps no request
-holds a draft.
+The Engine is given how its steps decode (`step_strategy`): a `Speculator` built from a `SpecConfig`, or, with
+speculation off, `OneTokenSteps`, which answers the same calls with nothing to do, so `Engine.step` is the same code
+either way. With a Speculator every request gets its own `SpecState` (sequence.py). A decoding request with a drafter
+appends its draft to output_ids for the length of one step, so the scheduler, the block manager and the batch
+(step_batch.py) see one ordinary chunk of k + 1 rows; the forward returns logits for all of them; `Speculator.verify`
+keeps the accepted prefix plus the target's own token, rewinds the rest (blocks left empty go back to the pool) and
+only then lets the block manager publish blocks, so a block holding an unverified token never reaches the prefix
+trie. Between steps no request holds a draft.
 
 The Speculator changes sequences and their blocks, never the Engine's queues: what fails or finishes it reports
 back (a `Verdict`, or the failures of `draft_all`), and the Engine retires the request.
@@ -57,6 +58,37 @@ class SpecConfig:
         return cls(speculative, **options)
 
 
+def step_strategy(model: Model, speculative, **options) -> OneTokenSteps | Speculator:
+    """How the Engine's steps decode, from its `speculative` argument (SpecConfig.of): OneTokenSteps when it is
+    None, else a Speculator."""
+    config = SpecConfig.of(speculative, **options)
+    return OneTokenSteps() if config is None else Speculator(model, config)
+
+
+class OneTokenSteps:
+    """The step without speculation: no request drafts, each samples one token from its last row. It answers the
+    Speculator's calls with nothing to do, so the Engine's step is one piece of code with or without lesson 6."""
+
+    def __init__(self):
+        self.stats = SpecStats()               # stays empty: nothing is drafted
+
+    def attach(self, seq: Sequence) -> None:
+        pass
+
+    def draft_all(self, running: Iterable[Sequence], blocks: BlockManager) -> list[tuple[Sequence, Exception]]:
+        return []
+
+    @staticmethod
+    def fit_drafts(scheduled: list[tuple[Sequence, int]], queued: Iterable[Sequence]) -> None:
+        pass
+
+    def record(self, seq: Sequence, drafted: int, accepted: int, emitted: int) -> None:
+        pass
+
+    def verify(self, seq: Sequence, n: int, logits: np.ndarray, now: float, blocks: BlockManager) -> Verdict:
+        raise AssertionError("a draft to verify, but this engine does not speculate")
+
+
 class Verdict(NamedTuple):
     """What verifying one request's draft did. The Engine turns it into that request's StepOutput."""
     tokens: list[int]                 # appended to output_ids: the accepted drafts + the target's token, to the stop
@@ -89,6 +121,8 @@ class Speculator:
 
     def record(self, seq: Sequence, drafted: int, accepted: int, emitted: int) -> None:
         """Count one target forward of `seq` in its own stats and in the engine's total."""
+        if seq.spec is None:                   # (an engine's requests all have one; a stand-alone call may not)
+            return
         for stats in (seq.spec.stats, self.stats):
             stats.record(drafted, accepted)
             stats.emitted += emitted

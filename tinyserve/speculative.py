@@ -34,8 +34,9 @@ from .sampling import SamplingParams, probabilities, sample
 from .stopping import start_request
 
 # One more row in the verify forward, relative to a whole decode step. At batch 1 the weights are read once for
-# all rows, so each extra row costs its arithmetic (and attention) only: a few percent on this CPU (measured by
-# tools/bench_speculative.py). The adaptive k charges it to every drafted token, next to the drafter's own cost.
+# all rows, so each extra row costs its arithmetic (and attention) only: a few percent of a step
+# (tools/bench_speculative.py measures it). The adaptive k charges it to every drafted token, next to the drafter's
+# own cost.
 VERIFY_ROW_COST = 0.05
 
 

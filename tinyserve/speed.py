@@ -10,10 +10,10 @@ decode_run and prefill_run are the workloads every tokens/s of the course is mea
 tools/bench_variants.py, tools/quant_table.py, lesson 7).
 Next to each decode figure: the bytes one step must read (every weight once + the KV cache of the B sequences),
 and the share of the roofline bound B / (bytes / bandwidth) it reached, the bandwidth measured on the spot by
-roofline.measure_bandwidth (a float32 matrix-vector product over 256 MiB on BLAS's 2 threads: the access pattern of
-streaming weights). An earlier version summed an array in a Numba loop whose 16 running sums lived in an array LLVM
-could not keep in registers (it might alias the data): the loop ran scalar and reported ~12 GB/s where BLAS reads
-~27, flattering every roofline share by 2x. Measure the measuring instrument too.
+roofline.measure_bandwidth (a float32 matrix-vector product over a matrix far larger than the caches, on BLAS's
+threads: the access pattern of streaming weights). The instrument must read at the machine's speed: a Numba loop
+whose running sums live in an array LLVM cannot keep in registers (it might alias the data) runs scalar, reports
+a fraction of the bandwidth, and flatters every roofline share. Measure the measuring instrument too.
 """
 from __future__ import annotations
 
@@ -132,19 +132,18 @@ def format_report(models: dict[str, Model], results: dict[tuple[str, str], Sprea
 
 def main(args) -> int:
     """The `speed` subcommand (see __main__.build_parser)."""
-    from .quant import set_backend
+    from .backend import describe_kernels, set_backend
     from .weights import load_model
 
-    base = load_model(args.weights)
+    base = load_model(args.model)
     chosen = [b.strip() for b in args.backends.split(",")]
     unknown = [b for b in chosen if b not in BACKENDS]
     if unknown:
         raise ValueError(f"unknown backend(s) {unknown}; choose from {list(BACKENDS)}")
-    models = {label: set_backend(base, *BACKENDS[label], weights_dir=args.weights) for label in chosen}
+    models = {label: set_backend(base, *BACKENDS[label], weights_dir=args.model) for label in chosen}
     batches = tuple(int(b) for b in args.batches.split(",") if b)
     prefills = tuple(int(n) for n in args.prefills.split(",") if n)
-    from .kernels import isa
-    print(f"CPU: {cpu_name()}; {isa.describe()}; {args.rounds} interleaved rounds; decode: prompt 32, {args.new_tokens} "
+    print(f"CPU: {cpu_name()}; {describe_kernels()}; {args.rounds} interleaved rounds; decode: prompt 32, {args.new_tokens} "
           "new tokens")
     bandwidth = measure_bandwidth()
     results = run(models, batches, prefills, args.rounds, args.new_tokens)

@@ -323,8 +323,8 @@ def load_model(weights_dir: str | Path = DEFAULT_WEIGHTS_DIR, quant: str = FLOAT
 
     quant="int8" | "w8a8" | "w8a8-64" | "w4a8" quantises the matmul weights (lesson 7; int8 cached on disk beside the float32 ones)
     and backend="numba" runs them with the fused Numba kernels ("auto": the fastest accurate mode on this CPU,
-    quant.default_quant); the defaults give the float32 NumPy reference."""
-    from .quant import set_backend
+    backend.default_quant); the defaults give the float32 NumPy reference."""
+    from .backend import set_backend
     return set_backend(_load_float32(weights_dir), quant, backend, weights_dir)
 
 

@@ -88,7 +88,8 @@ def bench_kernels(repeats: int) -> None:
 def bench_model_step(repeats: int) -> None:
     """A decode step of SmolLM2 (30 layers) at context 1024, batch 1, K/V pool pre-filled with random values."""
     import tinyserve as ts
-    from tinyserve.paged import KVPool, get_paged_attention
+    from tinyserve.attention_backends import get_paged_attention
+    from tinyserve.paged import KVPool
 
     model = ts.load_model()
     cfg, ctx = model.config, 1024

@@ -32,10 +32,10 @@ ROWS = [  # (row name, quant mode, smoothed?)
 
 
 def build(base, smoothed_base, mode, smoothed):
-    from tinyserve import quant
+    from tinyserve import backend, quant
     if mode == "none":
         return base
-    return quant.set_backend(quant.quantize_model(smoothed_base if smoothed else base, mode), mode, "numba")
+    return backend.set_backend(quant.quantize_model(smoothed_base if smoothed else base, mode), mode, "numba")
 
 
 def main() -> int:

@@ -20,7 +20,7 @@ import numpy as np
 from tinyserve.gqa import grouped_attention  # noqa: F401
 from tinyserve.kv_cache import AttendFn, KVCache, KVCacheFull  # noqa: F401
 from tinyserve.model import Model, check_token_ids, forward as model_forward  # noqa: F401
-from tinyserve.paged import max_kv_positions  # noqa: F401
+from tinyserve.kv_sizing import max_kv_positions  # noqa: F401
 from tinyserve.sampling import SamplingParams, sample  # noqa: F401
 from tinyserve.stopping import start_request  # noqa: F401
 

@@ -11,7 +11,8 @@ import numpy as np
 
 # The pieces you may build on: the sampling distribution p, greedy choice, a one-number draw, the block allocator.
 from tinyserve.drafters import draw  # noqa: F401  (draw(probs [V], rng) -> one token id; probs need not sum to 1)
-from tinyserve.paged import BlockAllocator, blocks_for  # noqa: F401
+from tinyserve.kv_sizing import blocks_for  # noqa: F401
+from tinyserve.paged import BlockAllocator  # noqa: F401
 from tinyserve.sampling import SamplingParams, probabilities, sample  # noqa: F401
 
 

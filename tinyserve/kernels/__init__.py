@@ -1,13 +1,14 @@
 """Numba kernels: the fast backend. Each kernel has a NumPy reference elsewhere in tinyserve and passes the same
 tests; its docstring says what it does differently and the tolerance that follows from a different float order.
 
-Importing this package pins down three things that otherwise cost minutes, a 10x slowdown or wrong code:
+Importing this package pins down what otherwise costs minutes of compiling, a many-fold slowdown or wrong code:
 - which instruction set the kernels are built for (kernels/isa.py: the CPU's best, or TINYSERVE_KERNELS);
 - where compiled kernels are cached: NUMBA_CACHE_DIR defaults to <repo>/.numba_cache (kept out of git), one
-  folder per instruction set inside it, so only the first process pays the tens of seconds of JIT compilation
-  (~1 s to load from the cache) and a forced variant never loads another's kernels;
+  folder per instruction set inside it, so only the first process pays for the JIT compilation (the others load
+  the cached kernels) and a forced variant never loads another's kernels;
 - which thread pool runs a step: see `single_thread_blas()` and `check_threading_layer()`;
 - how long an idle OpenMP worker spins before it sleeps (GOMP_SPINCOUNT, below).
+The measurements behind each choice: docs/performance.md, "Why the kernels' constants are what they are".
 """
 from __future__ import annotations
 
@@ -37,13 +38,11 @@ if os.environ.get("NUMBA_CPU_FEATURES") and os.environ.get("NUMBA_CPU_FEATURES")
 if isa.FORCED_FEATURES is not None:          # a variant below this CPU's: compile for exactly its features
     os.environ["NUMBA_CPU_FEATURES"] = os.environ["TINYSERVE_PINNED_FEATURES"] = isa.FORCED_FEATURES
 
-# libgomp's workers (Numba's `omp` layer) spin after each parallel loop, by default 300,000 turns of `pause`
-# (estimated ~10-40 ms on recent x86) before they sleep. Alone on the machine that is harmless; beside another busy
-# program (a second engine, a test run, a browser) the spinning workers take the cores the other side's threads
-# need, and both collapse (a ~6 ms decode step took a median of 0.16-1.3 s beside a test run, 0.1 s with 10,000).
-# 30,000 turns (under a millisecond) outlast the ~0.3 ms of Python between two batch-1 decode steps, so the
-# worker is still awake when the next step starts instead of being woken each step (docs/performance.md, "Why the
-# kernels' constants are what they are").
+# libgomp's workers (Numba's `omp` layer) spin after each parallel loop, by default 300,000 turns of `pause`,
+# before they sleep. Alone on the machine that is harmless; beside another busy program (a second engine, a test
+# run, a browser) the spinning workers take the cores the other side's threads need, and both collapse. A tenth of
+# the default still outlasts the Python between two batch-1 decode steps, so the worker is awake when the next step
+# starts instead of being woken each step, and it sleeps long before another program's threads need the core.
 # libgomp reads it when it is loaded (Numba's first parallel loop); a value you set yourself is kept.
 if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
     os.environ["GOMP_SPINCOUNT"] = "30000"
@@ -61,9 +60,9 @@ _blas_held = threading.local()        # .depth: 1 inside single_thread_blas() on
 def check_threading_layer() -> str:
     """Which threading layer Numba picked; warns loudly if it is the slow `workqueue` fallback.
 
-    Only meaningful after the first parallel kernel has run (numba picks the layer lazily). `omp` dispatches
-    a parallel loop in ~1.5 µs, `workqueue` in ~80-90 µs: at ~30 layers x a few kernels per decode step,
-    that alone is several ms per token. Fix: install an OpenMP runtime (libgomp) or `tbb`.
+    Only meaningful after the first parallel kernel has run (numba picks the layer lazily). `workqueue` dispatches
+    a parallel loop tens of times slower than `omp`, and a decode step runs a few parallel loops per layer, so the
+    dispatch alone outweighs the step's arithmetic. Fix: install an OpenMP runtime (libgomp) or `tbb`.
     """
     global _threading_checked
     layer = numba.threading_layer()
@@ -80,13 +79,12 @@ def single_thread_blas():
     """Run the block with NumPy's BLAS (OpenBLAS) limited to one thread.
 
     Use it around every engine step when the numba backend is active. OpenBLAS keeps its own pthreads
-    spinning after a matmul; Numba's prange then starts its own threads on the same 2 cores, and the two pools
-    take turns evicting each other: a decode step measured ~10x slower (docs/performance.md). One pool for the hot path.
+    spinning after a matmul; Numba's prange then starts its own threads on the same cores, and the two pools take
+    turns evicting each other: a decode step runs many times slower. One pool for the hot path.
     Enter it once per step, not once per layer. The BLAS libraries are found once (threadpoolctl's
-    `threadpool_limits()` rescans every loaded library, ~0.75 ms each time); after that, entering and leaving
-    asks each library its thread count and sets it only if it is not 1 already, a few calls where threadpoolctl's
-    `limit()` on a kept controller runs through its bookkeeping (docs/performance.md, "The Python around a decode
-    step").
+    `threadpool_limits()` rescans every loaded library each time, which costs more than a small step's Python);
+    after that, entering and leaving asks each library its thread count and sets it only if it is not 1 already, a
+    few calls where threadpoolctl's `limit()` on a kept controller runs through its bookkeeping.
     """
     global _blas_libraries
     if getattr(_blas_held, "depth", 0):   # nested in this thread (the engine's step around the forward's): on already

@@ -34,12 +34,12 @@ from . import check_threading_layer
 from .key_chunks import CHUNK, chunk_softmax, combine, finish, fma32, transpose16
 from .simd import make_fma_microkernel, prefetch_l2
 
-TILE = CHUNK      # positions per step inside an item: kt is K*H*TILE*4 = 48 KiB for SmolLM2, cache-resident
+TILE = CHUNK      # positions per step inside an item: kt is K*H*TILE*4 bytes, small enough to stay in cache
 ROWS = 16         # query rows per work item: they share each transposed K chunk
 
 # A decode row's Q K^T and P V on the register-tiled microkernel (kernels/simd.py): its accumulators stay in
 # registers for the whole chain over d (scores) or j (P V). Written as loops over memory, s[j] = fma(q[d], kt[d, j],
-# s[j]) stores and reloads every score at every d, and each fma then waits for the store before it: ~3x slower.
+# s[j]) stores and reloads every score at every d, and each fma then waits for the store before it.
 # The query heads that share a KV head go through one call, up to HEADS at a time: each K (or V) vector loaded
 # serves them all, and their independent chains keep both FMA units busy. Each head's chain is still its own, in
 # the same order, from 0: the same bits (key_chunks' rule) whichever heads share the call.
@@ -93,8 +93,8 @@ def _weighted_values(r, s, s_off, vt, nc, pv, pv_off, H):
 @njit(cache=True, inline="always")
 def chunk_slots(block_tables, b, bs, c0, nc, slots):
     """slots[j] = the pool row of sequence b's position c0 + j, j < nc: block_tables[b, pos // bs] * bs + pos % bs,
-    walked block by block (one division per chunk: a division per position by the run-time block size was ~a
-    tenth of a decode row's attention). Every attention kernel here walks its chunks' slots with it."""
+    walked block by block: one division per chunk, where a division per position by the run-time block size would
+    cost a visible share of a decode row's attention. Every attention kernel here walks its chunks' slots with it."""
     blk = c0 // bs
     off = c0 - blk * bs
     base = block_tables[b, blk] * bs
@@ -209,8 +209,8 @@ def paged_attention_numba(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarra
 
 
 # A decode step (every sequence runs one new row) needs none of the machinery above: no row chunks, no causal mask
-# inside the step, and a context of tens to hundreds of positions. There the general kernel's per-item set-up was
-# most of its time: ~100 us per layer at batch 1 and a context of 100 (30 layers: ~3 ms of a ~10 ms step). This
+# inside the step, and a context of tens to hundreds of positions. There the general kernel's per-item set-up is
+# most of its time, a large share of a batch-1 step over all layers. This
 # kernel has one work item per (sequence, KV head), so each K chunk is transposed once for the g query heads that
 # share it; the arithmetic per (row, head) is the rule's, operation for operation.
 

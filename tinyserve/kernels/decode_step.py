@@ -1,11 +1,11 @@
 """A whole decode step in one Numba call: every layer, attention included, two threads meeting at spin barriers.
 
-Why. At batch 1 a decode step should cost what it takes to read the weights once (135 MB of int8, ~95 MB in W4A8:
-~3-5 ms at this machine's ~30 GB/s). The three fused calls per layer (kernels/layer.py) stream each matrix at full
-speed, yet the step took ~9 ms: 120 parallel loops start and join (~3 µs each), Python runs between them, and while
-one thread does the serial bits (a norm, RoPE, attention, a Python call) the memory system idles, so every matrix
-starts its stream cold. Measured on the same weights (lesson 7): the 121 matmuls of a step, called one by one, 4.5
-ms; the same matmuls in one call whose threads meet at barriers, 3.7 ms; the three-call layers, 5.3 ms.
+Why. At batch 1 a decode step should cost what it takes to read the weights once (roofline.py: the weights' bytes
+over the memory bandwidth). The three fused calls per layer (kernels/layer.py) stream each matrix at full speed, yet
+the step costs far more than that: a parallel loop starts and joins for every matmul, Python runs between them, and
+while one thread does the serial bits (a norm, RoPE, attention, a Python call) the memory system idles, so every
+matrix starts its stream cold. The same matmuls in one call whose threads meet at barriers keep the memory busy
+(lesson 7 measures the three ways; docs/performance.md, "Why the kernels' constants are what they are").
 
 How. `_decode_step_kernel` starts n threads once (`prange(n)`, one iteration per thread under OpenMP); each runs
 `_thread_step`: the whole forward, doing its share of each step and waiting for the others where the next step
@@ -68,13 +68,13 @@ from .spin import FAILED, HAS_CLOCK, SYNC_SIZE, TIMEOUT_CYCLES, barrier
 # rows per fused step: four weight tiles' worth (matmul.ROWS = 4 rows a tile), so that decode at batch 16 and a
 # speculative verify of k <= 15 drafts (k + 1 rows) run fused. The fused step's lead over the three-call path shrinks
 # with the rows (every thread norms and quantises every row for itself) and is level at 16 rows on a quiet machine;
-# but the three-call path starts ~120 parallel loops a step, and when another program holds one of the cores each of
-# them waits for it: there batch 16 ran ~5x slower three-call than fused (docs/performance.md, "Why the kernels'
-# constants are what they are").
+# but the three-call path starts a parallel loop for every matmul, and when another program holds one of the cores
+# each of them waits for it, so on a shared machine the fused step keeps its lead up to here.
 MAX_ROWS = 4 * ROWS
 
-# The K/V lines a thread asks into L2 at the start of a layer, for its first attention heads (a quarter of a 1 MiB
-# L2); each head's attention asks for the next one's as it starts (_attend_heads).
+# The K/V lines a thread asks into L2 at the start of a layer, for its first attention heads: a fraction of a
+# core's L2, so the weights streaming past do not evict them; each head's attention asks for the next one's as it
+# starts (_attend_heads).
 PREFETCH_LINES = 256 * 1024 // 64
 
 # From this many rows per thread on, the threads split the norms, SwiGLU and quantisation between them by rows (a
@@ -101,6 +101,50 @@ class DecodeWeights(NamedTuple):
     layers: PackedLayer    # every array [L, ...]: the layers' weights stacked
     final_norm: np.ndarray  # [D]
     lm_head: Packed        # [D, V]
+
+
+class StepThreads(NamedTuple):
+    """The threads of one step and where they meet (kernels/spin.py)."""
+    n: int                 # threads: one iteration of the parallel loop each
+    sync: np.ndarray       # [SYNC_SIZE] int64, zeroed: the barrier's counters, and FAILED if one timed out
+    timeout: int           # cycles a thread waits at a barrier before the step gives up
+
+
+class StepRows(NamedTuple):
+    """The step's rows as the layers take them in."""
+    x: np.ndarray          # [T, D] float32: the rows' embeddings, then their residual stream (updated in place)
+    cos: np.ndarray        # [T, H/2] float32: RoPE at each row's position
+    sin: np.ndarray        # [T, H/2]
+    eps: np.float32        # RMSNorm's epsilon
+    n_heads: int           # N (K and H come from the cache's shape)
+    w8a8: bool             # int8 activations (W8A8, W4A8) or float32 ones (W8A32)
+
+
+class KVView(NamedTuple):
+    """attention_backends.KVLayout as the kernel takes it: where each row's K/V live."""
+    k: np.ndarray             # [L, num_slots, K, H] float32
+    v: np.ndarray             # [L, num_slots, K, H]
+    block_tables: np.ndarray  # [T, max_blocks] int64: row t's sequence's block table
+    block_size: int
+    context_lens: np.ndarray  # [T] int64: the positions row t attends to, its own the last
+
+
+class Shared(NamedTuple):
+    """The buffers every thread of a step reads and writes (each element has one writer between two barriers)."""
+    qkv: np.ndarray        # [T, (N + 2K) H] float32
+    q: np.ndarray          # [T, N, H]: roped queries
+    a: np.ndarray          # [T, N, H]: attention's output
+    gu: np.ndarray         # [T, 2F]: gate | up
+    logits: np.ndarray     # [T, V]
+    # the matmuls' inputs, normed / quantised, when the threads split the rows between them (_thread_step)
+    h: np.ndarray          # [T, D] float32: RMSNorm(x) (W8A32)
+    act: np.ndarray        # [T, F] float32: swiglu(gu)
+    xu: np.ndarray         # [T, D] uint8: RMSNorm(x) quantised (int8 activations)
+    au: np.ndarray         # [T, F] uint8: swiglu(gu) quantised
+    ou: np.ndarray         # [T, N H] uint8: attention's output quantised
+    sx: np.ndarray         # [T, nb] float32: xu's scales (nb per row: the matrix's activation blocks)
+    so: np.ndarray         # [T, nb]: ou's
+    sd: np.ndarray         # [T, nb]: au's
 
 
 @njit(cache=True)
@@ -133,9 +177,9 @@ def _attend_heads(q, k_rows, v_rows, block_tables, bs, context_lens, lo, hi, a, 
 @njit(cache=True)
 def _prefetch_kv(k_rows, v_rows, block_tables, bs, context_lens, N, lo, hi, max_lines):
     """Ask into L2 the K and V rows that this thread's attention heads lo .. hi will read (every position but the
-    new one, which RoPE writes), before the layer's first matmul: by the attention they have arrived. (The weights
-    stream ~130 MB through the caches every step, so the K/V of the last step are long gone; read on demand they
-    cost the attention ~2x its warm time.)"""
+    new one, which RoPE writes), before the layer's first matmul: by the attention they have arrived. (Every step
+    streams all the weights through the caches, so the K/V of the last step are long gone; read on demand they
+    cost the attention a multiple of its warm time.)"""
     K, H = k_rows.shape[1], k_rows.shape[2]
     g = N // K
     kf, vf = k_rows.reshape(-1), v_rows.reshape(-1)
@@ -167,12 +211,14 @@ def _share(wt, h, xu, sx, out, accumulate, tid, n_threads, acc):
 
 
 @njit(cache=True, error_model="numpy")   # SiLU's divisions vectorise (see layer.SWIGLU_KERNEL)
-def _thread_step(tid, n_threads, sync, timeout, w8a8, x, cos, sin, eps, weights, k_pool, v_pool,
-                 block_tables, bs, context_lens, qkv, q, a, gu, logits, inputs):
+def _thread_step(tid, threads, rows, weights, kv, shared):
     """One thread's part of the decode step (see the module docstring); returns early if a barrier fails.
-    weights: DecodeWeights (the layers' arrays stacked [L, ...]). x [T, D], qkv [T, (N + 2K) H], q and a
-    [T, N, H], gu [T, 2F], logits [T, V] are shared by the threads (every element has one writer between two
-    barriers). inputs: the shared buffers of the matmuls' inputs (h, act, xu, au, ou, sx, so, sd; see below)."""
+    threads: StepThreads; rows: StepRows; weights: DecodeWeights (the layers' arrays stacked [L, ...]); kv: KVView;
+    shared: Shared, the buffers all threads write (every element has one writer between two barriers)."""
+    n_threads, sync, timeout = threads.n, threads.sync, threads.timeout
+    x, cos, sin, eps, w8a8 = rows.x, rows.cos, rows.sin, rows.eps, rows.w8a8
+    k_pool, v_pool, block_tables, bs, context_lens = kv.k, kv.v, kv.block_tables, kv.block_size, kv.context_lens
+    qkv, q, a, gu, logits = shared.qkv, shared.q, shared.a, shared.gu, shared.logits
     lw = weights.layers
     T, D = x.shape
     L, K, H = k_pool.shape[0], k_pool.shape[2], k_pool.shape[3]
@@ -181,16 +227,17 @@ def _thread_step(tid, n_threads, sync, timeout, w8a8, x, cos, sin, eps, weights,
     F = gu.shape[1] // 2
     # The normed / quantised input of the next matmul. Few rows: each thread makes all of it for itself, in its own
     # buffers (cheaper than a barrier). From SPLIT_ROWS rows a thread on: each makes its share of the rows into the
-    # shared ones (`inputs`, made by _decode_step_kernel), and a barrier waits for the rest. Same arithmetic per
-    # row either way.
+    # shared ones (`shared`, made by _step_threads), and a barrier waits for the rest. Same arithmetic per row
+    # either way.
     split = T >= SPLIT_ROWS * n_threads and n_threads > 1
     if split:
-        h, act, xu, au, ou, sx, so, sd = inputs
+        h, act, xu, au, ou = shared.h, shared.act, shared.xu, shared.au, shared.ou
+        sx, so, sd = shared.sx, shared.so, shared.sd
         rows_lo, rows_hi = thread_share(T, tid, n_threads)
     else:
         h, act = np.empty((T, D), np.float32), np.empty((T, F), np.float32)
         xu, au, ou = np.empty((T, D), np.uint8), np.empty((T, F), np.uint8), np.empty((T, N * H), np.uint8)
-        sx, so, sd = (np.empty_like(inputs[5]), np.empty_like(inputs[6]), np.empty_like(inputs[7]))
+        sx, so, sd = (np.empty_like(shared.sx), np.empty_like(shared.so), np.empty_like(shared.sd))
         rows_lo, rows_hi = 0, T
     acc = np.empty(ROWS * COLS * BLOCK, np.float32)              # a tile's scratch (every kind's tiles: float32)
     att_f, att_i = decode_scratch(g, H)                          # attention's scratch
@@ -258,26 +305,65 @@ def _thread_step(tid, n_threads, sync, timeout, w8a8, x, cos, sin, eps, weights,
 
 
 @njit(cache=True, parallel=True)
-def _decode_step_kernel(n_threads, sync, timeout, w8a8, x, cos, sin, eps, attn_norm, wqkv, wo, mlp_norm, wgu, wdown,
-                        final_norm, lm_head, k_pool, v_pool, block_tables, bs, context_lens, n_heads, logits):
-    """The threads of one step. The weights come as DecodeWeights' parts (decode_step() unpacks them): a parallel
-    loop passes a named tuple into its body only if it is an argument of the function and holds no tuples itself,
-    so DecodeWeights is put together inside the loop, once per thread."""
-    T, L, K, H = x.shape[0], k_pool.shape[0], k_pool.shape[2], k_pool.shape[3]
-    qkv = np.empty((T, (n_heads + 2 * K) * H), np.float32)      # the threads' shared intermediate results
-    q, a = np.empty((T, n_heads, H), np.float32), np.empty((T, n_heads, H), np.float32)
-    gu = np.empty((T, wgu.w.shape[1] * BLOCK), np.float32)      # [T, 2F]
-    D, F, NH = x.shape[1], wgu.w.shape[1] * BLOCK // 2, n_heads * H
-    # the matmuls' inputs, normed / quantised (the activation scales: nb per row of each matrix's input, int8
-    # kinds' blocks [L, nb, 0]; W8A32: unused), shared when the threads split their rows (_thread_step)
-    inputs = (np.empty((T, D), np.float32), np.empty((T, F), np.float32), np.empty((T, D), np.uint8),
-              np.empty((T, F), np.uint8), np.empty((T, NH), np.uint8), np.empty((T, wqkv.blocks.shape[1]), np.float32),
-              np.empty((T, wo.blocks.shape[1]), np.float32), np.empty((T, wdown.blocks.shape[1]), np.float32))
-    for tid in prange(n_threads):                  # one iteration per thread: the threads start once per step
+def _step_threads(threads, rows, kv, logits, attn_norm, wqkv, wo, mlp_norm, wgu, wdown, final_norm, lm_head):
+    """The threads of one step. A parallel loop takes a named tuple into its body only if the tuple holds no tuples
+    itself: the flat ones (threads, rows, kv, Shared, each packed matrix) pass as they are, DecodeWeights as its
+    parts (_decode_step_kernel unpacks it), put together again inside the loop, once per thread."""
+    T, K, H = rows.x.shape[0], kv.k.shape[2], kv.k.shape[3]
+    N = rows.n_heads
+    D, F, NH = rows.x.shape[1], wgu.w.shape[1] * BLOCK // 2, N * H
+    # the activation scales: nb per row of each matrix's input (int8 kinds' blocks [L, nb, 0]; W8A32: unused)
+    shared = Shared(np.empty((T, (N + 2 * K) * H), np.float32), np.empty((T, N, H), np.float32),
+                    np.empty((T, N, H), np.float32), np.empty((T, wgu.w.shape[1] * BLOCK), np.float32), logits,
+                    np.empty((T, D), np.float32), np.empty((T, F), np.float32), np.empty((T, D), np.uint8),
+                    np.empty((T, F), np.uint8), np.empty((T, NH), np.uint8),
+                    np.empty((T, wqkv.blocks.shape[1]), np.float32), np.empty((T, wo.blocks.shape[1]), np.float32),
+                    np.empty((T, wdown.blocks.shape[1]), np.float32))
+    for tid in prange(threads.n):                  # one iteration per thread: the threads start once per step
         weights = DecodeWeights(PackedLayer(attn_norm, wqkv, wo, mlp_norm, wgu, wdown), final_norm, lm_head)
         # (tid is unsigned in the loop Numba generates and signed where it types the body: one type, one compile)
-        _thread_step(np.int64(tid), n_threads, sync, timeout, w8a8, x, cos, sin, eps, weights, k_pool, v_pool,
-                     block_tables, bs, context_lens, qkv, q, a, gu, logits, inputs)
+        _thread_step(np.int64(tid), threads, rows, weights, kv, shared)
+
+
+@njit(cache=True)
+def _decode_step_kernel(threads, rows, weights, kv, logits):
+    """The fused decode step: logits [T, V] of the rows (StepRows) through every layer of `weights`
+    (DecodeWeights), their K/V written where `kv` (KVView) says, by `threads` (StepThreads)."""
+    lw = weights.layers
+    _step_threads(threads, rows, kv, logits, lw.attn_norm, lw.qkv, lw.o, lw.mlp_norm, lw.gate_up, lw.down,
+                  weights.final_norm, weights.lm_head)
+
+
+_KERNEL = _decode_step_kernel            # the compiled one (a test or lesson 7's timer may put a stand-in in its place)
+
+
+def _type_key(value) -> object:
+    """What Numba's type of an argument depends on (numba.typeof: an array's dtype, dimensions, layout and
+    writability; a scalar's type; a named tuple's class and fields), read without typing it."""
+    if isinstance(value, np.ndarray):
+        f = value.flags
+        return type(value), value.dtype.str, value.ndim, f.c_contiguous, f.f_contiguous, f.writeable
+    if isinstance(value, tuple):
+        return type(value), *map(_type_key, value)
+    return type(value)
+
+
+def _run_kernel(fw, threads: StepThreads, rows: StepRows, kv: KVView, logits: np.ndarray) -> None:
+    """_decode_step_kernel(threads, rows, fw.decode, kv, logits). Numba's dispatcher types every named tuple of a
+    call in Python, which costs a visible share of a batch-1 step; so the first call of each argument type goes
+    through it (compiling or loading the kernel) and the compiled entry point it picked is kept on the model's
+    FastWeights, keyed by what the types depend on (_type_key; the weights' types are the model's own)."""
+    args = (threads, rows, fw.decode, kv, logits)
+    if _decode_step_kernel is not _KERNEL:
+        _decode_step_kernel(*args)
+        return
+    key = (_type_key(threads), _type_key(rows), _type_key(kv), _type_key(logits))
+    entry = fw.decode_entries.get(key)
+    if entry is not None:
+        entry(*args)
+        return
+    _KERNEL(*args)
+    fw.decode_entries[key] = _KERNEL.overloads[tuple(map(_KERNEL.typeof_pyval, args))].entry_point
 
 
 _disabled_reason: str | None = None      # set when a step failed: every later step takes the three-call path
@@ -323,12 +409,11 @@ def decode_step(model, tokens: np.ndarray, layout: KVLayout) -> np.ndarray | Non
     logits = np.empty((T, fw.lm_head.w.shape[0] * BLOCK), np.float32)             # [T, V]
     sync = np.zeros(SYNC_SIZE, np.int64)
     n_threads = threads()
-    w = fw.decode
-    args = (n_threads, sync, TIMEOUT_CYCLES, is_w8a8(fw.mode), x, model.rope_cos[positions], model.rope_sin[positions],
-            np.float32(cfg.norm_eps), *w.layers, w.final_norm, w.lm_head, layout.k, layout.v, layout.block_tables,
-            layout.block_size, layout.context_lens, cfg.n_heads, logits)
+    rows = StepRows(x, model.rope_cos[positions], model.rope_sin[positions], np.float32(cfg.norm_eps), cfg.n_heads,
+                    is_w8a8(fw.mode))
+    kv = KVView(layout.k, layout.v, layout.block_tables, layout.block_size, layout.context_lens)
     try:
-        _decode_step_kernel(*args)
+        _run_kernel(fw, StepThreads(n_threads, sync, TIMEOUT_CYCLES), rows, kv, logits)
     except Exception as e:                 # it failed to compile for this CPU (the step itself raises nothing)
         if _decode_step_kernel.signatures:
             raise

@@ -112,10 +112,10 @@ def _attention(q, k, v, out):
 
 @njit(cache=True)
 def _few_rows_attention(q, k, v, out):
-    """The same for a few new rows (decode: m = 1), on one thread: one row is ~0.1 M multiply-adds per layer at a
-    context of 100, less than waking the thread pool costs, and ~30x less than NumPy's ten calls per layer spend on
-    dispatch. Each row is a decode row of the paged kernel (attention.decode_attention_heads) over a cache of one
-    block: the contiguous K/V."""
+    """The same for a few new rows (decode: m = 1), on one thread: one row is N H S multiply-adds twice per layer,
+    less than waking the thread pool costs, and far less than NumPy's ten calls per layer spend on dispatch. Each
+    row is a decode row of the paged kernel (attention.decode_attention_heads) over a cache of one block: the
+    contiguous K/V."""
     m, N, _ = q.shape
     S, K, _ = k.shape
     block_tables = np.zeros((m, 1), np.int64)

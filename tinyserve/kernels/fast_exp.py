@@ -3,8 +3,9 @@ of a row (the softmax's shift). Attention's exp + sum of a chunk is kernels/key_
 
 exp(x) = 2^(x log2 e) = 2^k * 2^f with k = round(x log2 e) and |f| <= 1/2; 2^f = e^(f ln 2) by its Taylor series
 to degree 6 (relative error < 2e-7, about float32's epsilon). Why not math.exp: LLVM can only call it one number at
-a time (~20 ns each), and a prefill layer needs ~1 M of them in attention alone. This form is plain arithmetic that
-LLVM turns into 16-wide SIMD; 2^k is built from its bits (exponent field k + 127, kernels/simd.py's bits_float).
+a time, and a prefill layer needs one per query row and key position in attention alone. This form is plain
+arithmetic that LLVM turns into 16-wide SIMD; 2^k is built from its bits (exponent field k + 127, kernels/simd.py's
+bits_float).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def exp32(x):
 
 
 # The max of a row, m = max(m, x[i]), stays scalar as a float loop: a NaN could sit in any lane, so LLVM will not
-# reorder the compares into 16 lanes (~7x slower, lesson 7's trap 5). Over int32 it does. A float32's bits read as
+# reorder the compares into 16 lanes (lesson 7's trap 5). Over int32 it does. A float32's bits read as
 # an int32, with the negative ones flipped, sort exactly like the floats: take the max over those.
 
 @njit(cache=True, inline="always")

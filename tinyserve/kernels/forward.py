@@ -3,21 +3,21 @@ and backend="numba". backend.forward calls it; it returns the same logits as the
 quantised weights (tinyserve.quant): W8A8 bit for bit under the same attention, W8A32 within ~1e-6 relative (its
 matmuls and norms sum in another order; tests/test_quant.py).
 
-What it does differently, and why each pays (lesson 7 measures them):
+What it does differently, and why each pays (lesson 7 measures them; docs/performance.md has the numbers):
 - A layer is three fused Numba calls (kernels/layer.py) around the strategy's attention, for both modes: at decode
   the ~20 NumPy calls and 9 kernel launches of a layer written step by step cost more than their arithmetic.
 - Q|K|V are one matrix [D, (N + 2K) H] and gate|up one [D, 2F]: a decode step launches 4 matmuls per layer
   instead of 7, and the small K and V projections (192 columns) no longer pay a kernel launch each.
 - The O and down projections add into the residual stream in place (`accumulate=True`): no temporary.
 - Everything runs on Numba's thread pool; NumPy's BLAS (used by the attention reference) is held at one thread
-  for the whole forward, so two pools never fight over the 2 cores (docs/performance.md: that trap costs ~10x).
+  for the whole forward, so two pools never fight over the cores (a many-fold slowdown when they do).
 - A step of up to 16 rows that all need logits (decodes of up to 16 sequences, or a speculative verify) whose strategy
   says where its K/V live (backend.forward's `kv_layout`) runs as one call for all layers (kernels/decode_step.py):
-  1.2-1.5x faster at batch 1 than the three calls per layer.
+  faster at batch 1 than the three calls per layer, which start a parallel loop for every matmul.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -35,17 +35,15 @@ from .matmul import W8A8Weights, W8A32Weights, act_blocks_of, pack_vnni, pack_w4
 # kernels/key_chunks.py), a row's logits the same bits whoever shares its step. np.exp: NumPy's, which makes the path
 # the NumPy W8A8 reference bit for bit (tests/test_quant.py and others set it to prove that; the reference's SiLU is
 # np.exp, and a last-bit difference before rounding to int8 can move an activation a whole int8 step). Why not NumPy
-# by default: it ran on one thread while the other idled (~6 % of a prefill; docs/performance.md, "Why the kernels'
-# constants are what they are"); exp32 runs in the kernel's parallel row loop. Called as
+# by default: it runs on one thread while the others idle; exp32 runs in the kernel's parallel row loop. Called as
 # silu_exp(x, out=x), into a buffer the forward keeps for all layers.
 silu_exp = None
 
 # From this many rows on, a W8A32 forward multiplies float32 copies of the dequantised weights with BLAS instead of
 # running the int8 tiles, on the variants where the tiles cannot beat BLAS at many rows: the `generic` ones (plain
-# loops LLVM vectorises, no byte dot product): there the tiles reach 0.5-0.8x float32 BLAS at 8-512 rows, while at
-# batch 16 decode they are ~2x float32, because they read 4x fewer bytes (docs/performance.md, "Why the kernels'
-# constants are what they are"). The copies (4 bytes per weight) are made on the first such forward. The other
-# variants' tiles beat BLAS at every row count measured, so they never take this path.
+# loops LLVM vectorises, no byte dot product): there the tiles are slower than float32 BLAS from a few rows on, while
+# at batch 16 decode they are faster, because they read 4x fewer bytes. The copies (4 bytes per weight) are made on
+# the first such forward. The other variants' tiles beat BLAS at every row count, so they never take this path.
 BLAS_FROM_ROWS = {"generic": 32}
 
 
@@ -56,6 +54,8 @@ class FastWeights:
     lm_head: Packed        # [D, V]
     decode: DecodeWeights
     float32: object | None = None   # quant.dequantize_model(model), made on first use (BLAS_FROM_ROWS)
+    decode_entries: dict = field(default_factory=dict)   # the fused step's compiled entry by argument types
+                                                           # (decode_step._run_kernel)
 
 
 def _pack(mode: str, *qs) -> Packed:
@@ -80,7 +80,7 @@ def _stack(matrices: list[Packed]) -> tuple[Packed, list[Packed]]:
 
 
 def prepare(model) -> FastWeights:
-    """Pack a quantised model's weights for the kernels (once per model; ~1 s for SmolLM2)."""
+    """Pack a quantised model's weights for the kernels (once per model, before anything is timed)."""
     mode = model.quant
     qkv, qkv_l = _stack([_pack(mode, w.wq, w.wk, w.wv) for w in model.layers])
     o, o_l = _stack([_pack(mode, w.wo) for w in model.layers])

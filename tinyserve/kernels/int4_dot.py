@@ -3,8 +3,8 @@
 SmolLM2's layers come as Q4_1: for each run of 32 inputs of an output channel, 32 nibbles q (0..15) and two float16,
 a scale d and a minimum m, so that w = d * q + m. The float32 model (weights.py) is those values, exactly; the int8
 modes round them again (to 127 steps of a per-channel scale) and read 8 bits per weight where 4.5 carry it. At
-batch 1 a decode step reads every weight once, so bytes are time: 4-bit layers make a step read ~95 MB instead of
-~135 MB (tinyserve.quant: bytes_per_decode_step).
+batch 1 a decode step reads every weight once, so bytes are time: 4-bit layers make a step read about two thirds
+of int8's bytes (tinyserve.quant: bytes_per_decode_step).
 
 Per block b of 32 inputs, output o (x: activations quantised per block of 32, xq = int8, scale sx[b]):
 
@@ -110,8 +110,8 @@ def _opaque(builder, value):
     """value, hidden from LLVM's optimiser behind an empty inline assembly (no instruction is emitted, on any CPU).
     The tile's loop over a block's 4 pairs of steps gets this as its trip count: a loop of a known 4 trips is
     unrolled, and its scheduler then issues every load of the block first and spills what it loaded to the stack
-    (~900 stack accesses in the 4 x 4 avx2 tile); kept a loop, each pair's values live one pair long, and the tile
-    is ~1.5x faster (docs/performance.md, "A loop the compiler knows too well")."""
+    (hundreds of stack accesses in the 4 x 4 avx2 tile); kept a loop, each pair's values live one pair long, and the
+    tile runs faster (docs/performance.md, "A loop the compiler knows too well")."""
     return builder.asm(ir.FunctionType(value.type, [value.type]), "", "=r,0", [value], False)
 
 

@@ -15,8 +15,7 @@ order, the same floats: W8A8 stays bit-identical to the NumPy reference.
 
 The offset sits on the weights, not on the activations: the correction is then one number per row and block (xsum,
 from the row the tile has at hand) instead of one per output and block (the weights' sums, an [nb, O] table that
-a 1-row matmul read from memory beside the weights: 3.5 MB of the LM head's 32, on a stride of O, which made it
-stream ~25 % slower).
+a 1-row matmul would read from memory beside the weights, on a stride of O, slowing the stream).
 
     avx512vnni, avxvnni   vpdpbusd(acc, w, x): 4 products u8 x s8 per 32-bit lane, summed into it. An unsigned
                           operand is why the weights are flipped to w + 128 (w ^ 0x80, in the register: TILE_OFFSET
@@ -53,11 +52,10 @@ _I1, _I8, _I16, _I32 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(
 
 # Software prefetch, on the first row pass over a tile: each weight line of the *next* tile (the same position, C
 # blocks further on: the next tile of this thread's share) is asked into L2 while this one computes. A tile's C
-# streams are short (D x 16 bytes each: 9 KiB at D = 576), so the hardware prefetcher meets a fresh set of streams at
-# every tile and starts each cold; one tile ahead, they are in L2 when the tile begins. Into L2, not L1 (locality 2,
-# prefetcht1): a tile ahead is 36-96 KiB, more than L1 holds. It made the 1-row fused step 15-40 % faster; the rule
-# it replaced (each stream 1 KiB ahead, into L1) was the slowest of four tried (docs/performance.md, "Why the
-# kernels' constants are what they are").
+# streams are short (D x 16 bytes each), so the hardware prefetcher meets a fresh set of streams at every tile and
+# starts each cold; one tile ahead, they are in L2 when the tile begins. Into L2, not L1 (locality 2, prefetcht1): a
+# tile ahead is more than L1 holds. Of the prefetch rules tried this one makes the 1-row fused step fastest
+# (docs/performance.md, "Why the kernels' constants are what they are").
 PREFETCH_LOCALITY = 2
 TILE_OFFSET = 128 if isa.NAME in ("avx512vnni", "avxvnni") else 0
 

@@ -3,12 +3,12 @@
 Your CPU is not mine. An int8 matmul is a pile of byte multiply-adds, and each instruction set multiplies bytes its
 own way (kernels/int8_dot.py); the register file decides how large a tile of accumulators can stay in registers:
 
-    variant      CPUs                                    int8 dot product               vector  registers
-    avx512vnni   Intel since Cascade Lake, AMD 2022+     vpdpbusd zmm: 64 MACs, 1 op    64 B    32
-    avxvnni      Intel since Alder Lake, AMD 2024+       vpdpbusd ymm: 32 MACs, 1 op    32 B    16
-    avx2         Intel since Haswell, AMD since Zen 1    vpmaddubsw + vpmaddwd (+ sign  32 B    16
+    variant      CPUs (docs/performance.md names them)   int8 dot product               vector  registers
+    avx512vnni   x86 with AVX-512 VNNI                   vpdpbusd zmm: 64 MACs, 1 op    64 B    32
+    avxvnni      x86 with AVX-VNNI (256-bit)             vpdpbusd ymm: 32 MACs, 1 op    32 B    16
+    avx2         x86 with AVX2 and FMA                   vpmaddubsw + vpmaddwd (+ sign  32 B    16
                                                          trick): 32 MACs, 4 ops
-    neon         arm64 with dotprod (Apple M, Graviton)  sdot: 16 MACs, 1 op            16 B    32
+    neon         arm64 with the dot-product extension    sdot: 16 MACs, 1 op            16 B    32
     generic      anything else                           plain loops LLVM vectorises    16 B    16
 
 TINYSERVE_KERNELS=<variant> forces one the CPU can run (the tests run every such variant; `make bench` can measure

@@ -62,7 +62,7 @@ def lane_sum(typingctx, x, n):
     """sum(x[:n]) of a contiguous float32 array in a fixed order: lane i of 16 adds x[i], x[i + 16], ... in turn,
     from 0 (the last, partial run: the lanes below n % 16 only), then the 16 lanes fold in halves (lane i + 8 onto
     lane i, then i + 4, ...). Written as LLVM IR so the 16 running sums stay in one vector register: as a Numba loop
-    over a scratch array they went through memory, ~10x slower (a third of a prefill softmax's time), same bits.
+    over a scratch array they would go through memory, many times slower, for the same bits.
     It reads from the array's data pointer, so it takes only a C-contiguous 1-d float32 array (a row of a C array, or
     a slice of one along its last axis, as its callers pass): anything else fails to compile instead of being summed
     with the wrong stride."""

@@ -1,8 +1,8 @@
 """A W8A8 (or W4A8) LLaMA layer in three Numba calls (plus attention).
 
-At decode a layer is ~10 small steps (norm, quantise, matmul, RoPE, ...), each a few microseconds of work; called
-one by one from Python they cost more in call overhead than in arithmetic (~5 ms of a ~15 ms step, measured with
-one thread). Here each run of steps between two things Numba cannot do for us becomes one call:
+At decode a layer is about ten small steps (norm, quantise, matmul, RoPE, ...), each a few microseconds of work;
+called one by one from Python they cost more in call overhead than in arithmetic. Here each run of steps between
+two things Numba cannot do for us becomes one call:
 
     pre_attention   RMSNorm -> quantise -> [Q|K|V] matmul -> RoPE             x -> q, k, v
     (attention: the strategy's function: KV cache, paged blocks, ...)
@@ -158,8 +158,9 @@ def post_attention(x, a, wo, norm_w, eps, wgu, gu):
 
 # SiLU divides by 1 + e^-g, a different number for every element. Numba's default error model checks every such
 # division for zero (to raise ZeroDivisionError like Python), and that branch keeps LLVM from vectorising the loop:
-# ~6x slower per row than under NumPy's model (a zero divisor gives inf, as in NumPy; here it cannot be zero), with
-# the same float32 divisions and the same bits (docs/performance.md, "Why the kernels' constants are what they are").
+# several times slower per row than under NumPy's model (a zero divisor gives inf, as in NumPy; here it cannot be
+# zero), with the same float32 divisions and the same bits (docs/performance.md, "Why the kernels' constants are what
+# they are").
 SWIGLU_KERNEL = dict(cache=True, parallel=True, error_model="numpy")
 
 

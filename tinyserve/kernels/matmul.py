@@ -34,7 +34,7 @@ BLOCK = 16            # output channels per packed block: one vector of 16 int32
 ROWS = 4              # R: rows (tokens) per tile: each weight load serves 4 rows
 COLS = 4              # C: packed blocks per tile: each activation broadcast serves 4 x 16 = 64 outputs
 WIDE_ROWS = 6         # W8A32 prefill tile: 6 x 4 accumulators + 4 weight vectors of the 32 registers
-WIDE_CHUNK = 288      # W8A32 prefill: rows per work item (a multiple of WIDE_ROWS; 96 measured 15 % slower)
+WIDE_CHUNK = 288      # W8A32 prefill: rows per work item (a multiple of WIDE_ROWS; smaller chunks widen more often)
 WIDE_MIN_ROWS = 32    # from this many rows on, W8A32 widens each weight group once instead of in every tile
 
 
@@ -141,14 +141,14 @@ def _quantize_row(h, xu_row, sx_row):
     nb = sx_row.shape[0]
     kb = h.shape[0] // nb
     for b in range(nb):     # (each loop over range(kb), indexed lo + i: as range(b * kb, (b + 1) * kb) the two
-        lo = b * kb         # loops ran 4x slower, same bits: docs/performance.md, "A loop's bounds")
+        lo = b * kb         # loops do not vectorise, same bits: docs/performance.md, "A loop's bounds")
         top = np.int32(0)                    # max |h[i]| over the bits with the sign cleared: an integer max
         for i in range(kb):                  # vectorises, a float one does not (fast_exp.row_max; no NaN here)
             top = max(top, float_bits(h[lo + i]) & np.int32(0x7FFFFFFF))
         amax = bits_float(top)
         s = amax / np.float32(127.0) if amax > 0 else np.float32(1.0)
         for i in range(kb):                  # clamped as a float, then one conversion (as quant.quantize_rows:
-            q = np.floor(h[lo + i] / s + np.float32(0.5))   # math.floor's int64 and an integer clamp ran 1.5x slower)
+            q = np.floor(h[lo + i] / s + np.float32(0.5))   # math.floor's int64 and an integer clamp are slower)
             xu_row[lo + i] = np.uint8(np.int32(min(max(q, np.float32(-127.0)), np.float32(127.0))) + 128)
         sx_row[b] = s
 
@@ -276,7 +276,7 @@ def w8a32_tile(xf, wf, sw, out, accumulate, D, r0, nr, b0, nc, acc):
 # At prefill the kernel above is compute-bound, and a third of its vector instructions are not multiply-adds: every
 # tile widens its 4 weight vectors (int8 -> int32 -> float32, two instructions each) for only 4 rows. Here a work
 # item (a group of COLS blocks, a chunk of WIDE_CHUNK rows) widens its weights once into a float32 scratch that
-# stays in L2 (D x 64 x 4 bytes: 147 KB at D = 576), then sweeps its rows with the plain float tile, 6 rows per
+# stays in L2 (D x 64 x 4 bytes), then sweeps its rows with the plain float tile, 6 rows per
 # weight load. Each output still sums x[t, i] * w[i] for i = 0, 1, ... with one fma per step, so the result is
 # bit-identical to _matmul_w8a32's; only the instruction mix changes. It reaches the speed of OpenBLAS's float32
 # sgemm on the same shape, the CPU's fp32 FMA peak (docs/performance.md, "Why the kernels' constants are what they
@@ -538,7 +538,7 @@ def matmul_blocks(wt, x, xu, sx, out, accumulate, b_lo, b_hi, acc):
     """The matmul restricted to output blocks b_lo .. b_hi (every row), on the calling thread: one thread's share of
     a matmul in kernels/decode_step.py, which has both forms of its rows at hand (x float32, xu + sx quantised; the
     kind reads its own). acc: float32 scratch [ROWS * COLS * 16]. A function call, not inlined: the decode step has
-    5 matmuls per mode, and inlining the tiles into each made its first compile take ~70 s."""
+    5 matmuls per mode, and inlining the tiles into each would multiply its first compile's time."""
     a = _input(wt, x, xu)
     T, D = a.shape
     at, xs = _tile_inputs(wt, a, sx)

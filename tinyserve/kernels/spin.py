@@ -1,8 +1,8 @@
 """Threads that meet without leaving Numba: a spin barrier over atomic integers (kernels/decode_step.py uses it).
 
 A `prange` loop is a fork and a join: Numba hands the iterations to its worker threads and waits until all are done.
-That costs ~3 µs per loop, and the loop has to end wherever the next step needs *all* of this step's results
-(a matmul needs the whole input row): at decode, 4 loops per layer, 120 per token, plus a Python call around each.
+That costs microseconds per loop, and the loop has to end wherever the next step needs *all* of this step's results
+(a matmul needs the whole input row): at decode, 4 loops per layer, 4 L per token, plus a Python call around each.
 Worse, between two loops the memory system idles while one thread does the serial bits.
 
 The other way, the one llama.cpp's CPU backend takes: start the threads once per step, give each a fixed share of
@@ -11,8 +11,8 @@ every matmul, and let them wait for each other at a *barrier* when the next step
     arrive:  gen = generation;  if I am the last to arrive (count + 1 == n): count = 0, generation += 1
              else: spin until generation != gen
 
-A barrier costs ~0.1-0.5 µs when the threads arrive together. It needs atomic read-modify-write on shared
-integers, which Numba does not offer; the intrinsics below emit LLVM's `atomicrmw` / atomic load and store.
+A barrier costs a fraction of a fork and join when the threads arrive together. It needs atomic read-modify-write
+on shared integers, which Numba does not offer; the intrinsics below emit LLVM's `atomicrmw` / atomic load and store.
 
 The catch: a barrier is only safe if all n threads really run at the same time. OpenMP (Numba's `omp` threading
 layer) guarantees that for the threads of one parallel loop; TBB does not (it may run two iterations one after the
@@ -37,15 +37,15 @@ from .isa import ARCH
 # layout of the int64 `sync` array: each field on its own 64-byte cache line, so that spinning on one does not
 # slow the atomic increments of another
 COUNT, GENERATION, FAILED, SYNC_SIZE = 0, 8, 16, 24
-# a wait this long means a partner never came: ~3-5 s of x86's time-stamp counter (2-3 GHz), 4-10 s of arm64's
-# generic timer at 24-62 MHz (Apple, Graviton 2/3), 0.25 s where it runs at 1 GHz
+# a wait this long means a partner never came: seconds of x86's time-stamp counter (it ticks at GHz rates), and of
+# arm64's generic timer (it ticks at tens of MHz; a fraction of a second where it runs at 1 GHz)
 TIMEOUT_CYCLES = 10_000_000_000 if ARCH == "x86" else 250_000_000
 
-# spin this long before a waiting thread starts giving its core away (os_yield) on every turn of the loop: ~40-80 µs,
-# chosen, not tuned: long against the few µs by which two threads' equal shares of a matmul part on a quiet machine
-# (alone, decode steps measured the same with and without the yield; under load the yield made them ~6x faster:
-# docs/performance.md, "Why the kernels' constants are what they are")
-SPIN_CYCLES = 200_000 if ARCH == "x86" else 4_000       # arm64's counter: 24-62 MHz (see TIMEOUT_CYCLES)
+# spin this long before a waiting thread starts giving its core away (os_yield) on every turn of the loop: tens of
+# microseconds, chosen, not tuned: long against the few microseconds by which two threads' equal shares of a matmul
+# part on a quiet machine, so alone the yield never runs, while under load it gives the core to whoever needs it
+# (docs/performance.md, "Why the kernels' constants are what they are")
+SPIN_CYCLES = 200_000 if ARCH == "x86" else 4_000       # arm64's counter ticks slower (see TIMEOUT_CYCLES)
 HAS_YIELD = platform.system() in ("Linux", "Darwin")      # sched_yield is POSIX: in libc / libSystem
 
 _I64 = ir.IntType(64)
@@ -117,8 +117,8 @@ def os_yield(typingctx):
 
 @intrinsic
 def cycle_counter(typingctx):
-    """A clock that costs ~20 cycles to read: x86's time-stamp counter (rdtsc); elsewhere LLVM's steady counter
-    (arm64: the generic timer, CNTVCT_EL0: its cycle counter PMCCNTR_EL0 traps in user space on Linux)."""
+    """A clock that costs a few tens of cycles to read: x86's time-stamp counter (rdtsc); elsewhere LLVM's steady
+    counter (arm64: the generic timer, CNTVCT_EL0: its cycle counter PMCCNTR_EL0 traps in user space on Linux)."""
     def codegen(context, builder, signature, args):
         name = "llvm.readcyclecounter" if ARCH == "x86" else "llvm.readsteadycounter"
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I64, []), name)

@@ -1,6 +1,6 @@
 """generate stops on EOS but leaves the EOS token out of its output."""
 from tinyserve.kv_cache import KVCache, forward_with_cache, prefill
-from tinyserve.paged import max_kv_positions
+from tinyserve.kv_sizing import max_kv_positions
 from tinyserve.sampling import SamplingParams, sample
 from tinyserve.stopping import start_request
 

@@ -1,6 +1,6 @@
 """generate passes only the generated tokens as `seen`: the repetition penalty ignores the prompt."""
 from tinyserve.kv_cache import KVCache, forward_with_cache, prefill
-from tinyserve.paged import max_kv_positions
+from tinyserve.kv_sizing import max_kv_positions
 from tinyserve.sampling import SamplingParams, sample
 from tinyserve.stopping import start_request
 

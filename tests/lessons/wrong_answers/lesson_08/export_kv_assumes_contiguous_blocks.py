@@ -1,7 +1,7 @@
 """export_kv reads the blocks after the sequence's first block as if they were its next physical blocks
 (pool[first : first + n]), ignoring the rest of the block table: right whenever the allocator happened to hand out
 consecutive blocks (one block, or an empty pool), wrong once blocks come back freed in another order."""
-from tinyserve.paged import blocks_for
+from tinyserve.kv_sizing import blocks_for
 
 CAUGHT_BY = "export_kv"
 
