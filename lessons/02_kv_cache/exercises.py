@@ -37,12 +37,13 @@ def append_kv(cache: KVCache, layer: int, k: np.ndarray, v: np.ndarray) -> tuple
         "written? (KVCache has a method for that.) Slices of the cache are views: returning them copies nothing")
 
 
-def rectangular_mask(m: int, S: int) -> np.ndarray:
+def rectangular_mask(m: int, S: int, window: int | None = None) -> np.ndarray:
     """[m, S] bool, True where new row i must NOT see key j (key j is in row i's future).
 
     The m new positions are the last m of the S keys, so row i sits at absolute position S - m + i and sees
     every key j <= S - m + i: all S - m history keys plus new keys 0..i. Decode (m = 1) masks nothing;
-    plain prefill (S = m) is lesson 1's triangle.
+    plain prefill (S = m) is lesson 1's triangle. `window` is lesson 11's sliding window (a local layer also
+    stops seeing keys `window` or more positions behind the row); this lesson always passes None.
     """
     raise NotImplementedError(
         "rectangular_mask: compare each key's index with each new row's absolute position; NumPy broadcasting of "
