@@ -24,6 +24,13 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
     "required": ["city", "unit"], "additionalProperties": False}}}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+DEEP = {"type": "integer"}
+for _ in range(400):                              # 16 KB nesting objects 400 deep: once a RecursionError (500)
+    DEEP = {"type": "object", "properties": {"a": DEEP}}
+AMBIGUOUS = {"type": "integer"}
+for k in range(12):                               # anyOf of arrays 12 deep: once seconds of compile per request
+    AMBIGUOUS = {"anyOf": [{"type": "array", "items": AMBIGUOUS}, {"type": "array", "items": AMBIGUOUS,
+                                                                     "minItems": 1}]}
 
 
 @pytest.fixture(scope="module")
@@ -81,15 +88,20 @@ def test_required_picks_one_of_the_tools(client):
 
 
 @pytest.mark.parametrize("kw, param", [
-    (dict(tools=[WEATHER]), "tool_choice"),                                     # "auto" by default
-    (dict(tools=[WEATHER], tool_choice="auto"), "tool_choice"),
     (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
-    (dict(tools=[WEATHER], tool_choice="required", stream=True), "stream"),
+    (dict(tools=[WEATHER], tool_choice={"type": "function", "function": "get_weather"}), "tool_choice"),
+    (dict(tools=[WEATHER], response_format={"type": "json_object"}), "response_format"),
+    (dict(tools=[WEATHER], parallel_tool_calls="yes"), "parallel_tool_calls"),
+    (dict(tools=[WEATHER, WEATHER]), "tools"),
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"oneOf": []}}}),
      "response_format"),
     (dict(response_format={"type": "yaml"}), "response_format"),
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/x"}}}],
           tool_choice="required"), "tools"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": DEEP}}),
+     "response_format"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": AMBIGUOUS}}),
+     "response_format"),
 ])
 def test_what_is_refused_gets_a_400_naming_the_parameter(client, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
@@ -97,6 +109,56 @@ def test_what_is_refused_gets_a_400_naming_the_parameter(client, kw, param):
         if kw.get("stream"):
             list(r)
     assert e.value.body["param"] == param, e.value.body
+
+
+def test_auto_answers_a_call_or_text_streamed_or_not_and_the_agent_loop_renders(client, srv):
+    """tool_choice "auto" (OpenAI's default with tools): the tiny random model writes either form; whichever it is,
+    the message is a valid call or plain text, and streaming gives the same answer in OpenAI's delta shape."""
+    kinds = set()
+    for seed in range(6):
+        kw = dict(tools=[WEATHER, TIME], temperature=1.0, seed=seed, max_tokens=400)
+        r = chat(client, **kw)
+        msg, reason = r.choices[0].message, r.choices[0].finish_reason
+        streamed_text, calls = "", {}
+        for c in chat(client, stream=True, **kw):
+            d = c.choices[0].delta if c.choices else None
+            if d is not None and d.content:
+                streamed_text += d.content
+            for tc in (d.tool_calls or []) if d is not None else []:
+                entry = calls.setdefault(tc.index, {"name": None, "arguments": ""})
+                if tc.function.name:
+                    assert tc.id and entry["name"] is None, "the name comes once, with the call's id"
+                    entry["name"] = tc.function.name
+                entry["arguments"] += tc.function.arguments or ""
+            if c.choices and c.choices[0].finish_reason:
+                assert c.choices[0].finish_reason == reason
+        if reason == "tool_calls":
+            kinds.add("call")
+            assert msg.tool_calls and msg.content is None
+            for call in msg.tool_calls:
+                fn = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]["function"]
+                jsonschema.validate(json.loads(call.function.arguments), fn["parameters"])
+            assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == \
+                [(c.function.name, c.function.arguments) for c in msg.tool_calls]
+        elif reason == "stop":
+            kinds.add("text")
+            assert streamed_text == msg.content and not calls and not msg.tool_calls
+    assert kinds, "no seed finished within max_tokens"
+    # the loop: the call and its result reach the prompt (more prompt tokens than the question alone)
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                             "arguments": '{"city": "Paris", "unit": "C"}'}}
+    loop = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "22"}]
+    base = client.chat.completions.create(model="tiny", messages=loop[:1], max_tokens=1).usage.prompt_tokens
+    with_tools = client.chat.completions.create(model="tiny", messages=loop[:1], max_tokens=1, tools=[WEATHER],
+                                                tool_choice="none").usage.prompt_tokens
+    assert with_tools == base, "tool_choice none: the tools are not shown"
+    shown = client.chat.completions.create(model="tiny", messages=loop[:1], max_tokens=1, tools=[WEATHER],
+                                           tool_choice="auto").usage.prompt_tokens
+    assert shown > base + 50, "the tool definitions must reach the prompt"
+    looped = client.chat.completions.create(model="tiny", messages=loop, max_tokens=1, tools=[WEATHER],
+                                            tool_choice="none").usage.prompt_tokens
+    assert looped > base + 40, "the assistant's call and the tool's result must reach the prompt"
 
 
 def test_completions_take_response_format_but_not_tools(client):
@@ -113,8 +175,16 @@ def test_completions_take_response_format_but_not_tools(client):
 def test_structured_output_reduction():
     assert structured_output().schema is None and structured_output({"type": "text"}).schema is None
     assert structured_output({"type": "json_object"}).schema == {"type": "object"}
+    named = structured_output(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert named.tool == "get_weather" and named.schema == WEATHER["function"]["parameters"]
     one = structured_output(tools=[WEATHER], tool_choice="required")
-    assert one.tool == "get_weather" and one.schema == WEATHER["function"]["parameters"]
+    assert one.mode == "required" and one.schema["properties"]["name"] == {"const": "get_weather"}
+    auto = structured_output(tools=[WEATHER, TIME])
+    assert auto.mode == "auto" and [set(o["properties"]) for o in auto.schema["anyOf"]] == [{"tool_calls"},
+                                                                                           {"response"}]
+    assert "maxItems" not in auto.schema["anyOf"][0]["properties"]["tool_calls"]
+    single = structured_output(tools=[WEATHER], parallel_tool_calls=False)
+    assert single.schema["anyOf"][0]["properties"]["tool_calls"]["maxItems"] == 1
     assert structured_output(tools=[WEATHER], tool_choice="none").schema is None
     with pytest.raises(StructuredError, match="without tools"):
         structured_output(tool_choice="required")
