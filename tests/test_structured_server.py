@@ -286,3 +286,95 @@ def test_generate_structured_errors_exit_2(capsys, args, words):
     assert main(["generate", "--model", "tiny", *args, "hi"]) == 2
     err = capsys.readouterr().err
     assert all(w in err for w in words) and "Traceback" not in err
+
+
+# --- the real model with the real SDK: an agent loop, and parse() with what pydantic emits -----------------------
+
+GET_WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def _streamed(stream) -> tuple[str, list[dict], str]:
+    """(content, calls [{id, name, arguments}], finish_reason) put together from a chat stream's deltas."""
+    text, calls, reason = "", {}, None
+    for c in stream:
+        if not c.choices:
+            continue
+        d = c.choices[0].delta
+        text += d.content or ""
+        for tc in d.tool_calls or []:
+            entry = calls.setdefault(tc.index, {"id": tc.id, "name": tc.function.name, "arguments": ""})
+            entry["arguments"] += tc.function.arguments or ""
+        reason = c.choices[0].finish_reason or reason
+    return text, [calls[i] for i in sorted(calls)], reason
+
+
+@pytest.mark.real
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True])
+def test_real_model_agent_loop_of_three_turns(smol_srv, stream):
+    """tools without tool_choice -> a call -> the tool's result -> a text answer, as an agent framework runs it."""
+    client = openai.OpenAI(base_url=smol_srv.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+    def turn():
+        kw = dict(model="smol", messages=messages, tools=[GET_WEATHER], temperature=0, max_tokens=60)
+        if not stream:
+            r = client.chat.completions.create(**kw)
+            m = r.choices[0].message
+            calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+                     for c in m.tool_calls or []]
+            return m.content, calls, r.choices[0].finish_reason
+        return _streamed(client.chat.completions.create(stream=True, **kw))
+
+    content, calls, reason = turn()
+    assert reason == "tool_calls" and content in (None, ""), (content, reason)
+    call, = calls
+    assert call["name"] == "get_weather" and call["id"]
+    assert "city" in json.loads(call["arguments"])
+    messages.append({"role": "assistant", "content": None, "tool_calls": [
+        {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}]})
+    messages.append({"role": "tool", "tool_call_id": call["id"], "content": "Sunny, 22 degrees Celsius"})
+    content, calls, reason = turn()
+    assert reason == "stop" and not calls and content, (content, calls, reason)
+    assert "22" in content, content
+
+
+@pytest.mark.real
+@pytest.mark.slow
+def test_real_model_sdk_parse_with_nested_models_enums_lists_and_bounds(smol_srv):
+    """client.chat.completions.parse with what pydantic emits ($defs/$ref for the nested model and the Enum,
+    maxLength, minimum/maximum, maxItems): 10 seeds, every answer parses into the model (the SDK validates it)."""
+    import enum
+
+    from pydantic import BaseModel, Field
+
+    class Size(str, enum.Enum):
+        small = "small"
+        large = "large"
+
+    class Item(BaseModel):
+        name: str = Field(max_length=12)
+        quantity: int = Field(ge=1, le=9)
+        size: Size
+
+    class Order(BaseModel):
+        customer: str = Field(max_length=20)
+        items: list[Item] = Field(max_length=3)
+        rating: int = Field(ge=0, le=10)
+
+    client = openai.OpenAI(base_url=smol_srv.url + "/v1", api_key="unused", max_retries=0, timeout=900)
+
+    def ask(seed):
+        r = client.chat.completions.parse(
+            model="smol", response_format=Order, temperature=0.8, seed=seed, max_tokens=160,
+            messages=[{"role": "user", "content": "Anna orders two large pizzas and one small salad. Write the order."}])
+        return r.choices[0].finish_reason, r.choices[0].message.parsed
+
+    with ThreadPoolExecutor(10) as pool:
+        answers = list(pool.map(ask, range(10)))
+    for reason, order in answers:
+        assert reason == "stop" and isinstance(order, Order)
+        assert len(order.customer) <= 20 and 0 <= order.rating <= 10 and len(order.items) <= 3
+        assert all(isinstance(i.size, Size) and 1 <= i.quantity <= 9 for i in order.items)

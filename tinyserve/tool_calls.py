@@ -27,18 +27,25 @@ RESPONSE_KEY, CALLS_KEY = "response", "tool_calls"
 
 
 def tools_prompt(functions: dict[str, dict], descriptions: dict[str, str], mode: str, parallel: bool) -> str:
-    """The system-prompt text that shows the model its tools and the answer's form. mode: auto, required, named."""
+    """The system-prompt text that shows the model its tools and the answer's form. mode: auto, required, or the
+    forced function's name. Under "auto" it carries a worked example of the loop (a call, its result, an answer):
+    a small model follows an example far more than a rule (SmolLM2-135M answered {"response": ...} to every
+    weather question given the rule alone, and called the tool given the example)."""
     listing = "\n".join(json.dumps({"name": n, "description": descriptions.get(n, ""), "parameters": p},
                                    ensure_ascii=False) for n, p in functions.items())
-    several = "one or more tools" if parallel else "one tool"
     if mode == "auto":
-        form = (f'Answer with one JSON object. To call {several}: {{"{CALLS_KEY}": [{{"name": <tool name>, '
-                f'"arguments": <arguments>}}]}}. To answer the user directly: {{"{RESPONSE_KEY}": <your answer>}}.')
-    elif mode == "required":
-        form = 'Call one tool: answer with {"name": <tool name>, "arguments": <arguments>}.'
-    else:
-        form = f"Call the tool {mode!r}: answer with its arguments as a JSON object."
-    return f"You can use these tools:\n{listing}\n{form}"
+        several = "one or more functions" if parallel else "one function"
+        return (f"You are a function-calling assistant. Functions:\n{listing}\nReply in JSON. Call {several} with "
+                f'{{"{CALLS_KEY}": [{{"name": ..., "arguments": ...}}]}}; reply in text with '
+                f'{{"{RESPONSE_KEY}": "..."}}.\n\nExample:\nUser: Hello!\nAssistant: {{"{RESPONSE_KEY}": "Hello! How can I help?"}}\n'
+                f'User: What time is it in Tokyo?\nAssistant: '
+                f'{{"{CALLS_KEY}": [{{"name": "get_time", "arguments": {{"city": "Tokyo"}}}}]}}\nUser: '
+                f'{tool_result_text("get_time", "10:00", True)}\nAssistant: '
+                f'{{"{RESPONSE_KEY}": "It is 10:00 in Tokyo."}}')
+    if mode == "required":
+        return (f"You are a function-calling assistant. Functions:\n{listing}\nCall one function: reply "
+                f'{{"name": ..., "arguments": ...}}.')
+    return f"You are a function-calling assistant. Functions:\n{listing}\nCall {mode}: reply with its arguments."
 
 
 def call_object(name: str, arguments) -> dict:
@@ -91,8 +98,8 @@ def render_generic(messages: list[dict], system_extra: str | None, wrap_answers:
             out.append({"role": "assistant", "content": json.dumps({RESPONSE_KEY: text}, ensure_ascii=False)
                         if wrap_answers else text})
         elif role == "tool":
-            result = {"tool_call_id": m["tool_call_id"], "name": names.get(m["tool_call_id"], ""), "content": content}
-            out.append({"role": "user", "content": json.dumps({"tool_response": result}, ensure_ascii=False)})
+            out.append({"role": "user", "content": tool_result_text(names.get(m["tool_call_id"], ""), content,
+                                                                     wrap_answers)})
         else:
             out.append({"role": role, "content": content or ""})
     if system_extra:
@@ -101,6 +108,14 @@ def render_generic(messages: list[dict], system_extra: str | None, wrap_answers:
         else:
             out.insert(0, {"role": "system", "content": system_extra})
     return out
+
+
+def tool_result_text(name: str, content, ask_for_answer: bool) -> str:
+    """A tool's result as the user turn that shows it to the model; under "auto" it also asks for the answer (a
+    small model otherwise repeats the call it sees just above)."""
+    text = f"The function {name} returned: {json.dumps(content, ensure_ascii=False)}"
+    return text + (f'\nReply to my question with {{"{RESPONSE_KEY}": "..."}} using this result.'
+                   if ask_for_answer else "")
 
 
 def _arguments_value(arguments: str):
