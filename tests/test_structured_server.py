@@ -111,9 +111,19 @@ def test_what_is_refused_gets_a_400_naming_the_parameter(client, kw, param):
     assert e.value.body["param"] == param, e.value.body
 
 
-def test_auto_answers_a_call_or_text_streamed_or_not_and_the_agent_loop_renders(client, srv):
+@pytest.fixture(scope="module")
+def long_client():
+    """The tiny model with a context of 2048 (the tools prompt alone is ~900 characters, a token each here)."""
+    engine = Engine(ts.tiny_model(seed=0, max_seq_len=2048), num_blocks=256, block_size=16, tokenizer=TOK,
+                    prefix_caching=True)
+    with ServerThread(create_app(engine, TOK, "tiny")) as s:
+        yield openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_auto_answers_a_call_or_text_streamed_or_not_and_the_agent_loop_renders(long_client):
     """tool_choice "auto" (OpenAI's default with tools): the tiny random model writes either form; whichever it is,
     the message is a valid call or plain text, and streaming gives the same answer in OpenAI's delta shape."""
+    client = long_client
     kinds = set()
     for seed in range(6):
         kw = dict(tools=[WEATHER, TIME], temperature=1.0, seed=seed, max_tokens=400)

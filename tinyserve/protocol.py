@@ -18,7 +18,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Iterable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # --- requests ------------------------------------------------------------------------------------------------
 # strict=True: a value of the wrong JSON type is refused, not coerced (`"stream": "yes"`, `"max_tokens": true`
@@ -166,6 +166,15 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)   # the newer name of max_tokens
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _few_enough(cls, v):
+        # checked before any message is validated: 111k one-character messages would otherwise cost pydantic a few
+        # hundred milliseconds before the length check refused them
+        if isinstance(v, list) and len(v) > MAX_MESSAGES:
+            raise ValueError(f"at most {MAX_MESSAGES} messages, got {len(v)}")
+        return v
 
     def refusal(self) -> tuple[str, str] | None:
         if self.top_logprobs is not None and not self.logprobs:

@@ -43,18 +43,29 @@ class Node:
 
 @dataclass(eq=False)                           # identity hash: nodes are graph vertices, the graph may be cyclic
 class Literal(Node):
+    """One of a few exact byte strings. Its proper prefixes are kept in a dict (prefix -> the bytes that may
+    follow), so reading a byte costs one lookup however many options an enum has."""
     options: tuple[bytes, ...]                 # the frame's local state is the prefix read so far
+
+    def __post_init__(self):
+        self._next: dict[bytes, set] = {}
+        for o in self.options:
+            for k in range(len(o)):
+                self._next.setdefault(o[:k], set()).add(o[k])
+        self._whole = frozenset(self.options)
 
     def start(self):
         return b""
 
     def moves(self, prefix):
-        out = [("read",)] if any(len(o) > len(prefix) for o in self.options if o.startswith(prefix)) else []
-        return out + [("pop",)] if prefix in self.options else out
+        out = [("read",)] if prefix in self._next else []
+        return out + [("pop",)] if prefix in self._whole else out
 
     def read(self, prefix, byte):
-        p = prefix + bytes((byte,))
-        return p if any(o.startswith(p) for o in self.options) else None
+        return prefix + bytes((byte,)) if byte in self._next.get(prefix, ()) else None
+
+    def peek(self, prefix):
+        return self._next.get(prefix, ())
 
 
 def _utf8_lead(byte: int):
@@ -405,7 +416,14 @@ class Automaton:
         return sid != DEAD and () in self.stacks[sid]
 
     def next_bytes(self, sid: int) -> list[int]:
-        return [b for b in range(256) if self.next(sid, b) != DEAD]
+        """The bytes that may come next. Where every stack's top is a Literal, only the bytes those can read are
+        tried (forced() walks long keys byte by byte: trying all 256 at each would cost more than the mask)."""
+        stacks = self.stacks[sid]
+        if stacks and all(st and isinstance(st[-1][0], Literal) for st in stacks):
+            candidates = sorted(set().union(*(st[-1][0].peek(st[-1][1]) for st in stacks)))
+        else:
+            candidates = range(256)
+        return [b for b in candidates if self.next(sid, b) != DEAD]
 
     def forced(self, sid: int, limit: int = 256) -> bytes:
         """The bytes that must come next whatever the model does (a key, a separator, the rest of `true`):
