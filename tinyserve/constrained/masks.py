@@ -35,14 +35,10 @@ class GrammarBudgetError(ValueError):
 MAX_MASK_READS = 20_000
 
 
-def walk_trie(root: TrieNode, automaton: Automaton, sid: int, out: list[int],
-              max_reads: int | None = None) -> None:
-    """Append to `out` every token of the trie whose bytes the automaton can read from state `sid`.
-    max_reads: raise GrammarBudgetError once the walk has cost more uncached stack reads than this."""
+def walk_trie(root: TrieNode, automaton: Automaton, sid: int, out: list[int]) -> None:
+    """Append to `out` every token of the trie whose bytes the automaton can read from state `sid`."""
     step = automaton.next
     todo = [(root, sid)]
-    limit = None if max_reads is None else automaton.reads + max_reads
-    visited = 0
     while todo:
         (ids, children), s = todo.pop()
         out.extend(ids)
@@ -50,8 +46,24 @@ def walk_trie(root: TrieNode, automaton: Automaton, sid: int, out: list[int],
             t = step(s, b)
             if t != DEAD:
                 todo.append((child, t))
-        visited += 1
-        if limit is not None and not visited & 255 and automaton.reads > limit:
+
+
+def walk_trie_within(root: TrieNode, automaton: Automaton, sid: int, out: list[int], max_reads: int) -> None:
+    """walk_trie under a work budget: GrammarBudgetError once the walk has cost more than `max_reads` uncached
+    stack reads (checked every 256 trie nodes entered)."""
+    step = automaton.next
+    todo = [(root, sid)]
+    limit = automaton.reads + max_reads
+    entered = 0
+    while todo:
+        (ids, children), s = todo.pop()
+        out.extend(ids)
+        for b, child in children.items():
+            t = step(s, b)
+            if t != DEAD:
+                todo.append((child, t))
+        entered += 1
+        if not entered & 255 and automaton.reads > limit:
             raise GrammarBudgetError(f"grammar budget: one token mask needs more than {max_reads} automaton "
                                      f"reads (the schema is too ambiguous to be served)")
 
@@ -97,9 +109,9 @@ class TokenGrammar:
         inside, other, room = a.string_split(sid) if use_plain else (DEAD, sid, None)
         if inside != DEAD:
             m |= vocab.plain if room is None else vocab.plain & (vocab.plain_chars <= room)
-            walk_trie(vocab.inner_trie, a, inside, ids, self.max_reads)
+            walk_trie_within(vocab.inner_trie, a, inside, ids, self.max_reads)
         if other != DEAD:
-            walk_trie(vocab.trie, a, other, ids, self.max_reads)
+            walk_trie_within(vocab.trie, a, other, ids, self.max_reads)
         m[ids] = True
         if a.is_complete(sid):
             m[list(vocab.eos_ids)] = True
