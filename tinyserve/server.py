@@ -588,10 +588,14 @@ class OpenAIService:
         except ValueError as e:        # JSONDecodeError, or bytes that are not UTF-8
             raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error",
                                            "ctx": {"error": str(e)}}]) from None
+        except RecursionError:         # nested past Python's recursion limit
+            raise BadRequest("the request body nests too deeply", code="invalid_json") from None
         try:
             body = model.model_validate(data)
         except ValidationError as e:
-            raise RequestValidationError(e.errors(include_url=False)) from None
+            raise RequestValidationError(e.errors(include_url=False, include_input=False)) from None
+        except RecursionError:
+            raise BadRequest("the request body nests too deeply", code="invalid_parameter") from None
         return body, prepare(body)
 
     async def models(self):

@@ -77,7 +77,8 @@ class GrammarCache:
                 return grammar
         grammar = compile_grammar(schema, self.vocabulary(), max_bytes=self.max_bytes // 4)
         try:
-            grammar.mask(grammar.automaton.start)
+            if not grammar.mask(grammar.automaton.start).any():
+                raise SchemaError("no JSON value satisfies this schema")
         except GrammarBudgetError as e:
             raise SchemaError(str(e)) from None
         with self._lock:

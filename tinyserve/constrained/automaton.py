@@ -536,20 +536,20 @@ class BoundedNumber(Node):
         return False
 
     def _meets(self, a, z) -> bool:
-        """[a, z] (None: unbounded) meets the allowed range, counting only values the grammar can write (an
-        integer's completions are integers)."""
-        if self.hi is not None and a is not None and (a > self.hi or (self.hi_open and a == self.hi)):
-            return False
-        if self.lo is not None and z is not None and (z < self.lo or (self.lo_open and z == self.lo)):
-            return False
-        if self.integer and a is not None and z is not None:   # is there an integer within both ranges?
-            import math
-            lo = a if self.lo is None else max(a, self.lo)
-            hi = z if self.hi is None else min(z, self.hi)
-            first = math.ceil(lo) + (1 if self.lo_open and math.ceil(lo) == self.lo else 0)
-            last = math.floor(hi) - (1 if self.hi_open and math.floor(hi) == self.hi else 0)
-            return first <= last
-        return True
+        """[a, z] (None: unbounded on that side) meets the allowed range, counting only values the grammar can
+        write (an integer's completions are integers)."""
+        import math
+        lo = a if self.lo is None else (self.lo if a is None else max(a, self.lo))
+        hi = z if self.hi is None else (self.hi if z is None else min(z, self.hi))
+        lo_open = self.lo_open and lo is not None and lo == self.lo
+        hi_open = self.hi_open and hi is not None and hi == self.hi
+        if self.integer:
+            first = None if lo is None else math.ceil(lo) + (1 if lo_open and math.ceil(lo) == lo else 0)
+            last = None if hi is None else math.floor(hi) - (1 if hi_open and math.floor(hi) == hi else 0)
+            return first is None or last is None or first <= last
+        if lo is None or hi is None:
+            return True
+        return lo < hi or (lo == hi and not lo_open and not hi_open)
 
 
 def _number_prefix(t: bytes, integer: bool) -> bool:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 MAX_CODEPOINT = 0x10FFFF
 MAX_NFA_STATES = 2000          # a compile budget: `(a{100}){100}` would make 10,000 states
 MAX_REPEAT = 1000
+MAX_GROUP_DEPTH = 50           # the parser recurses once per group: bounded far below Python's recursion limit
 MAX_STEPS_CACHED = 65536
 
 Ranges = tuple                 # ((lo, hi), ...) inclusive code point ranges, sorted and disjoint
@@ -132,7 +133,7 @@ def _contains(ranges: Ranges, c: int) -> bool:
 
 class _Parser:
     def __init__(self, text: str):
-        self.s, self.i = text, 0
+        self.s, self.i, self.depth = text, 0, 0
 
     def error(self, what: str) -> ValueError:
         return ValueError(f"pattern {self.s!r} at {self.i}: {what}")
@@ -200,6 +201,9 @@ class _Parser:
     def atom(self):
         c = self.take()
         if c == "(":
+            self.depth += 1
+            if self.depth > MAX_GROUP_DEPTH:
+                raise self.error(f"groups nested deeper than {MAX_GROUP_DEPTH}")
             if self.peek() == "?":
                 if self.s.startswith("?:", self.i):
                     self.i += 2
@@ -209,6 +213,7 @@ class _Parser:
             if self.peek() != ")":
                 raise self.error("a '(' without its ')'")
             self.take()
+            self.depth -= 1
             return tree
         if c == "[":
             return ("set", self.klass())
