@@ -11,8 +11,9 @@ blocks anyone else. The rules:
   - before a route runs, http_guard.py checks the API key (401) and the body size (413), and uvicorn the
     header and body timeouts and the connection cap (503),
   - a full waiting queue answers 429 at once, with Retry-After (bounded memory, and the client learns to back off),
-  - malformed JSON, an unknown model, bad parameters, OpenAI fields tinyserve does not honour and prompts
-    longer than the context answer 400 with an OpenAI-style body {"error": {"message", "type", "param", "code"}},
+  - malformed JSON, bad parameters, OpenAI fields tinyserve does not honour and prompts longer than the context
+    answer 400 with an OpenAI-style body {"error": {"message", "type", "param", "code"}}, an unknown model 404;
+    the body is parsed, the prompt tokenized and a structured-output grammar compiled in a worker thread,
   - n > 1 runs n requests; all but the first join once the first has its prompt computed, and reuse its KV blocks
     through the prefix cache,
   - a client that disconnects is aborted: its KV blocks return to the pool at the next step boundary,
@@ -281,7 +282,7 @@ class OpenAIService:
                 # the template shows the tools its own way; the answer's form is still the grammar's
                 for m in messages:
                     for c in m.get("tool_calls") or ():
-                        c["function"]["arguments"] = tool_calls._arguments_value(c["function"]["arguments"])
+                        c["function"]["arguments"] = tool_calls.arguments_value(c["function"]["arguments"])
                 msgs = tool_calls.render_generic([], extra, False) + [
                     {k: v for k, v in m.items() if v is not None} for m in messages]
                 text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tools=tools)
@@ -317,9 +318,7 @@ class OpenAIService:
     def prepare(self, body, prompt_ids: list[int], max_tokens: int | None,
                 structured: Structured | None = None) -> _Prepared:
         """Check what the engine would refuse later, with an OpenAI-style reason now."""
-        if body.model != self.model_name:
-            raise BadRequest(f"model {body.model[:200]!r} is not served here; this server serves "
-                             f"{self.model_name!r}", param="model", code="model_not_found", status=404)
+        self.check_model(body)
         k = body.num_logprobs()
         if k is not None and self.engine.speculator is not None:
             raise BadRequest("logprobs are not reported with speculative decoding: this server runs it",

@@ -91,7 +91,7 @@ def render_generic(messages: list[dict], system_extra: str | None, wrap_answers:
             calls = []
             for c in m["tool_calls"]:
                 names[c["id"]] = c["function"]["name"]
-                calls.append(call_object(c["function"]["name"], _arguments_value(c["function"]["arguments"])))
+                calls.append(call_object(c["function"]["name"], arguments_value(c["function"]["arguments"])))
             out.append({"role": "assistant", "content": json.dumps({CALLS_KEY: calls}, ensure_ascii=False)})
         elif role == "assistant":
             text = content or ""
@@ -118,7 +118,7 @@ def tool_result_text(name: str, content, ask_for_answer: bool) -> str:
                    if ask_for_answer else "")
 
 
-def _arguments_value(arguments: str):
+def arguments_value(arguments: str):
     """A call's arguments as the model would have written them: the parsed JSON, or the string if it is not JSON."""
     try:
         return json.loads(arguments)
