@@ -170,8 +170,8 @@ class ChatCompletionRequest(_SamplingFields):
     @field_validator("messages", mode="before")
     @classmethod
     def _few_enough(cls, v):
-        # checked before any message is validated: 111k one-character messages would otherwise cost pydantic a few
-        # hundred milliseconds before the length check refused them
+        # checked before any message is validated: otherwise pydantic validates every one of a huge list (holding
+        # the GIL) before its length check refuses it
         if isinstance(v, list) and len(v) > MAX_MESSAGES:
             raise ValueError(f"at most {MAX_MESSAGES} messages, got {len(v)}")
         return v

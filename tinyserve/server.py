@@ -568,8 +568,8 @@ class OpenAIService:
         structured = self.structured(body)
         return self.prepare(body, self.chat_ids(body, structured), max_tokens, structured)
 
-    # The body itself is parsed and validated in the worker thread as well: a few megabytes of JSON (111k tiny
-    # messages) take a few hundred milliseconds of pydantic, which on the event loop would pause every stream.
+    # The body itself is parsed and validated in the worker thread as well: megabytes of JSON take pydantic long
+    # enough that, on the event loop, every stream would pause for them.
     async def completions(self, request: Request):
         body, prep = await run_in_threadpool(self._parsed, CompletionRequest, await request.body(),
                                              self.prepare_completion)

@@ -29,8 +29,8 @@ RESPONSE_KEY, CALLS_KEY = "response", "tool_calls"
 def tools_prompt(functions: dict[str, dict], descriptions: dict[str, str], mode: str, parallel: bool) -> str:
     """The system-prompt text that shows the model its tools and the answer's form. mode: auto, required, or the
     forced function's name. Under "auto" it carries a worked example of the loop (a call, its result, an answer):
-    a small model follows an example far more than a rule (SmolLM2-135M answered {"response": ...} to every
-    weather question given the rule alone, and called the tool given the example)."""
+    a small model follows an example far more than a rule (docs/structured-output.md, "auto as one grammar",
+    has what SmolLM2 did with each)."""
     listing = "\n".join(json.dumps({"name": n, "description": descriptions.get(n, ""), "parameters": p},
                                    ensure_ascii=False) for n, p in functions.items())
     if mode == "auto":

@@ -51,8 +51,8 @@ class GrammarCache:
     its cached masks. At most `max_bytes` of grammars (their packed masks and automaton states, TokenGrammar.nbytes)
     are kept, the least recently used forgotten first: a server sees endless schemas. Thread-safe: the server
     compiles a request's grammar in a worker thread (off the event loop and off the engine thread, with the start
-    state's mask computed there too), and the engine thread then finds it here. The vocabulary (its trie: ~0.5 s
-    for 49,152 tokens) is built once, by `vocabulary()`."""
+    state's mask computed there too), and the engine thread then finds it here. The vocabulary (its trie, the slow
+    part) is built once, by `vocabulary()`."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids, max_bytes: int = 16 << 20):
         self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, tuple(eos_ids)
