@@ -81,8 +81,10 @@ def test_enum_const_anyof_and_bounds():
     assert [accepts(arr, t) for t in ("[]", "[1]", "[1, 2]", "[1, 2, 3]")] == [False, True, True, False]
 
 
-@pytest.mark.parametrize("schema,word", [({"$ref": "#/a"}, "$ref"), ({"oneOf": [{}]}, "oneOf"),
-                                         ({"type": "string", "pattern": "a+"}, "pattern"),
+@pytest.mark.parametrize("schema,word", [({"$ref": "#/a"}, "$ref"), ({"oneOf": [{}, {"type": "string"}]}, "oneOf"),
+                                         ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),
+                                         ({"type": "string", "pattern": "(?=a)"}, "pattern"),
+                                         ({"type": "string", "format": "hostname"}, "format"),
                                          ({"type": "object", "patternProperties": {}}, "patternProperties"),
                                          ({"type": "object", "properties": {}, "additionalProperties": True},
                                           "additionalProperties"),

@@ -127,6 +127,6 @@ def test_bad_requests_are_refused(tiny):
     with pytest.raises(ValueError, match="tokenizer"):
         Engine(tiny).add_request([5], greedy(True))
     with pytest.raises(ValueError, match="oneOf"):
-        SamplingParams(json_schema={"oneOf": [{"type": "string"}]})
+        SamplingParams(json_schema={"oneOf": [{"type": "string"}, {"enum": ["a", 1]}]})
     with pytest.raises(ValueError, match="not JSON"):
         SamplingParams(json_schema={"type": "object", "properties": {"a": {"type": {1, 2}}}})

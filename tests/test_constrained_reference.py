@@ -54,6 +54,29 @@ SCHEMAS = {
     "any-json": {},
     "json-object": {"type": "object"},
     "string-array": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
+    # what pydantic emits: $defs/$ref, lengths, integer ranges, patterns, formats
+    "pydantic": {"$defs": {
+        "Color": {"enum": ["red", "green"], "title": "Color", "type": "string"},
+        "Item": {"properties": {"name": {"maxLength": 8, "minLength": 2, "title": "Name", "type": "string"},
+                                "qty": {"maximum": 120, "minimum": -5, "title": "Qty", "type": "integer"}},
+                 "required": ["name", "qty"], "title": "Item", "type": "object", "additionalProperties": False}},
+        "properties": {"color": {"$ref": "#/$defs/Color"},
+                       "items": {"items": {"$ref": "#/$defs/Item"}, "maxItems": 2, "type": "array"},
+                       "best": {"anyOf": [{"$ref": "#/$defs/Item"}, {"type": "null"}]}},
+        "required": ["color", "items", "best"], "title": "Order", "type": "object", "additionalProperties": False},
+    "ranges": {"type": "object", "properties": {
+        "a": {"type": "integer", "minimum": 10, "maximum": 3000}, "b": {"type": "integer", "exclusiveMinimum": -100,
+                                                                       "exclusiveMaximum": 7},
+        "c": {"type": "integer", "minimum": 0}, "d": {"type": "integer", "maximum": -20}},
+        "required": ["a", "b", "c", "d"], "additionalProperties": False},
+    "pattern": {"type": "object", "properties": {
+        "code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"}, "word": {"type": "string", "pattern": "^\\w+$"},
+        "has_x": {"type": "string", "pattern": "x"}, "alt": {"type": "string", "pattern": "^(ab|é+|c?d)$"},
+        "short": {"type": "string", "minLength": 1, "maxLength": 3}},
+        "required": ["code", "word", "has_x", "alt", "short"], "additionalProperties": False},
+    "formats": {"type": "object", "properties": {f: {"type": "string", "format": f} for f in
+                                                  ("date", "time", "date-time", "uuid", "email")},
+                "required": ["date", "time", "date-time", "uuid", "email"], "additionalProperties": False},
 }
 
 DOCUMENTS = {
@@ -67,6 +90,13 @@ DOCUMENTS = {
     "any-json": [[1, {"a": [True, None, "x"]}, -0.5, "é"], {"k": {"k": {"k": []}}}, 3.25e-10, "s", None],
     "json-object": [{"a": 1, "b": [{"c": "d"}]}, {}],
     "string-array": [["a", "b c", "ünï"], []],
+    "pydantic": [{"color": "red", "items": [{"name": "ab", "qty": -5}, {"name": "éééééééé", "qty": 120}],
+                  "best": None}, {"color": "green", "items": [], "best": {"name": "xyz", "qty": 7}}],
+    "ranges": [{"a": 10, "b": -99, "c": 0, "d": -20}, {"a": 2999, "b": 6, "c": 123456, "d": -1234}],
+    "pattern": [{"code": "AB-123", "word": "hello_1", "has_x": "a x b", "alt": "éé", "short": "é\n"},
+                {"code": "ZZ-000", "word": "Q", "has_x": "x", "alt": "d", "short": "abc"}],
+    "formats": [{"date": "2024-02-29", "time": "23:59:60.5Z", "date-time": "1999-12-31T00:00:00+01:00",
+                 "uuid": "123e4567-e89b-12d3-A456-426614174000", "email": "a.b+c@example.co"}],
 }
 
 

@@ -179,7 +179,6 @@ def test_seeded_sampling_is_reproducible(client):
 # --- errors ------------------------------------------------------------------------------------------------------
 
 BAD = [
-    ({"model": "gpt-4", "prompt": "hi"}, "model", "model_not_found"),
     ({"model": "tiny", "prompt": "hi", "temperature": -1}, "temperature", "invalid_parameter"),
     ({"model": "tiny", "prompt": "hi", "temperature": "hot"}, "temperature", "invalid_parameter"),
     ({"model": "tiny", "prompt": "hi", "top_p": 0}, "top_p", "invalid_parameter"),
@@ -197,6 +196,24 @@ BAD = [
     ({"model": "tiny", "prompt": "x" * 1000, "max_tokens": 100}, "max_tokens", "context_length_exceeded"),
     ({"model": "tiny", "messages": []}, "messages", "invalid_parameter"),
     ({"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}, "messages", "invalid_parameter"),
+    # the agent loop's messages: what is malformed is named
+    ({"model": "tiny", "messages": [{"role": "tool", "content": "22 C"}]}, "messages.0.tool_call_id",
+     "unsupported_parameter"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": None}]}, "messages.0.content", "unsupported_parameter"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages.0.tool_calls",
+     "unsupported_parameter"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages", "invalid_parameter"),
+    # malformed tool fields are 400s, never 500s
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {
+        "name": "get_weather"}}], "tool_choice": {"type": "function", "function": "get_weather"}}, "tool_choice",
+     "invalid_parameter"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {
+        "name": "f"}}], "parallel_tool_calls": "yes"}, "parallel_tool_calls", "invalid_parameter"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"const": float("nan")}}}}, "response_format",
+     "invalid_parameter"),
     # OpenAI fields tinyserve does not honour are refused, never silently dropped
     ({"model": "tiny", "prompt": "hi", "best_of": 3}, "best_of", "unsupported_parameter"),
     ({"model": "tiny", "prompt": "hi", "suffix": "end"}, "suffix", "unsupported_parameter"),
@@ -227,7 +244,7 @@ BAD = [
 @pytest.mark.parametrize("body,param,code", BAD, ids=[f"{i}-{b[1]}" for i, b in enumerate(BAD)])
 def test_bad_requests_get_400_with_an_openai_error_body(srv, body, param, code):
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-    r = httpx.post(srv.url + path, json=body, timeout=10)
+    r = httpx.post(srv.url + path, content=json.dumps(body), headers={"content-type": "application/json"}, timeout=10)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
@@ -242,8 +259,11 @@ def test_malformed_json_gets_400(srv, raw):
 
 
 def test_the_openai_client_raises_on_errors_and_unknown_routes_answer_in_the_same_shape(srv, client):
-    with pytest.raises(openai.BadRequestError, match="not served here"):
+    with pytest.raises(openai.NotFoundError, match="not served here"):      # OpenAI and vLLM answer 404 too
         client.completions.create(model="nope", prompt="hi", max_tokens=2)
+    r = httpx.post(srv.url + "/v1/chat/completions", json={"model": "gpt-4", "messages": [
+        {"role": "user", "content": "hi"}]}, timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
     with pytest.raises(openai.BadRequestError, match="context"):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "y" * 2000}])
     r = httpx.get(srv.url + "/v1/engines", timeout=10)
@@ -575,7 +595,7 @@ def test_connections_beyond_the_cap_get_503():
         time.sleep(0.2)
         try:
             r = httpx.get(s.url + "/health", timeout=10)
-            assert r.status_code == 503
+            assert r.status_code == 503 and r.json()["error"]["code"] == "too_many_connections", r.text
         finally:
             for sock in held:
                 sock.close()

@@ -87,7 +87,8 @@ LAYERS = (
     ("config", "layers", "measure", "interrupts", "kv_sizing", "protocol", "roofline", "course", "queueing",
      "kernels.isa",
      # the JSON grammar of structured output: bytes and token masks, nothing of the model (sampling applies it)
-     "constrained", "constrained.automaton", "constrained.masks", "constrained.schema", "constrained.vocab"),
+     "constrained", "constrained.automaton", "constrained.masks", "constrained.schema", "constrained.vocab",
+     "constrained.regex", "tool_calls"),
     # 1. the readable reference: the float32 model and what every strategy shares
     ("model", "attention_backends", "sampling", "gqa", "online_attention"),
     # 2. the quantisation formats and their NumPy references (nothing that starts Numba)

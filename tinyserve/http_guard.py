@@ -114,13 +114,26 @@ class Guard:
         await send(body)
 
 
+async def service_unavailable(scope, receive, send) -> None:
+    """The connection cap's 503, as JSON."""
+    start, body = _json_error(503, "too many connections: retry later", "server_error", "too_many_connections",
+                              ((b"connection", b"close"), (b"retry-after", b"1")))
+    await send(start)
+    await send(body)
+
+
 def timed_h11_protocol(header_timeout: float, body_timeout: float):
     """uvicorn's h11 protocol with the two timeouts uvicorn lacks: a request's header must be complete within
     header_timeout (counted from the connection, or from the first byte of a next request on a kept-alive one)
     and its body within body_timeout of the header. Otherwise the connection is closed: there is no request to
     answer yet (a half header), or its handler is waiting for bytes that do not come (it sees a disconnect)."""
     import h11
+    from uvicorn.protocols.http import h11_impl
     from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    # uvicorn answers the connection cap with a plain-text 503 of its own; every error of this server is an OpenAI
+    # JSON body, so its module's responder is swapped for one (uvicorn looks the name up on each refusal)
+    h11_impl.service_unavailable = service_unavailable
 
     class TimedH11Protocol(H11Protocol):
         _timer = None

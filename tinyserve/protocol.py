@@ -18,7 +18,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Iterable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # --- requests ------------------------------------------------------------------------------------------------
 # strict=True: a value of the wrong JSON type is refused, not coerced (`"stream": "yes"`, `"max_tokens": true`
@@ -101,28 +101,88 @@ class ContentPart(BaseModel):
     text: str
 
 
-class ChatMessage(BaseModel):
+class FunctionCall(BaseModel):
     model_config = ConfigDict(strict=True)
-    role: Literal["system", "developer", "user", "assistant"]    # developer: the newer name of system
-    content: str | list[ContentPart]
+    name: str
+    arguments: str                       # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(strict=True)
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(BaseModel):
+    """One message. The agent loop's two kinds: an assistant message carrying `tool_calls` (its content may then be
+    null or empty), and a `tool` message answering one of them by `tool_call_id`."""
+    model_config = ConfigDict(strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]   # developer: the newer name of system
+    content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None              # a participant's name: accepted, not shown to the model
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
     def template_role(self) -> str:
         """The role the chat template knows: OpenAI's `developer` messages are what `system` was."""
         return "system" if self.role == "developer" else self.role
 
+    def problem(self) -> tuple[str, str] | None:
+        """(field, why) if this message is not one tinyserve can render, else None."""
+        if self.tool_calls is not None and self.role != "assistant":
+            return "tool_calls", f"only assistant messages carry tool_calls, not a {self.role} message"
+        if self.tool_calls is not None and not self.tool_calls:
+            return "tool_calls", "tool_calls must not be empty (leave it out)"
+        if (self.tool_call_id is None) != (self.role != "tool"):
+            return ("tool_call_id", "a tool message needs the tool_call_id of the call it answers"
+                    if self.role == "tool" else "only tool messages carry a tool_call_id")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            return "content", f"a {self.role} message needs content (null only for an assistant's tool_calls)"
+        return None
+
+    def as_dict(self) -> dict:
+        """The message for tool_calls.render_generic or a tool-aware chat template."""
+        out = {"role": self.template_role(), "content": self.text() if self.content is not None else None}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                 for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+MAX_MESSAGES = 4096        # a chat of more messages than this does not fit SmolLM2's context anyway
+
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1)   # the newer name of max_tokens
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _few_enough(cls, v):
+        # checked before any message is validated: otherwise pydantic validates every one of a huge list (holding
+        # the GIL) before its length check refuses it
+        if isinstance(v, list) and len(v) > MAX_MESSAGES:
+            raise ValueError(f"at most {MAX_MESSAGES} messages, got {len(v)}")
+        return v
+
     def refusal(self) -> tuple[str, str] | None:
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs requires logprobs to be true"
+        for i, m in enumerate(self.messages):
+            bad = m.problem()
+            if bad is not None:
+                return f"messages.{i}.{bad[0]}", f"messages.{i}.{bad[0]}: {bad[1]}"
         return super().refusal()
 
     def num_logprobs(self) -> int | None:

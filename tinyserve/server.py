@@ -11,8 +11,9 @@ blocks anyone else. The rules:
   - before a route runs, http_guard.py checks the API key (401) and the body size (413), and uvicorn the
     header and body timeouts and the connection cap (503),
   - a full waiting queue answers 429 at once, with Retry-After (bounded memory, and the client learns to back off),
-  - malformed JSON, an unknown model, bad parameters, OpenAI fields tinyserve does not honour and prompts
-    longer than the context answer 400 with an OpenAI-style body {"error": {"message", "type", "param", "code"}},
+  - malformed JSON, bad parameters, OpenAI fields tinyserve does not honour and prompts longer than the context
+    answer 400 with an OpenAI-style body {"error": {"message", "type", "param", "code"}}, an unknown model 404;
+    the body is parsed, the prompt tokenized and a structured-output grammar compiled in a worker thread,
   - n > 1 runs n requests; all but the first join once the first has its prompt computed, and reuse its KV blocks
     through the prefix cache,
   - a client that disconnects is aborted: its KV blocks return to the pool at the next step boundary,
@@ -24,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import sys
 import threading
 import time
@@ -33,6 +35,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -46,7 +49,9 @@ from .protocol import (FINISH_REASONS, ChatCompletionRequest, Choice, Completion
                        chat_chunk, chat_response, completion_chunk, completion_response, error_body, new_id, sse_event,
                        usage)
 from .sampling import SamplingParams
-from .structured_api import Structured, StructuredError, structured_output, tool_call_message
+from . import structured_api, tool_calls
+from .constrained import SchemaError, grammars_for
+from .structured_api import Structured, StructuredError, structured_output
 from .tokenizer import CharTokenizer  # noqa: F401  (the tests and --model tiny import it from here too)
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -182,9 +187,9 @@ class _LogprobsOf:
 
 
 class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400):
         super().__init__(message)
-        self.param, self.code = param, code
+        self.param, self.code, self.status = param, code, status
 
 
 @dataclass(slots=True)
@@ -262,15 +267,58 @@ class OpenAIService:
             raise BadRequest(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param="prompt")
         return ids
 
-    def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.template_role(), "content": m.text()} for m in body.messages]
-        return self.encode(self.tokenizer.apply_chat_template(messages), "messages")
+    def chat_ids(self, body: ChatCompletionRequest, structured: Structured) -> list[int]:
+        """The prompt: the messages through the chat template. Tools reach it through the template when it knows
+        tools (Tokenizer.template_supports_tools), else through tool_calls.py's generic system prompt; the agent
+        loop's messages (assistant tool_calls, tool results) are rendered either way."""
+        messages = [m.as_dict() for m in body.messages]
+        tools = [{"type": "function", "function": {"name": n, "description": d, "parameters": p}}
+                 for n, p, d in structured.functions]
+        extra = tool_calls.tools_prompt({n: p for n, p, _ in structured.functions},
+                                        {n: d for n, _, d in structured.functions}, structured.mode,
+                                        structured.parallel) if structured.tools_active else None
+        try:
+            if structured.tools_active and getattr(self.tokenizer, "template_supports_tools", False):
+                # the template shows the tools its own way; the answer's form is still the grammar's
+                for m in messages:
+                    for c in m.get("tool_calls") or ():
+                        c["function"]["arguments"] = tool_calls.arguments_value(c["function"]["arguments"])
+                msgs = tool_calls.render_generic([], extra, False) + [
+                    {k: v for k, v in m.items() if v is not None} for m in messages]
+                text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tools=tools)
+            else:
+                plain = tool_calls.render_generic(messages, extra, structured.mode == structured_api.MODEL_CHOOSES)
+                text = self.tokenizer.apply_chat_template(plain)
+        except (TypeError, ValueError, KeyError, RecursionError) as e:
+            raise BadRequest(f"messages: the chat template cannot render them: {e}", param="messages",
+                             code="invalid_parameter") from None
+        return self.encode(text, "messages")
 
-    def prepare(self, body, prompt_ids: list[int], max_tokens: int | None) -> _Prepared:
+    def structured(self, body) -> Structured:
+        extra = body.model_extra or {}
+        if isinstance(body, CompletionRequest) and extra.get("tools") is not None:
+            raise BadRequest("tools are for /v1/chat/completions (the answer is a tool_calls message)", param="tools")
+        try:
+            return structured_output(extra.get("response_format"), extra.get("tools"), extra.get("tool_choice"),
+                                     body.stream, extra.get("parallel_tool_calls"))
+        except StructuredError as e:
+            raise BadRequest(str(e), param=e.param, code="invalid_parameter") from None
+
+    def compile_grammar(self, schema, param: str) -> None:
+        """Compile the request's grammar here, in the worker thread that prepares it: off the event loop and off the
+        engine thread, within the compile budget (constrained/schema.py) and with its first mask computed, so the
+        engine thread finds it in the cache. Refused: a 400."""
+        if not hasattr(self.tokenizer, "token_bytes"):
+            return                           # the engine refuses it with its own reason
+        try:
+            grammars_for(self.tokenizer, self.vocab_size, self.engine.config.eos_token_ids).get(schema)
+        except (SchemaError, RecursionError) as e:
+            raise BadRequest(f"{param}: {e}", param=param, code="invalid_parameter") from None
+
+    def prepare(self, body, prompt_ids: list[int], max_tokens: int | None,
+                structured: Structured | None = None) -> _Prepared:
         """Check what the engine would refuse later, with an OpenAI-style reason now."""
-        if body.model != self.model_name:
-            raise BadRequest(f"model {body.model!r} is not served here; this server serves {self.model_name!r}",
-                             param="model", code="model_not_found")
+        self.check_model(body)
         k = body.num_logprobs()
         if k is not None and self.engine.speculator is not None:
             raise BadRequest("logprobs are not reported with speculative decoding: this server runs it",
@@ -289,14 +337,9 @@ class OpenAIService:
         if n + max_tokens > max_context:
             raise BadRequest(f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds this server's context "
                              f"of {max_context} tokens", param="max_tokens", code="context_length_exceeded")
-        extra = body.model_extra or {}
-        if isinstance(body, CompletionRequest) and extra.get("tools") is not None:
-            raise BadRequest("tools are for /v1/chat/completions (the answer is a tool_calls message)", param="tools")
-        try:
-            structured = structured_output(extra.get("response_format"), extra.get("tools"),
-                                           extra.get("tool_choice"), body.stream)
-        except StructuredError as e:
-            raise BadRequest(str(e), param=e.param, code="invalid_parameter") from None
+        structured = structured or self.structured(body)
+        if structured.schema is not None:
+            self.compile_grammar(structured.schema, "tools" if structured.tools_active else "response_format")
         try:
             stop = body.stop_strings()
         except ValueError as e:
@@ -311,6 +354,11 @@ class OpenAIService:
             raise BadRequest(str(e), param=field if field in type(body).model_fields else None,
                              code="invalid_parameter") from None
         return _Prepared(prompt_ids, params, stop, body.n, structured)
+
+    def check_model(self, body) -> None:
+        if body.model != self.model_name:
+            raise BadRequest(f"model {body.model[:200]!r} is not served here; this server serves "
+                             f"{self.model_name!r}", param="model", code="model_not_found", status=404)
 
     def check_fields(self, body) -> None:
         refused = body.refusal()
@@ -364,14 +412,17 @@ class OpenAIService:
                     self.loop.abort(handle)
                 return Response(status_code=499)
         choices, n_out, error = task.result()
+        if error and "grammar budget" in error:
+            return _error(400, error, param="response_format", code="grammar_too_complex")
         if error:
             return _error(500, error, type_="server_error", code="engine_error")
         make = chat_response if chat else completion_response
         out = make(rid, self.model_name, choices, len(prep.ids), n_out)
-        if chat and prep.structured.is_tool_call:      # a forced tool call: its arguments are the answer
+        if chat and prep.structured.tools_active:      # the grammar's answer: a call, or the text it wraps
             for c, choice in zip(choices, out["choices"]):
-                choice["message"] = tool_call_message(prep.structured, c.text)
-                choice["finish_reason"] = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+                choice["message"], called = tool_calls.final_message(c.text, prep.structured.mode)
+                if called and c.finish_reason == "stop":
+                    choice["finish_reason"] = "tool_calls"
         return out
 
     async def events(self, handles: list[RequestHandle]):
@@ -440,8 +491,14 @@ class OpenAIService:
         lps = [_LogprobsOf(self.tokenizer) if prep.params.logprobs is not None else None for _ in handles]
         done = [False] * len(handles)
         n_out = 0
+        text_of = [""] * len(handles)            # with tools: the raw output so far
+
+        tools = [tool_calls.DeltaStream(prep.structured.mode) if chat and prep.structured.tools_active else None
+                 for _ in handles]
 
         def chunk(i: int, piece: str, reason: str | None, role: bool = False, logprobs: dict | None = None) -> str:
+            if tools[i] is not None and not role:     # the raw grammar output -> content or tool_calls deltas
+                return "".join(sse_event(chat_chunk(rid, name, t, d, None, i)) for d in tools[i].push(text_of[i]))
             if chat:
                 delta = {"role": "assistant", "content": piece} if role else ({"content": piece} if piece or
                                                                               not reason else {})
@@ -456,7 +513,9 @@ class OpenAIService:
                 if done[i]:
                     continue
                 if ev.error:
-                    yield sse_event(error_body(ev.error, "server_error", code="engine_error"))
+                    budget = "grammar budget" in ev.error
+                    yield sse_event(error_body(ev.error, "invalid_request_error" if budget else "server_error",
+                                               code="grammar_too_complex" if budget else "engine_error"))
                     break
                 n_out += len(ev.tokens)
                 text = texts[i]
@@ -469,11 +528,19 @@ class OpenAIService:
                 elif ev.finished:
                     piece += text.flush()
                     reason = FINISH_REASONS.get(ev.finish_reason, "stop")
-                if piece or logprobs:
+                text_of[i] += piece
+                if tools[i] is not None:
+                    deltas = chunk(i, piece, None) if piece else ""
+                    if deltas:
+                        yield deltas
+                    if reason == "stop" and tools[i].called:
+                        reason = "tool_calls"
+                elif piece or logprobs:
                     yield chunk(i, piece, None, logprobs=logprobs)
                 if reason:
                     done[i] = True
-                    yield chunk(i, "", reason)
+                    yield sse_event(chat_chunk(rid, name, t, {}, reason, i)) if tools[i] is not None else \
+                        chunk(i, "", reason)
                     if all(done):
                         if include_usage:
                             yield sse_event({"id": rid, "object": "chat.completion.chunk" if chat else
@@ -491,18 +558,44 @@ class OpenAIService:
     # run in a worker thread, so the event loop goes on serving the other connections meanwhile.
     def prepare_completion(self, body: CompletionRequest) -> _Prepared:
         self.check_fields(body)
+        self.check_model(body)
         return self.prepare(body, self.completion_ids(body), body.max_tokens)
 
     def prepare_chat(self, body: ChatCompletionRequest) -> _Prepared:
         self.check_fields(body)
+        self.check_model(body)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return self.prepare(body, self.chat_ids(body), max_tokens)
+        structured = self.structured(body)
+        return self.prepare(body, self.chat_ids(body, structured), max_tokens, structured)
 
-    async def completions(self, request: Request, body: CompletionRequest):
-        return await self.respond(request, body, await run_in_threadpool(self.prepare_completion, body), chat=False)
+    # The body itself is parsed and validated in the worker thread as well: megabytes of JSON take pydantic long
+    # enough that, on the event loop, every stream would pause for them.
+    async def completions(self, request: Request):
+        body, prep = await run_in_threadpool(self._parsed, CompletionRequest, await request.body(),
+                                             self.prepare_completion)
+        return await self.respond(request, body, prep, chat=False)
 
-    async def chat_completions(self, request: Request, body: ChatCompletionRequest):
-        return await self.respond(request, body, await run_in_threadpool(self.prepare_chat, body), chat=True)
+    async def chat_completions(self, request: Request):
+        body, prep = await run_in_threadpool(self._parsed, ChatCompletionRequest, await request.body(),
+                                             self.prepare_chat)
+        return await self.respond(request, body, prep, chat=True)
+
+    @staticmethod
+    def _parsed(model, raw: bytes, prepare):
+        try:
+            data = json.loads(raw)
+        except ValueError as e:        # JSONDecodeError, or bytes that are not UTF-8
+            raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error",
+                                           "ctx": {"error": str(e)}}]) from None
+        except RecursionError:         # nested past Python's recursion limit
+            raise BadRequest("the request body nests too deeply", code="invalid_json") from None
+        try:
+            body = model.model_validate(data)
+        except ValidationError as e:
+            raise RequestValidationError(e.errors(include_url=False, include_input=False)) from None
+        except RecursionError:
+            raise BadRequest("the request body nests too deeply", code="invalid_parameter") from None
+        return body, prepare(body)
 
     async def models(self):
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
@@ -542,8 +635,18 @@ async def _http_error(request: Request, exc: StarletteHTTPException):
 
 
 async def _bad_request(request: Request, exc: BadRequest):
-    request.app.state.metrics.rejected.labels("invalid").inc()
-    return _error(400, str(exc), param=exc.param, code=exc.code)
+    request.app.state.metrics.rejected.labels("invalid" if exc.status == 400 else "not_found").inc()
+    return _error(exc.status, str(exc), param=exc.param, code=exc.code)
+
+
+async def _unexpected(request: Request, exc: Exception):
+    """Whatever escaped the checks still answers in OpenAI's shape: a body nested past Python's recursion limit
+    is the client's fault (400); anything else is a bug of ours (500), logged with its traceback."""
+    if isinstance(exc, RecursionError):
+        return _error(400, "the request nests too deeply", code="invalid_parameter")
+    import traceback
+    traceback.print_exception(exc, file=sys.stderr)
+    return _error(500, f"internal error: {type(exc).__name__}", type_="server_error", code="internal_error")
 
 
 ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
@@ -551,7 +654,8 @@ ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error":
     "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                    "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
 ERRORS = {400: "invalid request: bad JSON, a bad or unsupported field (`param` names it), a prompt too long",
-          401: "missing or wrong API key (--api-key)", 413: "body larger than --max-body-size",
+          401: "missing or wrong API key (--api-key)", 404: "the model is not served here",
+          413: "body larger than --max-body-size",
           429: "waiting queue full; see Retry-After", 503: "shutting down, or too many connections"}
 
 
@@ -570,6 +674,10 @@ def _openapi(app: FastAPI) -> dict:
             "text/plain; version=0.0.4": {"schema": {"type": "string"}}}
         schemas = schema.setdefault("components", {}).setdefault("schemas", {})
         schemas["Error"] = ERROR_SCHEMA
+        for model in (CompletionRequest, ChatCompletionRequest):
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(body.pop("$defs", {}))
+            schemas[model.__name__] = body
         for name in ("HTTPValidationError", "ValidationError"):
             schemas.pop(name, None)
         app.openapi_schema = schema
@@ -589,10 +697,19 @@ def create_app(engine: Engine, tokenizer, model_name: str, max_waiting: int = 64
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        # The GIL passes between threads every switch interval (5 ms by default): a thread that lets it go for a
+        # moment (the engine thread around every kernel, the event loop around every send) waits up to that long to
+        # get it back from a busy worker thread (a request being tokenized or its grammar compiled). At 1 ms those
+        # waits shrink fivefold; the threads' own work does not change.
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(min(switch, 0.001))
+        if hasattr(tokenizer, "token_bytes"):     # the vocabulary trie of structured output, before any request
+            grammars_for(tokenizer, engine.config.vocab_size, engine.config.eos_token_ids).vocabulary()
         loop.start()
         try:
             yield
         finally:
+            sys.setswitchinterval(switch)
             loop.stop(drain=False)       # uvicorn has let the streams finish (or timed out): cancel the rest
             snap = loop.snapshot()
             print(f"tinyserve: stopped ({snap['completed']} completed, {snap['aborted']} cancelled, "
@@ -605,9 +722,13 @@ def create_app(engine: Engine, tokenizer, model_name: str, max_waiting: int = 64
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(BadRequest, _bad_request)
+    app.add_exception_handler(Exception, _unexpected)
     app.add_middleware(Guard, limits=limits, on_reject=lambda reason: service.metrics.rejected.labels(reason).inc())
-    app.post("/v1/completions")(service.completions)
-    app.post("/v1/chat/completions")(service.chat_completions)
+    for path, model, route in (("/v1/completions", CompletionRequest, service.completions),
+                               ("/v1/chat/completions", ChatCompletionRequest, service.chat_completions)):
+        # the route parses its body itself (off the event loop); the OpenAPI document still describes it
+        app.post(path, openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}})(route)
     app.get("/v1/models")(service.models)
     app.get("/health")(service.health)
     app.get("/metrics", response_class=PlainTextResponse)(service.prometheus)

@@ -31,3 +31,12 @@ def walk_trie(root: TrieNode, automaton: Automaton, sid: int, out: list[int]) ->
         "walk_trie: go down the trie from the root, carrying the automaton's state along each edge "
         "(automaton.next); where a byte leads to DEAD, the whole subtree is impossible. A node's own ids are "
         "tokens too, not only the leaves'")
+
+
+def auto_schema(functions: dict[str, dict], parallel: bool) -> dict:
+    """tool_choice "auto" as one grammar: the JSON schema of an answer that is either {"tool_calls": [calls]} (each
+    call {"name": N, "arguments": <N's parameters>}, N one of `functions`: name -> parameters schema; at most one
+    call unless `parallel`) or {"response": "<text>"}: the model chooses with its first key."""
+    raise NotImplementedError(
+        "auto_schema: an anyOf of two objects, each with one required key. A call's 'name' is a const (one "
+        "object per function, so each name brings its own 'arguments' schema); what does parallel=False bound?")

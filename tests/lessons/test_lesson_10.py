@@ -17,6 +17,7 @@ REFERENCE = {
     "apply_mask": "tinyserve.constrained.masks:apply_mask",
     "is_plain": "tinyserve.constrained.vocab:is_plain",
     "walk_trie": "tinyserve.constrained.masks:walk_trie",
+    "auto_schema": "tinyserve.tool_calls:auto_schema",
 }
 impl = load_impl(10, REFERENCE)
 
@@ -133,3 +134,104 @@ def test_the_walk_stops_at_the_first_impossible_byte():
     # the root's children (one per first byte) are all tried once; below them only the '"' subtree is entered
     first_bytes = {d[0] for d in VOCAB}
     assert len(visited) <= len(first_bytes) + 8, f"the walk read {len(visited)} bytes: it does not prune"
+
+
+class CountingDict(dict):
+    """A trie node's children that note when the walk looks at them (the node is entered)."""
+    entered: set = set()
+
+    def _note(self):
+        CountingDict.entered.add(id(self))
+
+    def items(self):
+        self._note()
+        return super().items()
+
+    def keys(self):
+        self._note()
+        return super().keys()
+
+    def values(self):
+        self._note()
+        return super().values()
+
+    def __iter__(self):
+        self._note()
+        return super().__iter__()
+
+    def __getitem__(self, k):
+        self._note()
+        return super().__getitem__(k)
+
+    def get(self, k, default=None):
+        self._note()
+        return super().get(k, default)
+
+
+def counting_trie(items):
+    root = ([], CountingDict())
+    for i, data in items:
+        node = root
+        for b in data:
+            node = node[1].setdefault(b, ([], CountingDict()))
+        node[0].append(i)
+    return root
+
+
+@pytest.mark.exercise("walk_trie")
+def test_the_walk_enters_only_the_subtrees_it_may():
+    """Counting trie nodes entered, not bytes read: a walk that lists the whole vocabulary and checks each token
+    with automaton.walk finds the right tokens and reads few bytes through `next`, yet enters every node."""
+    a = Automaton(compile_schema(SCHEMA))
+    sid = a.walk(a.start, b"{")
+    trie = counting_trie(enumerate(VOCAB))
+    CountingDict.entered = set()
+    out: list[int] = []
+    impl.walk_trie(trie, a, sid, out)
+    assert sorted(VOCAB[i] for i in out) == [b'"']
+    total = 1 + sum(len(d) for d in VOCAB)                 # an upper bound on the trie's nodes
+    assert len(CountingDict.entered) <= 4, (
+        f"the walk entered {len(CountingDict.entered)} trie nodes (of up to {total}): after '{{' only the '\"' "
+        f"subtree may be entered; a walk over the whole vocabulary is what the trie is there to avoid")
+
+
+# --- auto_schema: tool_choice "auto" as one grammar -------------------------------------------------------------
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}
+
+
+def accepts(schema, value) -> bool:
+    from tinyserve.constrained import dumps
+    return Automaton(compile_schema(schema)).matches(dumps(value).encode())
+
+
+@pytest.mark.exercise("auto_schema")
+def test_auto_lets_the_model_call_or_answer():
+    schema = impl.auto_schema({"get_weather": WEATHER, "get_time": TIME}, True)
+    assert accepts(schema, {"response": "It is sunny."}), "a text answer must be possible"
+    assert accepts(schema, {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]})
+    assert accepts(schema, {"tool_calls": [{"name": "get_time", "arguments": {"zone": "CET"}},
+                                           {"name": "get_weather", "arguments": {"city": "Rome"}}]}), \
+        "parallel=True: several calls in one answer"
+    assert not accepts(schema, {}), "an answer must be a call or a text, not nothing"
+    assert not accepts(schema, {"tool_calls": []}), "a call list must hold at least one call"
+    assert not accepts(schema, {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}],
+                                "response": "hi"}), "one answer is either a call or a text: never both"
+
+
+@pytest.mark.exercise("auto_schema")
+def test_each_call_is_valid_for_its_own_function():
+    schema = impl.auto_schema({"get_weather": WEATHER, "get_time": TIME}, True)
+    assert not accepts(schema, {"tool_calls": [{"name": "get_news", "arguments": {}}]}), "only the listed tools"
+    assert not accepts(schema, {"tool_calls": [{"name": "get_time", "arguments": {"city": "Paris"}}]}), \
+        "get_time's arguments are get_time's schema, not another tool's (a const name per option)"
+    assert not accepts(schema, {"tool_calls": [{"name": "get_weather", "arguments": {"city": 3}}]})
+
+
+@pytest.mark.exercise("auto_schema")
+def test_parallel_false_allows_one_call():
+    schema = impl.auto_schema({"get_weather": WEATHER}, False)
+    one = {"name": "get_weather", "arguments": {"city": "Oslo"}}
+    assert accepts(schema, {"tool_calls": [one]})
+    assert not accepts(schema, {"tool_calls": [one, one]}), "parallel_tool_calls=false: at most one call"

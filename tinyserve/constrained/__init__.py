@@ -22,14 +22,15 @@ allowed only once the value is complete).
 from __future__ import annotations
 
 import json
+import threading
 import weakref
 
 from .automaton import DEAD, Automaton, ITEM_SEP, KEY_SEP
-from .masks import ConstraintState, TokenGrammar
+from .masks import ConstraintState, GrammarBudgetError, TokenGrammar
 from .schema import SchemaError, compile_schema, dumps
 from .vocab import Vocabulary
 
-__all__ = ["Automaton", "ConstraintState", "TokenGrammar", "SchemaError", "Vocabulary", "compile_schema",
+__all__ = ["Automaton", "ConstraintState", "TokenGrammar", "SchemaError", "GrammarBudgetError", "Vocabulary", "compile_schema",
            "compile_grammar", "dumps", "schema_key", "grammars_for", "GrammarCache", "ITEM_SEP", "KEY_SEP"]
 
 
@@ -41,39 +42,69 @@ def schema_key(schema) -> str:
         raise SchemaError(f"the schema is not JSON: {e}") from None
 
 
-def compile_grammar(schema, vocab: Vocabulary) -> TokenGrammar:
-    return TokenGrammar(compile_schema(schema), vocab)
+def compile_grammar(schema, vocab: Vocabulary, **kwargs) -> TokenGrammar:
+    return TokenGrammar(compile_schema(schema), vocab, **kwargs)
 
 
 class GrammarCache:
     """The compiled grammars of one vocabulary, by schema: requests with the same schema share one grammar and so
-    its cached masks. The vocabulary (its trie: ~1 s for 49,152 tokens) is built at the first schema."""
+    its cached masks. At most `max_bytes` of grammars (their packed masks and automaton states, TokenGrammar.nbytes)
+    are kept, the least recently used forgotten first: a server sees endless schemas. Thread-safe: the server
+    compiles a request's grammar in a worker thread (off the event loop and off the engine thread, with the start
+    state's mask computed there too), and the engine thread then finds it here. The vocabulary (its trie, the slow
+    part) is built once, by `vocabulary()`."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_ids, max_grammars: int = 256):
+    def __init__(self, tokenizer, vocab_size: int, eos_ids, max_bytes: int = 16 << 20):
         self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, tuple(eos_ids)
         self.vocab: Vocabulary | None = None
         self.grammars: dict[str, TokenGrammar] = {}
-        self.max_grammars = max_grammars
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
 
-    def get(self, schema) -> TokenGrammar:
-        key = schema_key(schema)
-        if key not in self.grammars:
+    def vocabulary(self) -> Vocabulary:
+        with self._lock:
             if self.vocab is None:
                 self.vocab = Vocabulary.of(self.tokenizer, self.vocab_size, self.eos_ids)
-            if len(self.grammars) >= self.max_grammars:   # a server sees endless schemas: forget the oldest
-                self.grammars.pop(next(iter(self.grammars)))
-            self.grammars[key] = compile_grammar(schema, self.vocab)
-        return self.grammars[key]
+            return self.vocab
+
+    def get(self, schema) -> TokenGrammar:
+        """The grammar of `schema`, compiled (and its start mask computed) if new. SchemaError if refused."""
+        key = schema_key(schema)
+        with self._lock:
+            grammar = self.grammars.pop(key, None)
+            if grammar is not None:
+                self.grammars[key] = grammar           # most recently used last
+                return grammar
+        grammar = compile_grammar(schema, self.vocabulary(), max_bytes=self.max_bytes // 4)
+        try:
+            if not grammar.mask(grammar.automaton.start).any():
+                raise SchemaError("no JSON value satisfies this schema")
+        except GrammarBudgetError as e:
+            raise SchemaError(str(e)) from None
+        with self._lock:
+            self.grammars[key] = grammar
+            self._evict()
+        return grammar
+
+    def nbytes(self) -> int:
+        return sum(g.nbytes() for g in list(self.grammars.values()))
+
+    def _evict(self) -> None:
+        total = self.nbytes()
+        while total > self.max_bytes and len(self.grammars) > 1:
+            total -= self.grammars.pop(next(iter(self.grammars))).nbytes()
 
 
 _CACHES: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
+_CACHES_LOCK = threading.Lock()
 
 
 def grammars_for(tokenizer, vocab_size: int, eos_ids) -> GrammarCache:
     """The GrammarCache of this tokenizer (for a model of vocab_size V): one per tokenizer object, kept as long as
     the tokenizer lives, so every engine and request using it share the vocabulary trie and the masks."""
-    per_tokenizer = _CACHES.setdefault(tokenizer, {})
-    key = (vocab_size, tuple(eos_ids))
-    if key not in per_tokenizer:
-        per_tokenizer[key] = GrammarCache(tokenizer, vocab_size, eos_ids)
-    return per_tokenizer[key]
+    with _CACHES_LOCK:
+        per_tokenizer = _CACHES.setdefault(tokenizer, {})
+        key = (vocab_size, tuple(eos_ids))
+        if key not in per_tokenizer:
+            per_tokenizer[key] = GrammarCache(tokenizer, vocab_size, eos_ids)
+        return per_tokenizer[key]

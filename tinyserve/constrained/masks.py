@@ -24,6 +24,17 @@ def apply_mask(logits: np.ndarray, allowed: np.ndarray) -> np.ndarray:   # [V], 
     return np.where(allowed, logits, -np.inf).astype(logits.dtype, copy=False)
 
 
+class GrammarBudgetError(ValueError):
+    """One mask would take more work than a step may spend on it (see MAX_MASK_READS): the request is refused."""
+
+
+# The work one mask may take on the engine thread. A trie walk enters each trie node at most once, and an entered
+# node costs a memoised lookup, or on a miss one read per stack of the state (automaton.reads counts those): the
+# misses are what a hostile grammar multiplies, so they are what is bounded (docs/structured-output.md, "Bounded
+# cost", has the measured cost per read).
+MAX_MASK_READS = 20_000
+
+
 def walk_trie(root: TrieNode, automaton: Automaton, sid: int, out: list[int]) -> None:
     """Append to `out` every token of the trie whose bytes the automaton can read from state `sid`."""
     step = automaton.next
@@ -37,41 +48,70 @@ def walk_trie(root: TrieNode, automaton: Automaton, sid: int, out: list[int]) ->
                 todo.append((child, t))
 
 
+def walk_trie_within(root: TrieNode, automaton: Automaton, sid: int, out: list[int], max_reads: int) -> None:
+    """walk_trie under a work budget: GrammarBudgetError once the walk has cost more than `max_reads` uncached
+    stack reads (checked every 256 trie nodes entered)."""
+    step = automaton.next
+    todo = [(root, sid)]
+    limit = automaton.reads + max_reads
+    entered = 0
+    while todo:
+        (ids, children), s = todo.pop()
+        out.extend(ids)
+        for b, child in children.items():
+            t = step(s, b)
+            if t != DEAD:
+                todo.append((child, t))
+        entered += 1
+        if not entered & 255 and automaton.reads > limit:
+            raise GrammarBudgetError(f"grammar budget: one token mask needs more than {max_reads} automaton "
+                                     f"reads (the schema is too ambiguous to be served)")
+
+
 class TokenGrammar:
     """One grammar bound to one vocabulary: its automaton and the masks of the states met so far (shared by every
-    request with the same schema)."""
+    request with the same schema). Masks are kept packed (a bit per token) and at most `max_bytes` of them; the
+    automaton's own memory is estimated (STATE_BYTES per state) for the GrammarCache's byte budget."""
 
-    def __init__(self, root: Node, vocab: Vocabulary, max_cached: int = 4096):
+    STATE_BYTES = 512                               # a state's stack set, its id and its edge dict, roughly
+
+    def __init__(self, root: Node, vocab: Vocabulary, max_bytes: int = 8 << 20, max_reads: int | None = None):
         self.automaton = Automaton(root)
         self.vocab = vocab
-        self.masks: dict[int, np.ndarray] = {}      # state id -> [V] bool
-        self.max_cached = max_cached
+        self.masks: dict[int, np.ndarray] = {}      # state id -> [ceil(V / 8)] uint8: the packed [V] bool mask
+        self.max_cached = max(1, max_bytes // max(1, (vocab.size + 7) // 8))
+        self.max_reads = MAX_MASK_READS if max_reads is None else max_reads
         self.mask_computations = 0                  # how many masks were computed (not served from the cache)
         self.jump_forward = True                    # off: forced text is sampled token by token (to measure it)
 
+    def nbytes(self) -> int:
+        """Roughly what this grammar holds in memory: its packed masks and its automaton's states."""
+        return len(self.masks) * ((self.vocab.size + 7) // 8) + len(self.automaton.stacks) * self.STATE_BYTES
+
     def mask(self, sid: int) -> np.ndarray:
         """[V] bool: the tokens allowed in state `sid` (EOS only when the value is complete)."""
-        m = self.masks.get(sid)
-        if m is None:
+        packed = self.masks.get(sid)
+        if packed is None:
             m = self.compute_mask(sid)
             if len(self.masks) >= self.max_cached:  # a deeply nesting "any JSON" can meet endless states
                 self.masks.pop(next(iter(self.masks)))
-            self.masks[sid] = m
-        return m
+            self.masks[sid] = np.packbits(m)
+            return m
+        return np.unpackbits(packed, count=self.vocab.size).view(bool)
 
     def compute_mask(self, sid: int, use_plain: bool = True) -> np.ndarray:
         """The mask of one state, uncached. use_plain=False walks the whole trie even inside strings (for
-        measuring what the plain-token shortcut saves)."""
+        measuring what the plain-token shortcut saves). GrammarBudgetError if it costs more than max_reads."""
         self.mask_computations += 1
         vocab, a = self.vocab, self.automaton
         m = np.zeros(vocab.size, dtype=bool)
         ids: list[int] = []
-        inside, other = a.string_split(sid) if use_plain else (DEAD, sid)
+        inside, other, room = a.string_split(sid) if use_plain else (DEAD, sid, None)
         if inside != DEAD:
-            m |= vocab.plain
-            walk_trie(vocab.inner_trie, a, inside, ids)
+            m |= vocab.plain if room is None else vocab.plain & (vocab.plain_chars <= room)
+            walk_trie_within(vocab.inner_trie, a, inside, ids, self.max_reads)
         if other != DEAD:
-            walk_trie(vocab.trie, a, other, ids)
+            walk_trie_within(vocab.trie, a, other, ids, self.max_reads)
         m[ids] = True
         if a.is_complete(sid):
             m[list(vocab.eos_ids)] = True

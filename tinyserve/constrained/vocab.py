@@ -44,11 +44,15 @@ class Vocabulary:
     trie: TrieNode = field(init=False)         # every ordinary token
     inner_trie: TrieNode = field(init=False)   # only the tokens that are not plain (quote, backslash, partial UTF-8)
     plain: np.ndarray = field(init=False)      # [V] bool: the plain tokens
+    plain_chars: np.ndarray = field(init=False)  # [V] int32: how many characters each plain token holds
 
     def __post_init__(self):
         tokens = [(i, b) for i, b in enumerate(self.token_bytes) if b]
         self.plain = np.zeros(len(self.token_bytes), dtype=bool)
         self.plain[[i for i, b in tokens if is_plain(b)]] = True
+        self.plain_chars = np.zeros(len(self.token_bytes), dtype=np.int32)
+        for i in np.flatnonzero(self.plain):
+            self.plain_chars[i] = len(self.token_bytes[i].decode("utf-8"))
         self.trie = build_trie(tokens)
         self.inner_trie = build_trie((i, b) for i, b in tokens if not self.plain[i])
 
