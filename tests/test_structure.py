@@ -91,7 +91,7 @@ LAYERS = (
     # 4. which forward runs for a model: the reference or the kernels
     ("backend",),
     # 5. the strategies and the engine (lessons 1-9), the weights and the tokenizer
-    ("stopping", "naive", "weights", "tokenizer", "kv_cache", "paged", "cache_base", "prefix_cache",
+    ("stopping", "naive", "weights", "zoo", "tokenizer", "kv_cache", "paged", "cache_base", "prefix_cache",
      "block_hash_cache", "scheduler", "sequence", "drafters", "speculative", "spec_step", "block_manager",
      "step_batch", "engine", "engine_loop", "tensor_parallel", "orchestrators"),
     # 6. the programs: the compile swap, the command line and what it runs
