@@ -16,7 +16,8 @@ import numpy as np
 from .attention_backends import check_block_tables, check_paged_inputs, get_paged_attention  # noqa: F401
 from .config import ModelConfig, check_positive_int
 from .gqa import grouped_attention
-from .kv_sizing import blocks_for, max_kv_positions  # noqa: F401  (lessons and tests import them from here too)
+from .kv_sizing import blocks_for, first_live_block, max_kv_positions  # noqa: F401  (lessons and tests import them
+from .layers import rectangular_mask, softmax                          # from here too)
 
 
 class OutOfBlocks(RuntimeError):
@@ -90,10 +91,13 @@ class KVPool:
     block_size: int   # bs: positions per block
 
     @classmethod
-    def create(cls, config: ModelConfig, num_blocks: int, block_size: int = 16) -> "KVPool":
+    def create(cls, config: ModelConfig, num_blocks: int, block_size: int = 16, n_layers: int | None = None
+               ) -> "KVPool":
+        """A pool for `n_layers` layers (default all L; lesson 11 gives the global and the local layers one each)."""
         num_blocks = check_positive_int("num_blocks", num_blocks, "KVPool")
         block_size = check_positive_int("block_size", block_size, "KVPool")
-        shape = (config.n_layers, num_blocks, block_size, config.n_kv_heads, config.head_dim)
+        n_layers = config.n_layers if n_layers is None else n_layers
+        shape = (n_layers, num_blocks, block_size, config.n_kv_heads, config.head_dim)
         # zeros, not empty: an unwritten slot should read as harmless zeros, never as leftover garbage/NaN
         return cls(np.zeros(shape, np.float32), np.zeros(shape, np.float32), block_size)
 
@@ -153,7 +157,7 @@ def write_kv_unchecked(k_cache: np.ndarray, v_cache: np.ndarray, blocks: np.ndar
 
 
 def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
-                    context_lens: np.ndarray, query_starts: np.ndarray) -> np.ndarray:
+                    context_lens: np.ndarray, query_starts: np.ndarray, window: int | None = None) -> np.ndarray:
     """Attention of a batch of sequences, each reading its own K/V through its block table (NumPy reference).
 
     q: [T, N, H], the new rows of B sequences back to back; sequence b owns rows query_starts[b]:query_starts[b+1]
@@ -162,22 +166,68 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, blo
     its m_b new ones, which are its last m_b positions. -> [T, N, H].
     Readable, not fast: gather each sequence's blocks into a contiguous copy and reuse lesson 3's
     grouped_attention (rectangular causal mask, GQA without repeating K/V).
+    `window` (lesson 11, a sliding-window layer): each row sees only its last `window` keys; the blocks before the
+    first row's window are not read at all (their table entries may be -1: the block manager freed them).
     """
     block_tables = np.asarray(block_tables)
-    check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, query_starts)
-    return paged_attention_unchecked(q, k_cache, v_cache, block_tables, context_lens, query_starts)
+    check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, query_starts, window)
+    return paged_attention_unchecked(q, k_cache, v_cache, block_tables, context_lens, query_starts, window)
 
 
 def paged_attention_unchecked(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
-                              context_lens: np.ndarray, query_starts: np.ndarray) -> np.ndarray:
+                              context_lens: np.ndarray, query_starts: np.ndarray, window: int | None = None
+                              ) -> np.ndarray:
     """paged_attention without check_paged_inputs, for a batch already checked (the engine checks once per step,
     then calls this once per layer). Same arrays in and out."""
     _, bs, K, H = k_cache.shape
     out = np.empty_like(q)                                                       # [T, N, H]
     for b in range(len(context_lens)):
         lo, hi, ctx = int(query_starts[b]), int(query_starts[b + 1]), int(context_lens[b])
-        table = block_tables[b, :blocks_for(ctx, bs)]                            # the blocks this sequence uses
-        k = k_cache[table].reshape(-1, K, H)[:ctx]                               # [S=ctx, K, H] (a copy)
-        v = v_cache[table].reshape(-1, K, H)[:ctx]
-        out[lo:hi] = grouped_attention(q[lo:hi], k, v)
+        if window is None:
+            table = block_tables[b, :blocks_for(ctx, bs)]                        # the blocks this sequence uses
+            k = k_cache[table].reshape(-1, K, H)[:ctx]                           # [S=ctx, K, H] (a copy)
+            v = v_cache[table].reshape(-1, K, H)[:ctx]
+            out[lo:hi] = grouped_attention(q[lo:hi], k, v)
+            continue
+        # the first new row (position ctx - m) looks back to key ctx - m - window + 1: start at that key's block
+        first = first_live_block(ctx - (hi - lo), window, bs)
+        table = block_tables[b, first:blocks_for(ctx, bs)]                       # the blocks still alive
+        start = first * bs                                                        # position of the first key gathered
+        k = k_cache[table].reshape(-1, K, H)[:ctx - start]                       # [S=ctx-start, K, H]
+        v = v_cache[table].reshape(-1, K, H)[:ctx - start]
+        out[lo:hi] = window_attention(q[lo:hi], k, v, window)
     return out
+
+
+def window_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int) -> np.ndarray:
+    """Lesson 11: causal attention with a sliding window, the new rows being the last m of the S keys.
+
+    q: [m, N, H]; k, v: [S, K, H] -> [m, N, H]. Row i (at position S - m + i of the keys given) sees the keys
+    j with S - m + i - window < j <= S - m + i: rectangular_mask with a window. Written plainly (K/V repeated to
+    the N query heads, as lesson 2 does): the reference a kernel would be checked against.
+    """
+    m, N, H = q.shape
+    S, K, _ = k.shape
+    k, v = np.repeat(k, N // K, axis=1), np.repeat(v, N // K, axis=1)          # [S, N, H] each
+    scores = q.transpose(1, 0, 2) @ k.transpose(1, 2, 0)                      # [N, m, S]
+    scores *= np.float32(1.0 / np.sqrt(H))
+    scores[:, rectangular_mask(m, S, window)] = -np.inf
+    return (softmax(scores) @ v.transpose(1, 0, 2)).transpose(1, 0, 2)        # [N, m, H] -> [m, N, H]
+
+
+def local_step_tables(local_tables: Sequence[Sequence[int]], counts: Sequence[int], positions: np.ndarray,
+                      block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Lesson 11: one step's block tables for the local (sliding-window) layers, and where each row's new K/V go.
+
+    local_tables: [B] sequences' local tables (-1 where freed); counts: [B] rows each runs; positions: [T].
+    -> (block_tables [B, max_blocks] int64, -1 padded; write_blocks [T] int64). The offsets inside the blocks are
+    the global layers' (position % bs): both kinds number their logical blocks alike.
+    """
+    width = max(map(len, local_tables))
+    tables = np.full((len(local_tables), width), -1, dtype=np.int64)             # [B, max_blocks]
+    for b, table in enumerate(local_tables):
+        tables[b, :len(table)] = table
+    row_seq = np.repeat(np.arange(len(local_tables)), counts)                    # [T] each row's sequence
+    write_blocks = tables[row_seq, positions // block_size]                      # [T]
+    assert (write_blocks >= 0).all(), "a new row's local block was freed: release ran ahead of the window"
+    return tables, write_blocks
