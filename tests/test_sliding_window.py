@@ -14,7 +14,7 @@ import pytest
 from tinyserve import engine as engine_mod
 from tinyserve.attention_backends import check_block_tables
 from tinyserve.engine import Engine
-from tinyserve.kv_sizing import blocks_for, first_live_block, local_blocks_bound
+from tinyserve.kv_sizing import blocks_for, first_live_block, local_blocks_bound, paged_kv_bytes
 from tinyserve.model import forward
 from tinyserve.paged import paged_attention
 from tinyserve.sampling import SamplingParams
@@ -256,3 +256,20 @@ def test_a_freed_block_inside_the_window_is_refused():
     table[0, first] = first
     table[0, :first] = -1
     check_block_tables(table, np.array([ctx]), np.array([0, m]), m, 100, bs, window=W)     # fine
+
+
+@pytest.mark.parametrize("free", [True, False])
+def test_the_memory_prediction_is_what_the_block_manager_counts(swa, free):
+    """kv_sizing.paged_kv_bytes (the arithmetic docs/sliding-window.md uses for Gemma 3 270M) against the blocks the
+    engine's two pools hold once a long prompt is in, on the tiny model."""
+    bs, n = 4, 61
+    engine = Engine(swa, num_blocks=64, block_size=bs, max_batch_tokens=16)
+    engine.blocks.free_behind_window = free
+    engine.add_request(list(range(3, 3 + n)), SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True))
+    while not engine.running or engine.running[0].num_computed_tokens < n:   # prefill in chunks of 16
+        engine.step()
+    assert engine.running[0].num_computed_tokens == n
+    per_block = 2 * bs * swa.config.n_kv_heads * swa.config.head_dim * 4
+    counted = (1 * engine.blocks.allocator.num_used * per_block, 2 * engine.blocks.local.num_used * per_block)
+    assert counted == paged_kv_bytes(swa.config, n, bs, free_behind_window=free)
+    assert (engine.pool.nbytes // engine.pool.num_blocks) == per_block     # one global layer's K and V per block

@@ -53,3 +53,18 @@ def local_blocks_bound(window: int, block_size: int, max_running: int, max_batch
     step sum to at most max_batch_tokens. So the local pool is sized by the window and the batch, never by the
     context length; and since it cannot run out, the scheduler only ever plans the global layers' pool."""
     return max_running * (blocks_for(window - 1, block_size) + 2) + blocks_for(max_batch_tokens, block_size)
+
+
+def paged_kv_bytes(config, num_positions: int, block_size: int = 16, bytes_per_value: int = 4,
+                   free_behind_window: bool = True) -> tuple[int, int]:
+    """(global layers' bytes, local layers' bytes) of the K/V blocks one sequence holds once `num_positions`
+    positions are computed (between two steps), in a paged pool of `block_size`. A global layer holds
+    blocks_for(num_positions) blocks; a local layer only those from first_live_block on, unless the blocks behind
+    the window are kept (free_behind_window=False: every layer holds them all, as without a window)."""
+    per_block = 2 * block_size * config.n_kv_heads * config.head_dim * bytes_per_value   # K and V of one layer
+    n_local = sum(config.layer_window(i) is not None for i in range(config.n_layers))
+    n_blocks = blocks_for(num_positions, block_size)
+    local_blocks = n_blocks
+    if free_behind_window and n_local:
+        local_blocks -= first_live_block(num_positions, config.sliding_window, block_size)
+    return (config.n_layers - n_local) * n_blocks * per_block, n_local * local_blocks * per_block
