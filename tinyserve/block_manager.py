@@ -25,6 +25,25 @@ from .scheduler import SeqState
 from .sequence import Sequence, Status
 
 
+def release_behind_window(local_table: list[int], num_computed: int, window: int, block_size: int,
+                          allocator: BlockAllocator) -> int:
+    """Lesson 11: give back a sequence's local-layer blocks that no future row can read, and return how many.
+
+    Once `num_computed` positions are in the cache, the next row (at position num_computed) sees keys
+    num_computed - window + 1 .. num_computed: every block wholly before that first key is dead for a layer with
+    this window (kv_sizing.first_live_block). Each such block is decref'd once and its entry in `local_table`
+    (edited in place) becomes -1, so index i still means logical block i. Entries already -1 stay so: calling
+    it again frees nothing twice.
+    """
+    freed = 0
+    for i in range(min(first_live_block(num_computed, window, block_size), len(local_table))):
+        if local_table[i] >= 0:
+            allocator.decref(local_table[i])
+            local_table[i] = -1
+            freed += 1
+    return freed
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False, window: int | None = None,
                  num_local_blocks: int = 0):
@@ -125,18 +144,11 @@ class BlockManager:
             self.local_peak = max(self.local_peak, self.local.num_used)
 
     def release_behind_window(self, seq: Sequence) -> int:
-        """Lesson 11: give back the local blocks no future row of `seq` can read (every key in them is `window` or
-        more positions behind the next row, at num_computed_tokens). Their table entries become -1, so logical
-        block i stays at index i. Returns how many were freed."""
+        """Lesson 11: free the local blocks no future row of `seq` can read (module function of the same name)."""
         if self.local is None or not self.free_behind_window:
             return 0
-        freed = 0
-        for i in range(first_live_block(seq.num_computed_tokens, self.window, self.block_size)):
-            if seq.local_table[i] >= 0:
-                self.local.decref(seq.local_table[i])
-                seq.local_table[i] = -1
-                freed += 1
-        return freed
+        return release_behind_window(seq.local_table, seq.num_computed_tokens, self.window, self.block_size,
+                                     self.local)
 
     def commit(self, seq: Sequence) -> None:
         """Called after a forward has written seq's K/V up to num_computed_tokens: publish the newly filled blocks
