@@ -390,6 +390,9 @@ class Engine:
         alloc = self.blocks.allocator
         lines = [f"KV pool: {alloc.num_used}/{alloc.num_blocks} blocks used, block size {self.block_size}, "
                  f"{self.pool.nbytes / 2**20:.1f} MiB ({len(self.running)} running, {len(self.waiting)} waiting)"]
+        if self.local_pool is not None:   # lesson 11: blocks.describe_tables shows both tables
+            lines.append(f"local-layer pool: {self.blocks.local.num_used}/{self.blocks.local.num_blocks} blocks "
+                         f"used, {self.local_pool.nbytes / 2**20:.1f} MiB (window {self.config.sliding_window})")
         cells = []
         for blk in range(min(alloc.num_blocks, max_blocks)):
             rc = alloc.refcount[blk]
