@@ -303,3 +303,10 @@ def test_gemma_pattern_3000_prompt_200_new_tokens():
                   f"{blocks_for(3199, bs)}")
             assert max(between) <= most
     assert outs[0] == outs[1] == outs[2] and len(outs[0]) == 200
+
+
+def test_a_local_pool_too_small_to_never_run_dry_is_refused(swa):
+    with pytest.raises(ValueError, match="num_local_blocks must be at least 24"):
+        Engine(swa, num_blocks=1000, block_size=4, max_batch_tokens=32, max_running=4, num_local_blocks=23)
+    assert Engine(swa, num_blocks=1000, block_size=4, max_batch_tokens=32, max_running=4,
+                  num_local_blocks=30).local_pool.num_blocks == 30

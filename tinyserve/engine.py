@@ -56,8 +56,8 @@ class Engine:
         """speculative (lesson 6): None (one token per step), a spec_step.SpecConfig, or its drafter: "ngram",
         "early-exit", "int8"/"draft" (with draft_model=), or a function returning a fresh Drafter (called once per
         request), with SpecConfig's other fields as keywords: Engine(model, speculative="ngram", draft_k=4).
-        num_local_blocks (lesson 11, a model with sliding-window layers): their pool's size; by default the most
-        they can ever hold at once (kv_sizing.local_blocks_bound), at most num_blocks."""
+        num_local_blocks (lesson 11, a model with sliding-window layers): their pool's size; by default, and at
+        least, the most they can ever hold at once (kv_sizing.local_blocks_bound, at most num_blocks)."""
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
                             ("max_batch_tokens", max_batch_tokens), ("max_running", max_running)):
             check_positive_int(name, value, "Engine")
@@ -84,10 +84,11 @@ class Engine:
                                   n_layers=self.config.n_layers - len(local_layers))
         self.local_pool = None
         if window is not None:
-            if num_local_blocks is None:
-                num_local_blocks = min(num_blocks, local_blocks_bound(window, block_size, max_running,
-                                                                      max_batch_tokens))
-            check_positive_int("num_local_blocks", num_local_blocks, "Engine")
+            enough = min(num_blocks, local_blocks_bound(window, block_size, max_running, max_batch_tokens))
+            num_local_blocks = enough if num_local_blocks is None else num_local_blocks
+            if not is_int(num_local_blocks) or num_local_blocks < enough:   # the scheduler never plans this pool
+                raise ValueError(f"Engine: num_local_blocks must be at least {enough} (window {window}, "
+                                 f"{max_running} running, {max_batch_tokens} tokens a step), got {num_local_blocks!r}")
             self.local_pool = KVPool.create(self.config, num_local_blocks, block_size, n_layers=len(local_layers))
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching, window=window,
                                    num_local_blocks=num_local_blocks or 0)   # all block bookkeeping
