@@ -277,17 +277,17 @@ def test_the_memory_prediction_is_what_the_block_manager_counts(swa, free):
 
 @pytest.mark.slow
 def test_gemma_pattern_3000_prompt_200_new_tokens():
-    """The issue's scale on a tiny model with Gemma 3's layer pattern (18 layers, every sixth global, window 512):
-    a 3,000-token prompt plus 200 new tokens. Local blocks in use stay at the window's size (printed), the tokens
-    equal a run that keeps every block, and prefix caching on gives the same tokens as off."""
-    model = tiny_model(seed=3, n_layers=18, max_seq_len=4096, sliding_window=512, sliding_window_pattern=6)
+    """The issue's scale on a tiny model with Gemma 3's layer pattern (five local layers of window 512, then a global
+    one; 6 layers, not 18, to keep CI short: the pattern, not the depth, is under test): a 3,000-token prompt plus
+    200 new tokens. The local blocks in use stay at the window's size (printed), and the tokens equal a run that
+    keeps every block. (Prefix caching on vs off: test_prefix_caching_on_and_off_give_the_same_answers.)"""
+    model = tiny_model(seed=3, n_layers=6, max_seq_len=4096, sliding_window=512, sliding_window_pattern=6)
     prompt = [int(t) for t in np.random.default_rng(0).integers(3, 256, size=3000)]
     params = SamplingParams(temperature=0, max_new_tokens=200, ignore_eos=True)
     bs, most = 16, blocks_for(512 - 1, 16) + 1
     outs = []
-    for free, caching in ((True, False), (False, False), (True, True)):
-        engine = Engine(model, num_blocks=blocks_for(3200, bs) + 4, block_size=bs, max_batch_tokens=512,
-                        prefix_caching=caching)
+    for free in (True, False):
+        engine = Engine(model, num_blocks=blocks_for(3200, bs) + 4, block_size=bs, max_batch_tokens=512)
         engine.blocks.free_behind_window = free
         rid = engine.add_request(prompt, params)
         between = []
@@ -297,12 +297,14 @@ def test_gemma_pattern_3000_prompt_200_new_tokens():
                 between.append(engine.blocks.local.num_used)
         outs.append(engine.finished[rid].output_ids)
         assert_no_leaks(engine)
-        if free and not caching:
+        if free:
             print(f"\nlocal blocks in use between steps: at most {max(between)} (window 512 = {512 // bs} blocks "
                   f"of {bs}); peak during a step {engine.blocks.local_peak}; global blocks at the end "
                   f"{blocks_for(3199, bs)}")
             assert max(between) <= most
-    assert outs[0] == outs[1] == outs[2] and len(outs[0]) == 200
+        else:
+            assert max(between) == blocks_for(3199, bs)
+    assert outs[0] == outs[1] and len(outs[0]) == 200
 
 
 def test_a_local_pool_too_small_to_never_run_dry_is_refused(swa):
