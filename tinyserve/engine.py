@@ -31,14 +31,14 @@ from typing import Callable, Iterator, Sequence as Seq
 
 import numpy as np
 
-from .attention_backends import KVLayout, check_block_tables, get_paged_attention
+from .attention_backends import KVLayout, get_paged_attention
 from .block_manager import BlockManager
 from .config import check_positive_int, is_int
 from .backend import forward, runs_on_kernels
 from .model import Model, check_token_ids
-from .kv_sizing import local_blocks_bound, max_kv_blocks, max_kv_positions
+from .kv_sizing import max_kv_blocks, max_kv_positions
 from .interrupts import interrupts_deferred, interrupts_held
-from .paged import KVPool, local_step_tables, write_kv_unchecked
+from .paged import LayerPools
 from .sampling import SamplingParams, sample_tokens
 from .scheduler import bind, plan_step
 from .spec_step import SpecConfig, Speculator, Verdict
@@ -56,8 +56,7 @@ class Engine:
         """speculative (lesson 6): None (one token per step), a spec_step.SpecConfig, or its drafter: "ngram",
         "early-exit", "int8"/"draft" (with draft_model=), or a function returning a fresh Drafter (called once per
         request), with SpecConfig's other fields as keywords: Engine(model, speculative="ngram", draft_k=4).
-        num_local_blocks (lesson 11, a model with sliding-window layers): their pool's size; by default, and at
-        least, the most they can ever hold at once (kv_sizing.local_blocks_bound, at most num_blocks)."""
+        num_local_blocks: lesson 11's sliding-window layers' pool (paged.LayerPools.create says how it is sized)."""
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
                             ("max_batch_tokens", max_batch_tokens), ("max_running", max_running)):
             check_positive_int(name, value, "Engine")
@@ -69,29 +68,11 @@ class Engine:
         self.backend = backend or model.backend   # the attention kernel follows the model's backend (lesson 7)
         self.tokenizer = tokenizer                # only needed for stop strings and json_schema
         self._attend = get_paged_attention(self.backend, checked=False)   # each step checks its batch once
-        # lesson 11: the global layers' K/V live in `pool`, the sliding-window layers' in `local_pool` (None
-        # without a window); layer i is row _slot[i] of its kind's pool
-        self._windows = [self.config.layer_window(i) for i in range(self.config.n_layers)]
-        local_layers = [i for i, w in enumerate(self._windows) if w is not None]
-        window = self.config.sliding_window if local_layers else None
-        if window is not None and (self.backend != "numpy" or runs_on_kernels(model)):
-            raise ValueError(f"Engine: this model has sliding-window layers (window {window}) and the "
-                             f"{self.backend!r} attention kernels do not mask by window yet: load it with "
-                             f"backend 'numpy'")
-        self._slot = [sum(1 for j in range(i) if (self._windows[j] is None) == (w is None))
-                      for i, w in enumerate(self._windows)]
-        self.pool = KVPool.create(self.config, num_blocks, block_size,   # [L_global, num_blocks, bs, K, H] x2
-                                  n_layers=self.config.n_layers - len(local_layers))
-        self.local_pool = None
-        if window is not None:
-            enough = min(num_blocks, local_blocks_bound(window, block_size, max_running, max_batch_tokens))
-            num_local_blocks = enough if num_local_blocks is None else num_local_blocks
-            if not is_int(num_local_blocks) or num_local_blocks < enough:   # the scheduler never plans this pool
-                raise ValueError(f"Engine: num_local_blocks must be at least {enough} (window {window}, "
-                                 f"{max_running} running, {max_batch_tokens} tokens a step), got {num_local_blocks!r}")
-            self.local_pool = KVPool.create(self.config, num_local_blocks, block_size, n_layers=len(local_layers))
-        self.blocks = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching, window=window,
-                                   num_local_blocks=num_local_blocks or 0)   # all block bookkeeping
+        self.kv = LayerPools.create(self.config, num_blocks, block_size, max_running, max_batch_tokens,
+                                    num_local_blocks, kernels=self.backend != "numpy" or runs_on_kernels(model))
+        self.pool, self.local_pool = self.kv.pool, self.kv.local_pool   # lesson 11: the local layers' own pool
+        self.blocks = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching, window=self.kv.window,
+                                   num_local_blocks=self.kv.num_local_blocks)  # all block bookkeeping
         self.waiting: deque[Sequence] = deque()   # arrival order; preempted requests go back to the front
         self.running: list[Sequence] = []         # arrival order (oldest first): the preemption order
         # finished requests and per-step stats are kept for the caller to read (metrics, generate); both grow
@@ -135,14 +116,11 @@ class Engine:
         `running` at once; it skips the scheduler, so the caller checks that blocks_for(P + 1) blocks are free."""
         if k.shape != v.shape or k.shape[1] != len(prompt_ids):
             raise ValueError(f"K/V for {len(prompt_ids)} prompt positions expected, got k {k.shape}, v {v.shape}")
-        if self.local_pool is not None:
-            raise ValueError("add_prefilled: a model with sliding-window layers keeps their K/V in a pool of its "
-                             "own, which handing over a prefill does not fill yet")
         seq = self._new_sequence(prompt_ids, params)
         self._next_id += 1
         with interrupts_deferred():          # the block table and the queues change together or not at all
             self.blocks.allocate(seq, len(seq.prompt_ids))
-            self.pool.write_prompt(seq.block_table, k, v)
+            self.kv.write_prompt(seq.block_table, k, v)
             seq.resume_prefilled(first_token, first_token_time, rng_state)
             self.running.append(seq)
         return seq.request_id
@@ -246,24 +224,8 @@ class Engine:
         per-sequence part: each layer writes the new K/V through the slot mapping, then reads every sequence's
         K/V through its block table. The batch was checked once in prepare_batch, so the L calls per step skip
         the public functions' checks and conversions (at B=16 these cost ~1 ms per step)."""
-        pool, attend, slot = self.pool, self._attend, self._slot
-        if self.local_pool is not None:      # lesson 11: the local layers read their own tables, freed blocks -1
-            local_tables, local_writes = local_step_tables([seq.local_table for seq in batch.seqs], batch.counts,
-                                                           batch.positions, self.block_size)
-            check_block_tables(local_tables, batch.context_lens, batch.query_starts, len(batch.tokens),
-                               self.local_pool.num_blocks, self.block_size, self.config.sliding_window)
-
-        def attention(layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-            window = self._windows[layer]
-            if window is not None:           # a sliding-window layer: its own pool, masked by its window
-                kc, vc = self.local_pool.k[slot[layer]], self.local_pool.v[slot[layer]]
-                write_kv_unchecked(kc, vc, local_writes, batch.write_offsets, k, v)
-                return attend(q, kc, vc, local_tables, batch.context_lens, batch.query_starts, window)
-            # the new rows first: they attend to themselves
-            write_kv_unchecked(pool.k[slot[layer]], pool.v[slot[layer]], batch.write_blocks, batch.write_offsets,
-                               k, v)
-            return attend(q, pool.k[slot[layer]], pool.v[slot[layer]], batch.block_tables, batch.context_lens,
-                          batch.query_starts)
+        pool = self.pool
+        attention = self.kv.attention_fn(self._attend, batch)   # each layer: write the new K/V, then attend
 
         layout = None     # lesson 7: a few rows that all need logits (decodes, verifies) may run as one kernel
         every_row = len(batch.logit_rows) == len(batch.tokens)      # that also writes the K/V
@@ -391,9 +353,6 @@ class Engine:
         alloc = self.blocks.allocator
         lines = [f"KV pool: {alloc.num_used}/{alloc.num_blocks} blocks used, block size {self.block_size}, "
                  f"{self.pool.nbytes / 2**20:.1f} MiB ({len(self.running)} running, {len(self.waiting)} waiting)"]
-        if self.local_pool is not None:   # lesson 11: blocks.describe_tables shows both tables
-            lines.append(f"local-layer pool: {self.blocks.local.num_used}/{self.blocks.local.num_blocks} blocks "
-                         f"used, {self.local_pool.nbytes / 2**20:.1f} MiB (window {self.config.sliding_window})")
         cells = []
         for blk in range(min(alloc.num_blocks, max_blocks)):
             rc = alloc.refcount[blk]

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from .attention_backends import check_block_tables, check_paged_inputs, get_paged_attention  # noqa: F401
-from .config import ModelConfig, check_positive_int
+from .config import ModelConfig, check_positive_int, is_int
 from .gqa import grouped_attention
-from .kv_sizing import blocks_for, first_live_block, max_kv_positions  # noqa: F401  (lessons and tests import them
-from .layers import rectangular_mask, softmax                          # from here too)
+from .kv_sizing import blocks_for, first_live_block, local_blocks_bound, max_kv_positions  # noqa: F401  (lessons
+from .layers import rectangular_mask, softmax                                              # import them from here)
 
 
 class OutOfBlocks(RuntimeError):
@@ -231,3 +231,72 @@ def local_step_tables(local_tables: Sequence[Sequence[int]], counts: Sequence[in
     write_blocks = tables[row_seq, positions // block_size]                      # [T]
     assert (write_blocks >= 0).all(), "a new row's local block was freed: release ran ahead of the window"
     return tables, write_blocks
+
+
+@dataclass(slots=True)
+class LayerPools:
+    """Where every layer's K/V live: the global layers' pool and, with a sliding window (lesson 11), the local
+    layers' pool of their own. Layer i is row slot[i] of its kind's pool. Without a window, `pool` holds all L
+    layers and slot[i] = i: lesson 4's engine exactly."""
+    pool: KVPool                  # [L_global, num_blocks, bs, K, H] x2
+    local_pool: KVPool | None     # [L_local, num_local_blocks, bs, K, H] x2; None without a window
+    windows: list[int | None]     # [L] each layer's window (None: a global layer)
+    slot: list[int]               # [L]
+    window: int | None            # the local layers' window (None: no local layer)
+
+    @classmethod
+    def create(cls, config: ModelConfig, num_blocks: int, block_size: int, max_running: int, max_batch_tokens: int,
+               num_local_blocks: int | None = None, kernels: bool = False) -> "LayerPools":
+        """The local pool gets num_local_blocks, by default (and at least) kv_sizing.local_blocks_bound capped at
+        num_blocks: the most its layers can ever hold, so it never runs dry and the scheduler plans the global pool
+        alone. kernels: the step runs on the Numba kernels, which do not mask by window (a windowed model is
+        refused rather than answered wrong)."""
+        windows = [config.layer_window(i) for i in range(config.n_layers)]
+        n_local = sum(w is not None for w in windows)
+        window = config.sliding_window if n_local else None
+        if window is not None and kernels:
+            raise ValueError(f"Engine: this model has sliding-window layers (window {window}) and the Numba "
+                             f"kernels do not mask by window yet: load it with backend 'numpy'")
+        slot = [sum((windows[j] is None) == (w is None) for j in range(i)) for i, w in enumerate(windows)]
+        pool = KVPool.create(config, num_blocks, block_size, n_layers=config.n_layers - n_local)
+        local_pool = None
+        if window is not None:
+            enough = min(num_blocks, local_blocks_bound(window, block_size, max_running, max_batch_tokens))
+            num_local_blocks = enough if num_local_blocks is None else num_local_blocks
+            if not is_int(num_local_blocks) or num_local_blocks < enough:   # the scheduler never plans this pool
+                raise ValueError(f"Engine: num_local_blocks must be at least {enough} (window {window}, "
+                                 f"{max_running} running, {max_batch_tokens} tokens a step), got {num_local_blocks!r}")
+            local_pool = KVPool.create(config, num_local_blocks, block_size, n_layers=n_local)
+        return cls(pool, local_pool, windows, slot, window)
+
+    @property
+    def num_local_blocks(self) -> int:
+        return self.local_pool.num_blocks if self.local_pool is not None else 0
+
+    def write_prompt(self, block_table, k: np.ndarray, v: np.ndarray) -> None:
+        """KVPool.write_prompt for all layers (lesson 8's hand-over): refused with a window (two pools)."""
+        if self.local_pool is not None:
+            raise ValueError("add_prefilled: a model with sliding-window layers keeps their K/V in a pool of its own, "
+                             "which handing over a prefill does not fill yet")
+        self.pool.write_prompt(block_table, k, v)
+
+    def attention_fn(self, attend, batch):
+        """The attention model.forward calls in one engine step (batch: a step_batch.StepBatch, checked once): each
+        layer writes the new rows' K/V into its kind's pool first (they attend to themselves), then attends through
+        the step's block tables; a local layer through its own tables (freed blocks -1), masked by its window."""
+        if self.local_pool is not None:
+            local_tables, local_writes = local_step_tables([seq.local_table for seq in batch.seqs], batch.counts,
+                                                           batch.positions, self.pool.block_size)
+            check_block_tables(local_tables, batch.context_lens, batch.query_starts, len(batch.tokens),
+                               self.local_pool.num_blocks, self.pool.block_size, self.window)
+
+        def attention(layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+            window, i = self.windows[layer], self.slot[layer]
+            if window is None:
+                kc, vc = self.pool.k[i], self.pool.v[i]
+                write_kv_unchecked(kc, vc, batch.write_blocks, batch.write_offsets, k, v)
+                return attend(q, kc, vc, batch.block_tables, batch.context_lens, batch.query_starts)
+            kc, vc = self.local_pool.k[i], self.local_pool.v[i]
+            write_kv_unchecked(kc, vc, local_writes, batch.write_offsets, k, v)
+            return attend(q, kc, vc, local_tables, batch.context_lens, batch.query_starts, window)
+        return attention
