@@ -60,8 +60,9 @@ $(TESTS): $(RUNTIME)
 
 install: $(RUNTIME) $(COURSE) $(TESTS)
 
+MODEL ?= smollm2-135m-instruct
 weights: $(RUNTIME)
-	$(PYTHON) -m tinyserve weights
+	$(PYTHON) -m tinyserve weights --model $(MODEL)
 
 # The first run compiles the int8 kernels in the background from the moment numba is installed (the tiny model
 # needs no weights), so the compile overlaps the weights' download; generate answers on the NumPy path meanwhile and

@@ -101,8 +101,9 @@ LAYERS = (
     # 4. which path runs for a model (mode, backend, kernel variant): the one door into the kernels
     ("backend",),
     # 5. the strategies and the engine (lessons 1-9), the weights and the tokenizer
-    ("stopping", "naive", "weights", "gguf_tokenizer", "chat_template", "tokenizer", "kv_cache", "paged", "cache_base",
-     "prefix_cache", "block_hash_cache", "scheduler", "sequence", "drafters", "speculative", "spec_step", "block_manager",
+    ("stopping", "naive", "weights", "zoo", "gguf_tokenizer", "chat_template", "tokenizer", "kv_cache", "paged",
+     "cache_base", "prefix_cache", "block_hash_cache", "scheduler", "sequence", "drafters", "speculative", "spec_step",
+     "block_manager",
      "step_batch", "engine", "engine_loop", "tensor_parallel", "orchestrators"),
     # 6. the programs: the compile swap, the command line and what it runs
     ("jit", "cli_options", "generate", "bench", "chat", "http_guard", "structured_api", "server", "speed", "loadgen",

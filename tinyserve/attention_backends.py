@@ -52,7 +52,7 @@ def get_paged_attention(backend: str = "numpy", checked: bool = True) -> Callabl
     return getattr(importlib.import_module(module), fn if checked else unchecked)
 
 
-def check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, query_starts) -> None:
+def check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, query_starts, window=None) -> None:
     """Clear ValueErrors for inputs paged attention cannot make sense of (shared by both backends)."""
     T, N, H = q.shape
     nb, bs, K, Hk = k_cache.shape
@@ -60,14 +60,16 @@ def check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, query_st
         raise ValueError(f"paged_attention: k_cache {k_cache.shape} and v_cache {v_cache.shape} differ")
     if Hk != H or N % K:
         raise ValueError(f"paged_attention: q {q.shape} does not fit a cache of {K} KV heads x head_dim {Hk}")
-    check_block_tables(block_tables, context_lens, query_starts, T, nb, bs)
+    check_block_tables(block_tables, context_lens, query_starts, T, nb, bs, window)
 
 
 def check_block_tables(block_tables, context_lens, query_starts, num_rows: int, num_blocks: int,
-                       block_size: int) -> None:
+                       block_size: int, window: int | None = None) -> None:
     """The batch-layout half of check_paged_inputs: every sequence's rows, context and block table make sense for
     a batch of `num_rows` (T) new rows and a pool of `num_blocks` blocks of `block_size`. It depends on the step,
-    not on the layer, so the engine runs it once per step (vectorised: a dozen NumPy calls, no loop over B)."""
+    not on the layer, so the engine runs it once per step (vectorised: a dozen NumPy calls, no loop over B).
+    With a sliding `window` (lesson 11's local layers) only the blocks from the first new row's window on must be
+    valid: the ones before it are never read, and the block manager may have freed them (-1)."""
     T, nb, bs = num_rows, num_blocks, block_size
     block_tables = np.asarray(block_tables)
     context_lens, query_starts = np.asarray(context_lens), np.asarray(query_starts)
@@ -84,7 +86,9 @@ def check_block_tables(block_tables, context_lens, query_starts, num_rows: int, 
         raise ValueError(f"paged_attention: sequence {b} has {m[b]} new rows but context_len {context_lens[b]} "
                          f"(need 1 <= new rows <= context_len)")
     nblocks = blocks_for(context_lens, bs)                                       # [B] blocks each sequence reads
-    used = np.arange(block_tables.shape[1])[None, :] < nblocks[:, None]          # [B, max_blocks]
+    first = np.zeros_like(nblocks) if window is None else np.maximum(0, context_lens - m - window + 1) // bs
+    cols = np.arange(block_tables.shape[1])[None, :]
+    used = (cols < nblocks[:, None]) & (cols >= first[:, None])                  # [B, max_blocks]
     bad = (nblocks > block_tables.shape[1]) | (used & ((block_tables < 0) | (block_tables >= nb))).any(axis=1)
     if bad.any():
         b = int(np.argmax(bad))

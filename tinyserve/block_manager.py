@@ -5,12 +5,19 @@ them, and gives every block back when the sequence finishes or is preempted. Not
 the allocator, so lesson 5 (prefix caching) is a contained change here: `admit` may hand a new sequence blocks
 that already hold its prompt prefix, `commit` may publish newly filled blocks, and `free` lets the cache keep them.
 With caching off, the cache is a NoPrefixCache (it never hits and keeps nothing): one code path either way.
+
+Lesson 11: a model with sliding-window layers (Gemma 3: five local layers for every global one) keeps two kinds of
+K/V, each in a pool and with an allocator of its own. The global layers' blocks are what this manager always
+managed (`block_table`, `allocator`, the prefix cache, the scheduler's numbers). The local layers' blocks
+(`local_table`, `local`) follow the same logical blocks, but a block wholly behind the window is given back as soon
+as no future row can read it, so a sequence holds about window / bs of them however long it grows. The local pool
+is sized so that it can never run dry (kv_sizing.local_blocks_bound): the scheduler plans the global pool alone.
 """
 from __future__ import annotations
 
 from .block_hash_cache import block_hashes
 from .cache_base import BlockCache, NoPrefixCache
-from .kv_sizing import blocks_for
+from .kv_sizing import blocks_for, first_live_block
 from .paged import BlockAllocator
 from .prefix_cache import PrefixCache
 from .speculative import rewind_blocks
@@ -18,13 +25,42 @@ from .scheduler import SeqState
 from .sequence import Sequence, Status
 
 
+def release_behind_window(local_table: list[int], num_computed: int, window: int, block_size: int,
+                          allocator: BlockAllocator) -> int:
+    """Lesson 11: give back a sequence's local-layer blocks that no future row can read, and return how many.
+
+    Once `num_computed` positions are in the cache, the next row (at position num_computed) sees keys
+    num_computed - window + 1 .. num_computed: every block wholly before that first key is dead for a layer with
+    this window (kv_sizing.first_live_block). Each such block is decref'd once and its entry in `local_table`
+    (edited in place) becomes -1, so index i still means logical block i. Entries already -1 stay so: calling
+    it again frees nothing twice.
+    """
+    freed = 0
+    for i in range(min(first_live_block(num_computed, window, block_size), len(local_table))):
+        if local_table[i] >= 0:
+            allocator.decref(local_table[i])
+            local_table[i] = -1
+            freed += 1
+    return freed
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False, window: int | None = None,
+                 num_local_blocks: int = 0):
+        """window, num_local_blocks (lesson 11): the sliding window of the model's local layers and the size of
+        their own pool (window None: no local layers, no local pool)."""
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.block_size = block_size
-        # lesson 5: computed full blocks stay in a prefix trie, so later requests with the same prefix reuse them
-        self.prefix_caching = prefix_caching
-        self.cache: BlockCache = PrefixCache(self.allocator) if prefix_caching else NoPrefixCache(self.allocator)
+        self.window = window
+        self.local = BlockAllocator(num_local_blocks, block_size) if window is not None else None
+        self.free_behind_window = True   # False keeps every local block (what the tests compare against)
+        self.local_peak = 0              # the most local blocks in use at once (after a step's allocation)
+        # lesson 5: computed full blocks stay in a prefix trie, so later requests with the same prefix reuse them.
+        # Lesson 11: with a window, a hit would also need the local layers' K/V of the window before the match
+        # point, and those blocks were freed as their sequence moved on: the cache then never hits (docs/
+        # sliding-window.md, "The prefix cache")
+        self.prefix_caching = prefix_caching and window is None
+        self.cache: BlockCache = PrefixCache(self.allocator) if self.prefix_caching else NoPrefixCache(self.allocator)
         # request id -> (prompt tokens served from the cache, prompt tokens), at its first admission only (a
         # preempted request re-matching its own blocks is not a hit): the engine's prefix-cache metrics
         self.hits: dict[int, tuple[int, int]] = {}
@@ -101,10 +137,23 @@ class BlockManager:
             self.cache.evict(need - self.allocator.num_free)   # LRU unreferenced blocks make room, in one pass
         for _ in range(need):
             seq.block_table.append(self.allocator.allocate())
+        if self.local is not None:       # the local layers' table covers the same logical blocks
+            self.release_behind_window(seq)
+            while len(seq.local_table) < len(seq.block_table):
+                seq.local_table.append(self.local.allocate())  # OutOfBlocks here: local_blocks_bound is wrong
+            self.local_peak = max(self.local_peak, self.local.num_used)
+
+    def release_behind_window(self, seq: Sequence) -> int:
+        """Lesson 11: free the local blocks no future row of `seq` can read (module function of the same name)."""
+        if self.local is None or not self.free_behind_window:
+            return 0
+        return release_behind_window(seq.local_table, seq.num_computed_tokens, self.window, self.block_size,
+                                     self.local)
 
     def commit(self, seq: Sequence) -> None:
         """Called after a forward has written seq's K/V up to num_computed_tokens: publish the newly filled blocks
         (a NoPrefixCache takes none)."""
+        self.release_behind_window(seq)  # at once: between steps a sequence holds only what its next row reads
         full = seq.num_computed_tokens // self.block_size
         if full > self._published.get(seq.request_id, 0):
             # publish now, not at the end: a request arriving while this one runs can share its prefix
@@ -117,6 +166,9 @@ class BlockManager:
         left without a kept position go back to the pool. Call `commit` only after this: a block that still held
         unverified tokens must never be published to the prefix trie."""
         rewind_blocks(seq.block_table, seq.num_computed_tokens, n, self.block_size, self.allocator)
+        if self.local is not None:       # the drafts' blocks are the newest, never behind the window
+            while len(seq.local_table) > len(seq.block_table):
+                self.local.decref(seq.local_table.pop())
         seq.num_computed_tokens -= n
 
     def free(self, seq: Sequence) -> None:
@@ -127,8 +179,26 @@ class BlockManager:
         self._published.pop(seq.request_id, None)
         for block in reversed(seq.block_table):   # reversed: the tail block, least likely to be shared, first
             self.allocator.decref(block)
-        seq.block_table = []
+        for block in seq.local_table:
+            if block >= 0:
+                self.local.decref(block)
+        seq.block_table, seq.local_table = [], []
         seq.num_computed_tokens = 0
+
+    def describe_tables(self, seqs) -> str:
+        """Lesson 11: every sequence's block table per layer kind, side by side (`.` marks a local block freed
+        behind the window), and both pools' use."""
+        lines = [f"global layers: {self.allocator.num_used}/{self.allocator.num_blocks} blocks in use"]
+        if self.local is not None:
+            lines[0] += (f"; local layers (window {self.window}): {self.local.num_used}/{self.local.num_blocks} "
+                         f"in use, peak {self.local_peak}")
+        for seq in seqs:
+            lines.append(f"  r{seq.request_id} ({seq.num_computed_tokens} positions) global {seq.block_table}")
+            if self.local is not None:
+                cells = ", ".join("." if b < 0 else str(b) for b in seq.local_table)
+                lines.append(f"  {'':{len(str(seq.request_id)) + 1}} {'':{len(str(seq.num_computed_tokens)) + 12}}"
+                             f" local  [{cells}]")
+        return "\n".join(lines)
 
     def forget(self, request_id: int) -> None:
         """Drop what is kept about a finished request (its hit count), once the caller has read it."""

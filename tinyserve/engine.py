@@ -33,11 +33,11 @@ import numpy as np
 from .attention_backends import KVLayout, get_paged_attention
 from .block_manager import BlockManager
 from .config import check_positive_int, is_int
-from .backend import check_threading_layer, forward, step_threads
+from .backend import check_threading_layer, forward, runs_on_kernels, step_threads
 from .model import Model, check_token_ids
 from .kv_sizing import max_kv_blocks, max_kv_positions
 from .interrupts import interrupts_deferred, interrupts_held
-from .paged import KVPool, write_kv_unchecked
+from .paged import LayerPools
 from .sampling import SamplingParams, sample_tokens
 from .scheduler import bind, plan_step
 from .spec_step import OneTokenSteps, SpecConfig, Speculator, Verdict, step_strategy
@@ -50,10 +50,12 @@ from .stopping import StopChecker                                         # from
 class Engine:
     def __init__(self, model: Model, num_blocks: int = 256, block_size: int = 16, max_batch_tokens: int = 256,
                  max_running: int = 64, backend: str | None = None, tokenizer=None, prefix_caching: bool = False,
-                 speculative: SpecConfig | str | Callable | None = None, **spec_options):
+                 speculative: SpecConfig | str | Callable | None = None, num_local_blocks: int | None = None,
+                 **spec_options):
         """speculative (lesson 6): None (one token per step), a spec_step.SpecConfig, or its drafter: "ngram",
         "early-exit", "int8"/"draft" (with draft_model=), or a function returning a fresh Drafter (called once per
-        request), with SpecConfig's other fields as keywords: Engine(model, speculative="ngram", draft_k=4)."""
+        request), with SpecConfig's other fields as keywords: Engine(model, speculative="ngram", draft_k=4).
+        num_local_blocks: lesson 11's sliding-window layers' pool (paged.LayerPools.create says how it is sized)."""
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
                             ("max_batch_tokens", max_batch_tokens), ("max_running", max_running)):
             check_positive_int(name, value, "Engine")
@@ -65,8 +67,11 @@ class Engine:
         self.backend = backend or model.backend   # the attention kernel follows the model's backend (lesson 7)
         self.tokenizer = tokenizer                # only needed for stop strings and json_schema
         self._attend = get_paged_attention(self.backend, checked=False)   # each step checks its batch once
-        self.pool = KVPool.create(self.config, num_blocks, block_size)   # [L, num_blocks, bs, K, H] x2
-        self.blocks = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)  # all block bookkeeping
+        self.kv = LayerPools.create(self.config, num_blocks, block_size, max_running, max_batch_tokens,
+                                    num_local_blocks, kernels=self.backend != "numpy" or runs_on_kernels(model))
+        self.pool, self.local_pool = self.kv.pool, self.kv.local_pool   # lesson 11: the local layers' own pool
+        self.blocks = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching, window=self.kv.window,
+                                   num_local_blocks=self.kv.num_local_blocks)  # all block bookkeeping
         self.waiting: deque[Sequence] = deque()   # arrival order; preempted requests go back to the front
         self.running: list[Sequence] = []         # arrival order (oldest first): the preemption order
         # finished requests and per-step stats are kept for the caller to read (metrics, generate); both grow
@@ -114,7 +119,7 @@ class Engine:
         self._next_id += 1
         with interrupts_deferred():          # the block table and the queues change together or not at all
             self.blocks.allocate(seq, len(seq.prompt_ids))
-            self.pool.write_prompt(seq.block_table, k, v)
+            self.kv.write_prompt(seq.block_table, k, v)
             seq.resume_prefilled(first_token, first_token_time, rng_state)
             self.running.append(seq)
         return seq.request_id
@@ -216,13 +221,8 @@ class Engine:
         per-sequence part: each layer writes the new K/V through the slot mapping, then reads every sequence's
         K/V through its block table. The batch was checked once in prepare_batch, so the L calls per step skip
         the public functions' checks and conversions (at batch 16 those would cost a visible share of a step)."""
-        pool, attend = self.pool, self._attend
-
-        def attention(layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-            # the new rows first: they attend to themselves
-            write_kv_unchecked(pool.k[layer], pool.v[layer], batch.write_blocks, batch.write_offsets, k, v)
-            return attend(q, pool.k[layer], pool.v[layer], batch.block_tables, batch.context_lens,
-                          batch.query_starts)
+        pool = self.pool
+        attention = self.kv.attention_fn(self._attend, batch)   # each layer: write the new K/V, then attend
 
         layout = None     # lesson 7: a few rows that all need logits (decodes, verifies) may run as one kernel
         every_row = len(batch.logit_rows) == len(batch.tokens)      # that also writes the K/V

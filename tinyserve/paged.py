@@ -13,10 +13,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .attention_backends import check_paged_inputs
-from .config import ModelConfig, check_positive_int
+from .attention_backends import check_block_tables, check_paged_inputs
+from .config import ModelConfig, check_positive_int, is_int
 from .gqa import grouped_attention
-from .kv_sizing import blocks_for
+from .kv_sizing import blocks_for, first_live_block, local_blocks_bound
+from .layers import rectangular_mask, softmax
 
 
 class OutOfBlocks(RuntimeError):
@@ -90,10 +91,13 @@ class KVPool:
     block_size: int   # bs: positions per block
 
     @classmethod
-    def create(cls, config: ModelConfig, num_blocks: int, block_size: int = 16) -> "KVPool":
+    def create(cls, config: ModelConfig, num_blocks: int, block_size: int = 16, n_layers: int | None = None
+               ) -> "KVPool":
+        """A pool for `n_layers` layers (default all L; lesson 11 gives the global and the local layers one each)."""
         num_blocks = check_positive_int("num_blocks", num_blocks, "KVPool")
         block_size = check_positive_int("block_size", block_size, "KVPool")
-        shape = (config.n_layers, num_blocks, block_size, config.n_kv_heads, config.head_dim)
+        n_layers = config.n_layers if n_layers is None else n_layers
+        shape = (n_layers, num_blocks, block_size, config.n_kv_heads, config.head_dim)
         # zeros, not empty: an unwritten slot should read as harmless zeros, never as leftover garbage/NaN
         return cls(np.zeros(shape, np.float32), np.zeros(shape, np.float32), block_size)
 
@@ -153,7 +157,7 @@ def write_kv_unchecked(k_cache: np.ndarray, v_cache: np.ndarray, blocks: np.ndar
 
 
 def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
-                    context_lens: np.ndarray, query_starts: np.ndarray) -> np.ndarray:
+                    context_lens: np.ndarray, query_starts: np.ndarray, window: int | None = None) -> np.ndarray:
     """Attention of a batch of sequences, each reading its own K/V through its block table (NumPy reference).
 
     q: [T, N, H], the new rows of B sequences back to back; sequence b owns rows query_starts[b]:query_starts[b+1]
@@ -162,22 +166,137 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, blo
     its m_b new ones, which are its last m_b positions. -> [T, N, H].
     Readable, not fast: gather each sequence's blocks into a contiguous copy and reuse lesson 3's
     grouped_attention (rectangular causal mask, GQA without repeating K/V).
+    `window` (lesson 11, a sliding-window layer): each row sees only its last `window` keys; the blocks before the
+    first row's window are not read at all (their table entries may be -1: the block manager freed them).
     """
     block_tables = np.asarray(block_tables)
-    check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, query_starts)
-    return paged_attention_unchecked(q, k_cache, v_cache, block_tables, context_lens, query_starts)
+    check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, query_starts, window)
+    return paged_attention_unchecked(q, k_cache, v_cache, block_tables, context_lens, query_starts, window)
 
 
 def paged_attention_unchecked(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
-                              context_lens: np.ndarray, query_starts: np.ndarray) -> np.ndarray:
+                              context_lens: np.ndarray, query_starts: np.ndarray, window: int | None = None
+                              ) -> np.ndarray:
     """paged_attention without check_paged_inputs, for a batch already checked (the engine checks once per step,
     then calls this once per layer). Same arrays in and out."""
     _, bs, K, H = k_cache.shape
     out = np.empty_like(q)                                                       # [T, N, H]
     for b in range(len(context_lens)):
         lo, hi, ctx = int(query_starts[b]), int(query_starts[b + 1]), int(context_lens[b])
-        table = block_tables[b, :blocks_for(ctx, bs)]                            # the blocks this sequence uses
-        k = k_cache[table].reshape(-1, K, H)[:ctx]                               # [S=ctx, K, H] (a copy)
-        v = v_cache[table].reshape(-1, K, H)[:ctx]
-        out[lo:hi] = grouped_attention(q[lo:hi], k, v)
+        if window is None:
+            table = block_tables[b, :blocks_for(ctx, bs)]                        # the blocks this sequence uses
+            k = k_cache[table].reshape(-1, K, H)[:ctx]                           # [S=ctx, K, H] (a copy)
+            v = v_cache[table].reshape(-1, K, H)[:ctx]
+            out[lo:hi] = grouped_attention(q[lo:hi], k, v)
+            continue
+        # the first new row (position ctx - m) looks back to key ctx - m - window + 1: start at that key's block
+        first = first_live_block(ctx - (hi - lo), window, bs)
+        table = block_tables[b, first:blocks_for(ctx, bs)]                       # the blocks still alive
+        start = first * bs                                                        # position of the first key gathered
+        k = k_cache[table].reshape(-1, K, H)[:ctx - start]                       # [S=ctx-start, K, H]
+        v = v_cache[table].reshape(-1, K, H)[:ctx - start]
+        out[lo:hi] = window_attention(q[lo:hi], k, v, window)
     return out
+
+
+def window_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int) -> np.ndarray:
+    """Lesson 11: causal attention with a sliding window, the new rows being the last m of the S keys.
+
+    q: [m, N, H]; k, v: [S, K, H] -> [m, N, H]. Row i (at position S - m + i of the keys given) sees the keys
+    j with S - m + i - window < j <= S - m + i: rectangular_mask with a window. Written plainly (K/V repeated to
+    the N query heads, as lesson 2 does): the reference a kernel would be checked against.
+    """
+    m, N, H = q.shape
+    S, K, _ = k.shape
+    k, v = np.repeat(k, N // K, axis=1), np.repeat(v, N // K, axis=1)          # [S, N, H] each
+    scores = q.transpose(1, 0, 2) @ k.transpose(1, 2, 0)                      # [N, m, S]
+    scores *= np.float32(1.0 / np.sqrt(H))
+    scores[:, rectangular_mask(m, S, window)] = -np.inf
+    return (softmax(scores) @ v.transpose(1, 0, 2)).transpose(1, 0, 2)        # [N, m, H] -> [m, N, H]
+
+
+def local_step_tables(local_tables: Sequence[Sequence[int]], counts: Sequence[int], positions: np.ndarray,
+                      block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Lesson 11: one step's block tables for the local (sliding-window) layers, and where each row's new K/V go.
+
+    local_tables: [B] sequences' local tables (-1 where freed); counts: [B] rows each runs; positions: [T].
+    -> (block_tables [B, max_blocks] int64, -1 padded; write_blocks [T] int64). The offsets inside the blocks are
+    the global layers' (position % bs): both kinds number their logical blocks alike.
+    """
+    width = max(map(len, local_tables))
+    tables = np.full((len(local_tables), width), -1, dtype=np.int64)             # [B, max_blocks]
+    for b, table in enumerate(local_tables):
+        tables[b, :len(table)] = table
+    row_seq = np.repeat(np.arange(len(local_tables)), counts)                    # [T] each row's sequence
+    write_blocks = tables[row_seq, positions // block_size]                      # [T]
+    assert (write_blocks >= 0).all(), "a new row's local block was freed: release ran ahead of the window"
+    return tables, write_blocks
+
+
+@dataclass(slots=True)
+class LayerPools:
+    """Where every layer's K/V live: the global layers' pool and, with a sliding window (lesson 11), the local
+    layers' pool of their own. Layer i is row slot[i] of its kind's pool. Without a window, `pool` holds all L
+    layers and slot[i] = i: lesson 4's engine exactly."""
+    pool: KVPool                  # [L_global, num_blocks, bs, K, H] x2
+    local_pool: KVPool | None     # [L_local, num_local_blocks, bs, K, H] x2; None without a window
+    windows: list[int | None]     # [L] each layer's window (None: a global layer)
+    slot: list[int]               # [L]
+    window: int | None            # the local layers' window (None: no local layer)
+
+    @classmethod
+    def create(cls, config: ModelConfig, num_blocks: int, block_size: int, max_running: int, max_batch_tokens: int,
+               num_local_blocks: int | None = None, kernels: bool = False) -> "LayerPools":
+        """The local pool gets num_local_blocks, by default (and at least) kv_sizing.local_blocks_bound capped at
+        num_blocks: the most its layers can ever hold, so it never runs dry and the scheduler plans the global pool
+        alone. kernels: the step runs on the Numba kernels, which do not mask by window (a windowed model is
+        refused rather than answered wrong)."""
+        windows = [config.layer_window(i) for i in range(config.n_layers)]
+        n_local = sum(w is not None for w in windows)
+        window = config.sliding_window if n_local else None
+        if window is not None and kernels:
+            raise ValueError(f"Engine: this model has sliding-window layers (window {window}) and the Numba "
+                             f"kernels do not mask by window yet: load it with backend 'numpy'")
+        slot = [sum((windows[j] is None) == (w is None) for j in range(i)) for i, w in enumerate(windows)]
+        pool = KVPool.create(config, num_blocks, block_size, n_layers=config.n_layers - n_local)
+        local_pool = None
+        if window is not None:
+            enough = min(num_blocks, local_blocks_bound(window, block_size, max_running, max_batch_tokens))
+            num_local_blocks = enough if num_local_blocks is None else num_local_blocks
+            if not is_int(num_local_blocks) or num_local_blocks < enough:   # the scheduler never plans this pool
+                raise ValueError(f"Engine: num_local_blocks must be at least {enough} (window {window}, "
+                                 f"{max_running} running, {max_batch_tokens} tokens a step), got {num_local_blocks!r}")
+            local_pool = KVPool.create(config, num_local_blocks, block_size, n_layers=n_local)
+        return cls(pool, local_pool, windows, slot, window)
+
+    @property
+    def num_local_blocks(self) -> int:
+        return self.local_pool.num_blocks if self.local_pool is not None else 0
+
+    def write_prompt(self, block_table, k: np.ndarray, v: np.ndarray) -> None:
+        """KVPool.write_prompt for all layers (lesson 8's hand-over): refused with a window (two pools)."""
+        if self.local_pool is not None:
+            raise ValueError("add_prefilled: a model with sliding-window layers keeps their K/V in a pool of its own, "
+                             "which handing over a prefill does not fill yet")
+        self.pool.write_prompt(block_table, k, v)
+
+    def attention_fn(self, attend, batch):
+        """The attention model.forward calls in one engine step (batch: a step_batch.StepBatch, checked once): each
+        layer writes the new rows' K/V into its kind's pool first (they attend to themselves), then attends through
+        the step's block tables; a local layer through its own tables (freed blocks -1), masked by its window."""
+        if self.local_pool is not None:
+            local_tables, local_writes = local_step_tables([seq.local_table for seq in batch.seqs], batch.counts,
+                                                           batch.positions, self.pool.block_size)
+            check_block_tables(local_tables, batch.context_lens, batch.query_starts, len(batch.tokens),
+                               self.local_pool.num_blocks, self.pool.block_size, self.window)
+
+        def attention(layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+            window, i = self.windows[layer], self.slot[layer]
+            if window is None:
+                kc, vc = self.pool.k[i], self.pool.v[i]
+                write_kv_unchecked(kc, vc, batch.write_blocks, batch.write_offsets, k, v)
+                return attend(q, kc, vc, batch.block_tables, batch.context_lens, batch.query_starts)
+            kc, vc = self.local_pool.k[i], self.local_pool.v[i]
+            write_kv_unchecked(kc, vc, local_writes, batch.write_offsets, k, v)
+            return attend(q, kc, vc, local_tables, batch.context_lens, batch.query_starts, window)
+        return attention

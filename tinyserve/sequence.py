@@ -50,6 +50,8 @@ class Sequence:
     rng: np.random.Generator                   # per request: its samples do not depend on the batch around it
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)   # logical block i -> physical block id in the pool
+    local_table: list[int] = field(default_factory=list)   # lesson 11: the same for the sliding-window layers'
+                                                           # pool; -1 where a block fell behind the window
     num_computed_tokens: int = 0               # tokens whose K/V are in the cache (reset to 0 by preemption)
     status: Status = Status.WAITING
     num_preemptions: int = 0

@@ -1,0 +1,53 @@
+"""Lesson 11 exercises: a sliding window in the paged engine — which blocks a local layer still reads, giving the
+others back, and attention that sees only the window.
+
+Replace each `raise NotImplementedError(...)`, then run `make check-11`: it runs tests/lessons/test_lesson_11.py
+against this file and tells you, exercise by exercise, what passes. The reference answers are in
+tinyserve/kv_sizing.py (first_live_block), tinyserve/block_manager.py (release_behind_window) and tinyserve/paged.py
+(window_attention): try first, peek later.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+# The pieces you may build on: the allocator (decref gives a block back), lesson 2's mask (it takes a window),
+# softmax and the ceil-division helper.
+from tinyserve.kv_sizing import blocks_for  # noqa: F401
+from tinyserve.layers import rectangular_mask, softmax  # noqa: F401
+from tinyserve.paged import BlockAllocator  # noqa: F401
+
+
+def first_live_block(num_computed: int, window: int | None, block_size: int) -> int:
+    """The first logical block a local layer still reads once `num_computed` positions are in the cache.
+
+    The next row sits at position num_computed and, with a sliding `window`, sees keys num_computed - window + 1 ..
+    num_computed. Return the index of the block holding the oldest of those keys (0 while the window still
+    reaches back to position 0, and 0 for a global layer: window None). Every block before it may be freed.
+    """
+    raise NotImplementedError(
+        "first_live_block: which position is the oldest key the next row sees? Which block holds it? Never below 0.")
+
+
+def release_behind_window(local_table: list[int], num_computed: int, window: int, block_size: int,
+                          allocator: BlockAllocator) -> int:
+    """Give back the local blocks of one sequence that no future row can read; return how many were freed.
+
+    local_table: [blocks] physical block ids, -1 where a block was already freed; edit it in place: a freed
+    entry becomes -1 (so index i still means logical block i). Decref each freed block exactly once (a block
+    another owner holds lives on). A second call with the same num_computed frees nothing.
+    """
+    raise NotImplementedError(
+        "release_behind_window: every entry before first_live_block(...) that is not already -1: decref it on the "
+        "allocator and mark it -1. Count what you freed.")
+
+
+def window_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int) -> np.ndarray:
+    """Causal attention with a sliding window; the m new rows are the last m of the S keys.
+
+    q: [m, N, H]; k, v: [S, K, H] (K divides N: query head n reads K/V head n // (N // K)) -> [m, N, H].
+    Row i sits at key position S - m + i and sees the keys j with S - m + i - window < j <= S - m + i.
+    Scores are q.k / sqrt(H); masked scores are -inf before the softmax over the keys.
+    """
+    raise NotImplementedError(
+        "window_attention: lesson 2's rectangular attention (repeat K/V to N heads, scores [N, m, S], softmax, "
+        "times V), with rectangular_mask(m, S, window) as the mask.")
