@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .attention_backends import check_block_tables, check_paged_inputs
+from . import attention_backends
+from .attention_backends import check_paged_inputs
 from .config import ModelConfig, check_positive_int, is_int
 from .gqa import grouped_attention
 from .kv_sizing import blocks_for, first_live_block, local_blocks_bound
@@ -287,8 +288,9 @@ class LayerPools:
         if self.local_pool is not None:
             local_tables, local_writes = local_step_tables([seq.local_table for seq in batch.seqs], batch.counts,
                                                            batch.positions, self.pool.block_size)
-            check_block_tables(local_tables, batch.context_lens, batch.query_starts, len(batch.tokens),
-                               self.local_pool.num_blocks, self.pool.block_size, self.window)
+            attention_backends.check_block_tables(local_tables, batch.context_lens, batch.query_starts,
+                                                  len(batch.tokens), self.local_pool.num_blocks,
+                                                  self.pool.block_size, self.window)
 
         def attention(layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
             window, i = self.windows[layer], self.slot[layer]
