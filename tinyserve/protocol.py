@@ -253,7 +253,7 @@ class Logprobs:
         self.tokenizer = tokenizer
         self.offset = 0                  # completions' text_offset: characters of the tokens before
         if tokenizer not in _TOKEN_BYTES and hasattr(tokenizer, "token_bytes"):
-            _TOKEN_BYTES[tokenizer] = tokenizer.token_bytes()      # [V], once per tokenizer (~0.1 s for SmolLM2's)
+            _TOKEN_BYTES[tokenizer] = tokenizer.token_bytes()      # [V], once per tokenizer: it walks the whole vocabulary
         self.table = _TOKEN_BYTES.get(tokenizer)
 
     def token_bytes(self, i: int) -> bytes:

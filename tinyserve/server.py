@@ -697,10 +697,10 @@ def create_app(engine: Engine, tokenizer, model_name: str, max_waiting: int = 64
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        # The GIL passes between threads every switch interval (5 ms by default): a thread that lets it go for a
-        # moment (the engine thread around every kernel, the event loop around every send) waits up to that long to
-        # get it back from a busy worker thread (a request being tokenized or its grammar compiled). At 1 ms those
-        # waits shrink fivefold; the threads' own work does not change.
+        # The GIL passes between threads every switch interval (Python's default: five milliseconds): a thread that
+        # lets it go for a moment (the engine thread around every kernel, the event loop around every send) waits up
+        # to that long to get it back from a busy worker thread (a request being tokenized or its grammar compiled).
+        # A one-millisecond interval shrinks those waits fivefold; the threads' own work does not change.
         switch = sys.getswitchinterval()
         sys.setswitchinterval(min(switch, 0.001))
         if hasattr(tokenizer, "token_bytes"):     # the vocabulary trie of structured output, before any request
