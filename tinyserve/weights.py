@@ -318,14 +318,38 @@ _TENSOR_SUFFIX = {
 }
 
 
-def load_model(weights_dir: str | Path = DEFAULT_WEIGHTS_DIR, quant: str = FLOAT32, backend: str = "numpy") -> Model:
-    """Config + float32 weights from a converted folder. Matrices are stored [in, out] so that y = x @ W.
+def load_model(weights_dir: str | Path = DEFAULT_WEIGHTS_DIR, quant: str = FLOAT32, backend: str = "numpy",
+               log=None) -> Model:
+    """Config + float32 weights from a converted folder or a GGUF file (any family of gguf_file.FAMILIES, any format
+    of gguf_quants.SUPPORTED, dequantized). Matrices are stored [in, out] so that y = x @ W.
 
-    quant="int8" | "w8a8" | "w8a8-64" | "w4a8" quantises the matmul weights (lesson 7; int8 cached on disk beside the float32 ones)
-    and backend="numba" runs them with the fused Numba kernels ("auto": the fastest accurate mode on this CPU,
-    quant.default_quant); the defaults give the float32 NumPy reference."""
+    quant="int8" | "w8a8" | "w8a8-64" | "w4a8" quantises the matmul weights (lesson 7; int8 cached on disk beside the
+    float32 ones of a folder) and backend="numba" runs them with the fused Numba kernels ("auto": the fastest
+    accurate mode on this CPU, quant.default_quant); the defaults give the float32 NumPy reference. A model whose
+    block the kernels do not implement (backend.kernel_gaps: Qwen2's biases, Q/K norms, Gemma 3's block) runs the
+    NumPy forward instead, and `log` (stderr by default) says so."""
     from .quant import set_backend
-    return set_backend(_load_float32(weights_dir), quant, backend, weights_dir)
+    if is_gguf_path(weights_dir):
+        from .gguf_file import load_gguf_model
+        model, cache_dir = load_gguf_model(weights_dir), None      # no int8 cache beside a file the user owns
+    else:
+        model, cache_dir = _load_float32(weights_dir), weights_dir
+    if backend == "numba":
+        from .backend import kernel_gaps
+        gaps = kernel_gaps(model)
+        if gaps:
+            (log or (lambda m: print(m, file=sys.stderr)))(
+                f"note: the numba kernels do not implement {', '.join(gaps)} ({model.config.arch}): "
+                f"this model runs the NumPy forward")
+            backend = "numpy"
+    return set_backend(model, quant, backend, cache_dir)
+
+
+def is_gguf_path(path: str | Path) -> bool:
+    """A GGUF file (by its magic bytes, or its .gguf name: a missing one then fails with a clear message)."""
+    from .gguf_file import is_gguf
+    p = Path(path)
+    return p.suffix.lower() == ".gguf" or (p.is_file() and is_gguf(p))
 
 
 def _load_float32(weights_dir: str | Path) -> Model:
