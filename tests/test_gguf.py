@@ -14,7 +14,7 @@ import pytest
 
 import tinyserve as ts
 from tinyserve import gguf_quants, kv_cache, naive
-from tinyserve.gguf_file import FAMILIES, GGUFError, read_gguf
+from tinyserve.gguf_file import FAMILIES, GGUFError, read_gguf, require_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
@@ -177,6 +177,8 @@ def test_missing_tensor_and_no_tokenizer(tiny_gguf, tmp_path):
     no_tok = _rewrite(tiny_gguf, tmp_path / "notok.gguf",
                       lambda what, x: None if what == "kv" and x[0].startswith("tokenizer.") else x)
     assert not read_gguf(no_tok).has_tokenizer
+    with pytest.raises(GGUFError, match="no tokenizer in this GGUF"):
+        require_tokenizer(no_tok)
     assert ts.load_model(no_tok).config.vocab_size == 64     # the model itself needs no tokenizer
 
 
@@ -208,7 +210,8 @@ def compare(logits_of_chunks, key: str) -> None:
     assert max(errs) < LOGIT_ATOL and max(lse_errs) < LOGIT_ATOL and all(top1)
 
 
-@pytest.mark.parametrize("key", list(REF["files"]))
+@pytest.mark.parametrize("key", [pytest.param(k, marks=pytest.mark.slow) if k.endswith("Q8_0") else k
+                                 for k in REF["files"]])   # one format per family in the quick suite
 def test_random_gguf_matches_transformers(tmp_path, key):
     spec = REF["files"][key]
     path = tmp_path / f"{key}.gguf"

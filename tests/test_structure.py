@@ -81,7 +81,8 @@ LAYERS = (
      # the JSON grammar of structured output: bytes and token masks, nothing of the model (sampling applies it)
      "constrained", "constrained.automaton", "constrained.masks", "constrained.schema", "constrained.vocab"),
     # 1. the readable reference: the float32 model and what every strategy shares
-    ("model", "attention_backends", "sampling", "gqa", "online_attention"),
+    ("model", "attention_backends", "sampling", "gqa", "online_attention",
+     "gguf_quants", "gguf_file"),   # a GGUF file read into the float32 model
     # 2. the quantisation modes and their NumPy references
     ("quant",),
     # 3. the Numba kernels: they compute what the reference defines

