@@ -139,7 +139,7 @@ def forward(model: Model, tokens: np.ndarray, positions: np.ndarray, attention: 
     T, N, K, H = len(tokens), cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     rope_global, rope_local = model.rope_at(positions)                  # (cos, sin) [T, H/2] each
     x = model.embed[tokens]                                             # [T, D]
-    if cfg.embed_scale != 1.0:                                          # Gemma: sqrt(D), so rows start at norm ~1
+    if cfg.embed_scale != 1.0:   # Gemma: sqrt(D); the tied LM head reads the same rows unscaled
         x = x * np.float32(cfg.embed_scale)
     for i, w in enumerate(model.layers):
         cos, sin = rope_global if cfg.layer_window(i) is None else rope_local

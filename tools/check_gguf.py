@@ -1,7 +1,7 @@
 """Check a GGUF file on tinyserve against itself and against llama.cpp: the numbers of docs/your-own-model.md.
 
     .venv-llama/bin/python tools/check_gguf.py llama FILE.gguf OUT.npz     # llama.cpp: ids + logits (its venv)
-    .venv/bin/python tools/check_gguf.py compare FILE.gguf OUT.npz         # tinyserve: float, fast, llama.cpp
+    .venv/bin/python tools/check_gguf.py compare FILE.gguf OUT.npz [QUANT] # tinyserve: float, fast, llama.cpp
 
 Step 1 tokenizes tests/fixtures/perplexity_text.txt with llama.cpp's own tokenizer (so any family works, whatever
 tinyserve's tokenizer does) and teacher-forces PPL_TOKENS of it in windows of PPL_WINDOW (tests/quant_accuracy.py's
@@ -45,7 +45,7 @@ def _nll(logits: np.ndarray, ids: np.ndarray) -> float:   # [T, V], [T] next tok
     return float(np.mean(lse - logits[np.arange(len(ids)), ids]))
 
 
-def compare(gguf: str, npz: str) -> dict:
+def compare(gguf: str, npz: str, quant: str = "auto") -> dict:
     sys.path.insert(0, str(ROOT))
     import tinyserve as ts
     from tinyserve import naive
@@ -59,7 +59,7 @@ def compare(gguf: str, npz: str) -> dict:
         return np.concatenate([naive.forward(model, w) for w in windows])
 
     float_logits = run(ts.load_model(gguf))
-    fast_model = prepare(ts.load_model(gguf, quant="auto", backend="numba"))
+    fast_model = prepare(ts.load_model(gguf, quant=quant, backend="numba"))
     fast_logits = run(fast_model)
     # next-token targets inside each window (the last position of a window predicts nothing here)
     rows = np.concatenate([np.arange(s, s + len(w) - 1) for s, w in zip(range(0, len(ids), PPL_WINDOW), windows)])
@@ -80,4 +80,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "llama":
         llama_side(sys.argv[2], sys.argv[3])
     else:
-        print(json.dumps(compare(sys.argv[2], sys.argv[3])))
+        print(json.dumps(compare(sys.argv[2], sys.argv[3], *sys.argv[4:5])))
