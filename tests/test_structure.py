@@ -90,7 +90,8 @@ LAYERS = (
      "constrained", "constrained.automaton", "constrained.masks", "constrained.schema", "constrained.vocab",
      "constrained.regex", "tool_calls"),
     # 1. the readable reference: the float32 model and what every strategy shares
-    ("model", "attention_backends", "sampling", "gqa", "online_attention"),
+    ("model", "attention_backends", "sampling", "gqa", "online_attention",
+     "gguf_quants", "gguf_file"),   # a GGUF file read into the float32 model
     # 2. the quantisation formats and their NumPy references (nothing that starts Numba)
     ("quant",),
     # 3. the Numba kernels: they compute what the reference defines

@@ -98,10 +98,21 @@ def set_backend(model: Model, quant: str = NONE.name, backend: str = "numpy", we
     return dataclasses.replace(model, backend=backend)
 
 
+def kernel_gaps(model: Model) -> list[str]:
+    """What this model's block needs that the kernels do not implement (they run LLaMA's block): [] if nothing.
+    weights.load_model runs such a model on the NumPy forward rather than let the kernels skip a step."""
+    cfg = model.config
+    return [what for what, needed in (
+        ("Q/K/V biases", cfg.qkv_bias), ("Q/K norms", cfg.qk_norm), ("norms after attention and MLP", cfg.post_norms),
+        (f"the {cfg.activation} MLP", cfg.activation != "silu"), ("a scaled embedding", cfg.embed_scale != 1.0),
+        ("sliding windows", cfg.sliding_window > 0), ("an attention scale of its own", cfg.attn_scale is not None),
+        ("a per-layer RoPE base", cfg.rope_theta_local is not None)) if needed]
+
+
 def runs_on_kernels(model: Model) -> bool:
     """Does this model's forward run on the Numba kernels? (A float32 model on the numba backend does not: only
-    its attention is Numba's; the kernels multiply quantised weights.)"""
-    return model.backend == "numba" and get_mode(model.quant).kernels is not None
+    its paged attention is Numba's; the kernels multiply quantised weights. Nor does a block they lack: kernel_gaps.)"""
+    return model.backend == "numba" and get_mode(model.quant).kernels is not None and not kernel_gaps(model)
 
 
 def prepare(model: Model) -> Model:

@@ -31,12 +31,13 @@ def add_backend_options(p: argparse.ArgumentParser) -> None:
 
 
 def add_model_options(p: argparse.ArgumentParser, tiny: bool = True) -> None:
-    """--model PATH (--weights is the same option): the weights folder (or a .gguf file), passed unchanged to
-    weights.load_model and tokenizer.load_tokenizer; `--model tiny` where the command can run on the random tiny
-    model."""
+    """--model PATH (--weights is the same option): the weights folder (or a .gguf file), or the name of a model
+    `make weights MODEL=NAME` fetches (zoo.local_path), handed to weights.load_model and tokenizer.load_tokenizer;
+    `--model tiny` where the command can run on the random tiny model."""
     extra = "; tiny: a random 2-layer model with a character tokenizer (tests; answers are noise)" if tiny else ""
     p.add_argument("--model", "--weights", dest="model", metavar="PATH", default=str(DEFAULT_WEIGHTS_DIR),
-                   help=f"the model: a weights folder or a .gguf file (default: {DEFAULT_WEIGHTS_DIR}){extra}")
+                   help=f"the model: a weights folder, a .gguf file, or a fetched model's name "
+                        f"(smollm2-135m-instruct, gemma3-270m; default: {DEFAULT_WEIGHTS_DIR}){extra}")
 
 
 def is_tiny(args) -> bool:
@@ -54,7 +55,9 @@ def load_for_cli(args):
         return CharTokenizer(), set_backend(tiny_model(seed=0), args.quant, args.backend)
     from .tokenizer import load_tokenizer
     from .weights import load_model
-    return load_tokenizer(args.model), load_model(args.model, quant=args.quant, backend=args.backend)
+    from .zoo import local_path        # a shipped model's name (gemma3-270m) or a path
+    path = local_path(args.model)
+    return load_tokenizer(path), load_model(path, quant=args.quant, backend=args.backend)
 
 
 def describe_backend(model) -> str:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 
-from .weights import WeightsError
+from .gguf_file import WeightsError
 
 
 class TokenType(IntEnum):

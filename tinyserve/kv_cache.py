@@ -128,11 +128,12 @@ def rewind(cache: KVCache, n: int) -> None:
 # so `tinyserve.kv_cache.rectangular_mask` is still lesson 2's reference answer.
 
 
-def rectangular_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+def rectangular_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int | None = None) -> np.ndarray:
     """Lesson 2's attention: m new queries over S cached + new keys, K/V repeated to N heads (as in lesson 1).
 
     q: [m, N, H]; k, v: [S, K, H] -> [m, N, H]. Lesson 3's gqa.grouped_attention computes the same without
-    the np.repeat copies.
+    the np.repeat copies. `window`: a sliding-window layer's (Gemma 3's local layers) keys older than the window
+    are masked too.
     """
     m, N, H = q.shape
     S, K, _ = k.shape
@@ -140,7 +141,7 @@ def rectangular_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.nda
     v = np.repeat(v, N // K, axis=1)
     scores = q.transpose(1, 0, 2) @ k.transpose(1, 2, 0)            # [N, m, S]
     scores *= np.float32(1.0 / np.sqrt(H))
-    scores[:, rectangular_mask(m, S)] = -np.inf
+    scores[:, rectangular_mask(m, S, window)] = -np.inf
     return (softmax(scores) @ v.transpose(1, 0, 2)).transpose(1, 0, 2)  # [N, m, H] -> [m, N, H]
 
 
@@ -150,11 +151,17 @@ def attention_for(model: Model) -> AttendFn:
     return dense_attention(model.backend) or grouped_attention
 
 
-def cache_attention(cache: KVCache, attend: AttendFn = grouped_attention) -> AttentionFn:
-    """The attention `model.forward` calls: store this step's k/v in the cache, attend over history + new."""
+def cache_attention(cache: KVCache, attend: AttendFn = grouped_attention,
+                    config: ModelConfig | None = None) -> AttentionFn:
+    """The attention `model.forward` calls: store this step's k/v in the cache, attend over history + new.
+
+    A sliding-window layer of `config` (Gemma 3's local layers) attends with the window through
+    rectangular_attention; the cache still keeps every position (a local layer could drop the older ones: the
+    paged engine does)."""
     def attention(layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         k_all, v_all = append_kv(cache, layer, k, v)    # [S0 + m, K, H] each
-        return attend(q, k_all, v_all)
+        window = None if config is None else config.layer_window(layer)
+        return attend(q, k_all, v_all) if window is None else rectangular_attention(q, k_all, v_all, window)
     return attention
 
 
@@ -185,7 +192,7 @@ def forward_with_cache(model: Model, cache: KVCache, tokens: Sequence[int], atte
     cache.check_room(m)  # fail before any layer has written anything
     positions = np.arange(cache.length, cache.length + m)   # RoPE positions continue from the history
     rows = None if all_logits else np.array([m - 1])
-    attention = cache_attention(cache, attend or attention_for(model))
+    attention = cache_attention(cache, attend or attention_for(model), model.config)
     layout = fused_step_layout(model, cache, m, all_logits, attend)
     logits = model_forward(model, tokens, positions, attention, logit_rows=rows, kv_layout=layout)
     cache.length += m  # every layer has appended its block at the same positions

@@ -11,9 +11,16 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:  # [T
     return x * (1.0 / np.sqrt(ms + eps)) * weight
 
 
-def rope_tables(max_pos: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin of every (position, frequency) pair: [max_pos, H/2] each, float32."""
+def rope_tables(max_pos: int, head_dim: int, theta: float,
+                factors: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of every (position, frequency) pair: [max_pos, H/2] each, float32.
+
+    factors [H/2] (Llama 3's rope_freqs): each frequency is divided by its factor. Llama 3 slows its lowest
+    frequencies down (factors up to 8) so that their angles stay in the range it saw in training at longer contexts,
+    and leaves the high ones (factor 1) alone."""
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # [H/2]
+    if factors is not None:
+        inv_freq = inv_freq / np.asarray(factors, dtype=np.float64)
     angles = np.arange(max_pos, dtype=np.float64)[:, None] * inv_freq[None, :]          # [P, H/2]
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
@@ -38,9 +45,20 @@ def silu(x: np.ndarray) -> np.ndarray:  # any shape -> same (elementwise x * sig
     return x / (1.0 + np.exp(-x))
 
 
+def gelu_tanh(x: np.ndarray) -> np.ndarray:  # any shape -> same: GELU with the tanh approximation (Gemma)
+    return 0.5 * x * (1.0 + np.tanh(np.float32(np.sqrt(2.0 / np.pi)) * (x + np.float32(0.044715) * x * x * x)))
+
+
 def swiglu_mlp(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray) -> np.ndarray:
     # [T, D], [D, F], [D, F], [F, D] -> [T, D]: a gated MLP; the gate decides, per feature, how much of `up` passes.
     return (silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+
+def gated_mlp(x: np.ndarray, w_gate, w_up, w_down, activation: str = "silu") -> np.ndarray:
+    """swiglu_mlp, or with activation "gelu_tanh" Gemma's GeGLU (the same gate, a smoother curve)."""
+    if activation == "silu":
+        return swiglu_mlp(x, w_gate, w_up, w_down)
+    return (gelu_tanh(x @ w_gate) * (x @ w_up)) @ w_down
 
 
 def rectangular_mask(m: int, S: int, window: int | None = None) -> np.ndarray:

@@ -11,6 +11,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from .backend import forward as model_forward      # model.forward, or the kernels for a model loaded for them
+from .kv_cache import rectangular_attention
 from .layers import causal_attention
 from .model import Model, check_token_ids
 from .sampling import SamplingParams, sample
@@ -20,13 +21,20 @@ from .stopping import start_request
 def forward(model: Model, ids: Sequence[int]) -> np.ndarray:
     """Logits for every position of `ids`: [len(ids), V] float32."""
     tokens = check_token_ids(model.config, ids)
-    return model_forward(model, tokens, np.arange(len(tokens)), lambda layer, q, k, v: causal_attention(q, k, v))
+    return model_forward(model, tokens, np.arange(len(tokens)), _attention(model))
 
 
 def next_token_logits(model: Model, ids: np.ndarray) -> np.ndarray:  # [T] -> [V]
     last = np.array([len(ids) - 1])
-    return model_forward(model, ids, np.arange(len(ids)), lambda layer, q, k, v: causal_attention(q, k, v),
-                         logit_rows=last)[0]
+    return model_forward(model, ids, np.arange(len(ids)), _attention(model), logit_rows=last)[0]
+
+
+def _attention(model: Model):
+    """Lesson 1's causal attention in every layer but a sliding-window one (Gemma 3's local layers), which
+    attends through lesson 2's rectangular attention with its window (prefill: S = m)."""
+    window = model.config.layer_window
+    return lambda layer, q, k, v: (causal_attention(q, k, v) if window(layer) is None
+                                   else rectangular_attention(q, k, v, window(layer)))
 
 
 def generate_stream(model: Model, ids: Sequence[int], max_new_tokens: int | None = None,

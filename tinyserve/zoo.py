@@ -164,3 +164,14 @@ def fetch(name: str = SMOLLM2, folder: str | Path | None = None, force: bool = F
     if name == GEMMA3_270M.name:
         return fetch_gguf(GEMMA3_270M, folder, force=force, log=log)
     raise WeightsError(f"unknown model {name!r}: choose one of {', '.join(MODELS)}")
+
+
+def local_path(name_or_path: str | Path) -> str | Path:
+    """What `--model` names: a shipped model by its name (`make weights MODEL=NAME` fetches it) becomes its folder or
+    GGUF here; anything else is a path (a weights folder or a .gguf file), returned unchanged."""
+    if str(name_or_path) == SMOLLM2:
+        return Path(DEFAULT_WEIGHTS_DIR)
+    if str(name_or_path) == GEMMA3_270M.name:
+        return GEMMA3_270M.path
+    return name_or_path
+

