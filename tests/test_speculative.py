@@ -481,7 +481,7 @@ def test_greedy_speculation_on_the_quantised_default_decodes_plain_decodings_tok
     move a logit by ~0.5: speculation must compute every row exactly as plain decoding does. It does: the prompt is
     prefilled whole (the first token comes from its logits, as in plain decoding) and each verify of k + 1 <=
     MAX_ROWS rows runs in the fused step, whose rows equal one-row decode steps bit for bit."""
-    from tinyserve import quant
+    from tinyserve import backend, quant
     mode = backend.default_quant()
     model = backend.set_backend(quant.quantize_model(smol, mode), mode, "numba")
     differs = []
