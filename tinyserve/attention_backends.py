@@ -3,8 +3,8 @@
 Two backends compute the same paged attention: "numpy" (tinyserve.paged, the readable reference) and "numba"
 (tinyserve.kernels.attention, the fast kernel). Both check their inputs with the functions below, and the engine
 picks one by name through `get_paged_attention`. This module imports neither backend at load time, so each of them
-can import it without an import cycle (the kernel used to import the checks from paged.py while paged.py imported
-the kernel).
+can import it without an import cycle (a kernel that took the checks from paged.py while paged.py imported the
+kernel would close one).
 """
 from __future__ import annotations
 

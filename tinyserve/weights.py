@@ -12,9 +12,9 @@ sha256, dequantizes every tensor to float32 with the `gguf` package, and writes 
         SOURCE.json            where it all came from, and the size and sha256 of every file above
 
 `load_model` reads safetensors only, after checking every file against the sha256 SOURCE.json recorded at
-conversion: a corrupt file of the right size (4 KB overwritten) would otherwise be served as gibberish. Hashing the
-538 MB safetensors costs about half a load again, so a file's verdict is cached by (size, mtime) in
-`.verified.json` next to it and a file is hashed again only when it changes. `tiny_model` builds a deterministic random LLaMA for fast tests.
+conversion: a corrupt file of the right size (a few bytes overwritten) would otherwise be served as gibberish.
+Hashing the whole float32 safetensors costs a good part of a load again, so a file's verdict is cached by (size,
+mtime) in `.verified.json` next to it and a file is hashed again only when it changes. `tiny_model` builds a deterministic random LLaMA for fast tests.
 """
 from __future__ import annotations
 
