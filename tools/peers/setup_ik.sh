@@ -1,0 +1,43 @@
+#!/bin/sh
+# Build ik-llama-cpp-python (pinned) from its sdist into a venv of its own: .venv-ik.
+# The prebuilt wheel is AVX2-only; ik_llama.cpp's fast paths (AVX-512, VNNI) need a native build. Takes 8-15 minutes on
+# 2 cores (it compiles ik_llama.cpp and its llama-quantize); the compiler's progress is shown.
+# Usage: tools/peers/setup_ik.sh [venv-dir] [python]
+set -eu
+VENV=${1:-.venv-ik}
+PY=${2:-python3}
+VERSION=0.1.5
+STAMP="$VENV/.installed-$VERSION"
+if [ -f "$STAMP" ]; then exit 0; fi
+test -x "$VENV/bin/python" || "$PY" -m venv "$VENV"
+"$VENV/bin/python" -m pip install --quiet --upgrade pip
+# On a CPU with AMX the native (-march=native) build of llama.cpp segfaults in llama_decode (see setup_llama.sh):
+# keep every other native instruction (AVX-512, VNNI) but switch the AMX ones off.
+CMAKE_ARGS="${CMAKE_ARGS:-} -DGGML_NATIVE=ON"
+if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
+    NOAMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    CMAKE_ARGS="$CMAKE_ARGS -DCMAKE_C_FLAGS='$NOAMX' -DCMAKE_CXX_FLAGS='$NOAMX'"
+    echo "setup_ik: this CPU has AMX; building ik_llama.cpp with $NOAMX (the AMX build crashes in llama_decode)"
+fi
+# The worker's K/V cache is q8_0 (or f16), which ik's flash attention supports without its q4_0/q4_1/iq4_nl cache
+# kernels: leaving them out saves a large share of the compile.
+CMAKE_ARGS="$CMAKE_ARGS -DGGML_IQK_FA_ALL_QUANTS=OFF"
+export CMAKE_ARGS
+export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
+echo "setup_ik: building ik-llama-cpp-python==$VERSION from its sdist into $VENV (8-15 min on 2 cores) ..."
+start=$(date +%s)
+LOG="$VENV/build.log"
+status=0
+"$VENV/bin/python" -m pip install -v --no-cache-dir --no-binary ik-llama-cpp-python \
+    "ik-llama-cpp-python==$VERSION" numpy > "$LOG" 2>&1 &
+pip_pid=$!
+tail -n +1 -f --pid=$pip_pid "$LOG" | sed -un 's/^ *\(\[[0-9]*\/[0-9]*\]\).* -o \([^ ]*\).*/  \1 \2/p; s/^ *\(Successfully installed.*\)/  \1/p'
+wait $pip_pid || status=$?
+if [ $status -ne 0 ]; then
+    echo "setup_ik: pip failed (exit $status); the last lines of $LOG:"; tail -n 30 "$LOG"; exit $status
+fi
+# the package must load its library and ship its quantizer (bench-peers makes IQ4_KS with it)
+"$VENV/bin/python" -c "import ik_llama_cpp as ik; from ik_llama_cpp import _ctypes_api; q = ik.find_quantize_bin()
+assert q, 'no llama-quantize in the package'; print('setup_ik: ik_llama_cpp', ik.__version__, 'with', q)"
+echo "setup_ik: done in $(( $(date +%s) - start )) s"
+touch "$STAMP"
