@@ -26,10 +26,30 @@ export CMAKE_ARGS
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
 echo "setup_ik: building ik-llama-cpp-python==$VERSION from its sdist into $VENV (8-15 min on 2 cores) ..."
 start=$(date +%s)
+# The sdist, unpacked in the venv: it lacks common/cmake/build-info-gen-cpp.cmake, the script the build runs to write
+# common/build-info.cpp from its template (llama-quantize links it), so that file is written here and the script is
+# an empty one; a build folder in the venv too, so a build that stops half-way resumes where it stopped.
+SRC="$VENV/src/ik_llama_cpp_python-$VERSION"
+if [ ! -d "$SRC" ]; then
+    mkdir -p "$VENV/src"
+    "$VENV/bin/python" -m pip download --quiet --no-deps --no-binary :all: "ik-llama-cpp-python==$VERSION" \
+        -d "$VENV/src"
+    tar xzf "$VENV/src/ik_llama_cpp_python-$VERSION.tar.gz" -C "$VENV/src"
+fi
+COMMON="$SRC/vendor/ik_llama.cpp/common"
+if [ ! -f "$COMMON/build-info.cpp" ]; then
+    sed -e 's|@BUILD_NUMBER@|0|' -e "s|@BUILD_COMMIT@|ik-llama-cpp-python-$VERSION|" -e 's|@BUILD_COMPILER@|cc|' \
+        -e "s|@BUILD_TARGET@|$(uname -m)|" "$COMMON/build-info.cpp.in" > "$COMMON/build-info.cpp"
+fi
+if [ ! -f "$COMMON/cmake/build-info-gen-cpp.cmake" ]; then
+    mkdir -p "$COMMON/cmake"
+    echo "# Written by setup_ik.sh: the sdist lacks this script; build-info.cpp is written from its template." \
+        > "$COMMON/cmake/build-info-gen-cpp.cmake"
+fi
 LOG="$VENV/build.log"
 status=0
-"$VENV/bin/python" -m pip install -v --no-cache-dir --no-binary ik-llama-cpp-python \
-    "ik-llama-cpp-python==$VERSION" numpy > "$LOG" 2>&1 &
+"$VENV/bin/python" -m pip install -v --no-cache-dir --config-settings=build-dir="$VENV/build" "$SRC" numpy \
+    > "$LOG" 2>&1 &
 pip_pid=$!
 tail -n +1 -f --pid=$pip_pid "$LOG" | sed -un 's/^ *\(\[[0-9]*\/[0-9]*\]\).* -o \([^ ]*\).*/  \1 \2/p; s/^ *\(Successfully installed.*\)/  \1/p'
 wait $pip_pid || status=$?
