@@ -456,6 +456,11 @@ def test_quick_run_with_tinyserve_alone_writes_the_json(tmp_path, capsys):
     assert rf["bytes_per_token"] > 0 and 0 < rf["share"]["median"] and rf["bandwidth"]["0"] > 1e8
     assert "of the read bandwidth measured in the same rounds" in printed
     assert rf["token_sized"]["bandwidth"]["0"] > 1e8 and "of a read as large as a token's bytes" in printed
+    pk = data["prefill_peak"]                              # the prefill against the int8 peak of the round
+    if peak.compiler() is not None:
+        from tinyserve.weights import DEFAULT_WEIGHTS_DIR
+        assert pk["macs_per_token"] == peak.model_macs_per_token(ts.config.ModelConfig.load(DEFAULT_WEIGHTS_DIR))
+        assert 0 < pk["share"]["median"] < 1 and pk["peak"]["0"] > 1e9 and "of the int8 peak" in printed
 
 
 # --- the run itself, with in-process fake engines -----------------------------------------------------------------
