@@ -66,7 +66,19 @@ def main(argv: list[str] | None = None) -> int:
     return serve(lambda: load(args.gguf, args.threads, settings))
 
 
+def preload_ggml() -> None:
+    """ik-llama-cpp-python's libllama.so needs libggml.so beside it but carries no rpath to find it there: load that
+    one first, globally, so the dynamic linker reuses it for libllama.so."""
+    import importlib.util
+    import os
+    spec = importlib.util.find_spec("ik_llama_cpp")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("ik_llama_cpp is not installed in this venv: run tools/peers/setup_ik.sh")
+    ctypes.CDLL(os.path.join(os.path.dirname(spec.origin), "lib", "libggml.so"), mode=ctypes.RTLD_GLOBAL)
+
+
 def load(gguf: str, threads: int, settings: IkSettings):
+    preload_ggml()
     import ik_llama_cpp
     from ik_llama_cpp import _ctypes_api as C
 

@@ -60,6 +60,8 @@ def quantize(src: Path, fmt: str, threads: int = 2) -> Path:
 
 def quantize_ik(src: Path, fmt: str, threads: int = 2) -> Path:
     """The same with ik_llama.cpp's llama-quantize binary (run in .venv-ik, where ik_llama_cpp is installed)."""
+    from ik_worker import preload_ggml
+    preload_ggml()                          # before the package loads its libllama.so
     import ik_llama_cpp
 
     out = output_path(src, fmt)

@@ -56,8 +56,10 @@ wait $pip_pid || status=$?
 if [ $status -ne 0 ]; then
     echo "setup_ik: pip failed (exit $status); the last lines of $LOG:"; tail -n 30 "$LOG"; exit $status
 fi
-# the package must load its library and ship its quantizer (bench-peers makes IQ4_KS with it)
-"$VENV/bin/python" -c "import ik_llama_cpp as ik; from ik_llama_cpp import _ctypes_api; q = ik.find_quantize_bin()
+# the package must load its library (as ik_worker.py does: libggml.so first, libllama.so has no rpath to it) and
+# ship its quantizer (bench-peers makes IQ4_KS with it)
+"$VENV/bin/python" -c "import sys; sys.path.insert(0, '$(dirname "$0")'); import ik_worker; ik_worker.preload_ggml()
+import ik_llama_cpp as ik; from ik_llama_cpp import _ctypes_api; q = ik.find_quantize_bin()
 assert q, 'no llama-quantize in the package'; print('setup_ik: ik_llama_cpp', ik.__version__, 'with', q)"
 echo "setup_ik: done in $(( $(date +%s) - start )) s"
 touch "$STAMP"
