@@ -75,6 +75,8 @@ def test_formats_to_make_reuse_llama_cpps_files_for_ik_and_make_only_iq4_ks_with
                           "Q4_1,Q4_0"])
     assert bp.formats_to_make(only, exists) == ([], [])                   # Q4_1 ships, Q4_0 is made
     assert bp.gguf_path(args, "IQ4_KS") == tmp_path / "m.IQ4_KS.gguf"
+    # ik repacks Q4_0 and Q8_0 at load (its default), not IQ4_NL nor IQ4_KS (NaN logits in 0.1.5)
+    assert bp.ik_worker_args("Q4_0") == [] and bp.ik_worker_args("IQ4_KS") == ["--no-repack"]
 
 
 def test_a_missing_ik_venv_skips_its_quantizer_with_a_message(tmp_path, capsys):

@@ -69,6 +69,14 @@ LLAMA_FORMATS = ("Q4_1", "Q4_0", "IQ4_NL", "Q8_0")
 # IQ4_KS, ik's own 4-bit type, made by ik's quantizer (IK_OWN_FORMATS)
 IK_FORMATS = ("Q4_0", "IQ4_NL", "Q8_0", "IQ4_KS")
 IK_OWN_FORMATS = ("IQ4_KS",)
+# ik-llama-cpp-python 0.1.5's run-time repacking of IQ4_NL (IQ4_KS falls back to IQ4_NL for rows of 576) gives NaN
+# logits on this model (its flash attention then aborts on them): those formats run unrepacked
+IK_NO_REPACK = ("IQ4_NL", "IQ4_KS")
+
+
+def ik_worker_args(fmt: str) -> list[str]:
+    """The ik worker's options beyond its defaults (ik's fastest CPU settings) for one format."""
+    return ["--no-repack"] if fmt in IK_NO_REPACK else []
 BEST = "best llama.cpp"                       # the fastest llama.cpp format of that workload
 BEST_IK = "best ik_llama.cpp"                 # the fastest ik_llama.cpp format of that workload
 BEST_BOTH = "best of llama.cpp and ik_llama.cpp"   # a goal's peer: the fastest of both, format by format
@@ -548,7 +556,7 @@ def start_engines(args: argparse.Namespace, weights: Path, report: Report, log_d
         python, worker, name = ((args.llama_python, "llama_worker.py", llama_name(fmt)) if kind == LLAMA else
                                 (args.ik_python, "ik_worker.py", ik_name(fmt)))
         return Worker(name, [python, str(ROOT / "tools/peers" / worker), "--gguf", str(gguf),
-                             "--threads", str(st.threads)],
+                             "--threads", str(st.threads), *(ik_worker_args(fmt) if kind == IK else [])],
                       log_dir / f"{worker.removesuffix('.py')}_{fmt}.log", env)
 
     starts = {**{llama_name(f): (lambda f=f: cpp(LLAMA, f)) for f in LLAMA_FORMATS},
@@ -743,7 +751,8 @@ llama.cpp's own quantizer and are its fast paths on x86: repacked interleaved bl
 prefill). "best ik_llama.cpp" is the fastest of ik_llama.cpp's (ik-llama-cpp-python 0.1.5 built natively) on the
 same Q4_0, IQ4_NL and Q8_0 files and on IQ4_KS made by ik's own quantizer, each with ik's CPU settings: run-time
 repacking, flash attention and a q8_0 K/V cache for one sequence; for 16 sequences without flash attention (that
-version aborts in it) and with a q8_0 K, f16 V cache (tools/peers/ik_worker.py). ✓ / ✗: the goal met or not, marked
+version aborts in it) and with a q8_0 K, f16 V cache; IQ4_NL and IQ4_KS unrepacked (that version's repacking of
+IQ4_NL gives NaN logits) (tools/peers/ik_worker.py). ✓ / ✗: the goal met or not, marked
 in the column of the fastest peer of both (AVX-512 kernels: 1.15x / 1.5x / 1.2x the best of llama.cpp and
 ik_llama.cpp and 1.2x PyTorch; AVX2-class: 1.0x / 1.3x / 0.9x and 1.0x PyTorch). Runs recorded before 2026-12-06
 raced llama.cpp alone and were judged by the goals of the time (1.3x / 1.5x / 1.5x; AVX2-class 1.2x / 1.3x / 1.0x).

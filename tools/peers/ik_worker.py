@@ -16,7 +16,9 @@ vendors) and speaks tools/peers/protocol.py on stdin/stdout; the timed loops are
 One exception: in the ik_llama.cpp of ik-llama-cpp-python 0.1.5, flash attention over several sequences in one
 batch aborts the process (an assertion in its batched path), so `--flash-attn auto` (the default) turns it on for
 one sequence (decode B=1, prefill) and off for several (decode B=16). ik refuses a quantized V cache without flash
-attention, so there V stays f16 and K keeps the --kv type.
+attention, so there V stays f16 and K keeps the --kv type. A second one: that version's run-time repacking of
+IQ4_NL gives NaN logits on SmolLM2 (greedy token 0 everywhere; flash attention then aborts on them), so bench-peers
+runs IQ4_NL and IQ4_KS (which falls back to IQ4_NL on rows of 576) with --no-repack.
 """
 from __future__ import annotations
 
