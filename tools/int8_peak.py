@@ -80,7 +80,7 @@ def parse(line: str) -> Peak:
 
 
 def measure(variant: str, threads: int, steps: int = 400_000, repeat: int = 5) -> Peak:
-    """The best of `repeat` runs of `steps` x 64 x 12 instructions per thread (~0.1 s each on a 2-core Zen 4)."""
+    """The best of `repeat` runs of `steps` x 64 x 12 instructions on each of `threads` threads."""
     if variant not in VARIANTS:
         raise PeakError(f"int8 peak: no int8 dot-product instruction for the {variant!r} kernels; "
                         f"choose from {', '.join(VARIANTS)}")
