@@ -134,14 +134,17 @@ fixtures: $(RUNTIME) weights
 	.venv-ref/bin/python tools/make_reference.py
 
 # The peers: llama.cpp (.venv-llama, built from source; Q4_1 as shipped plus Q4_0, IQ4_NL and Q8_0 made by its own
-# quantizer) and PyTorch + transformers (.venv-ref, shared with `make fixtures`) in venvs of their own, measured beside
-# tinyserve in one run. Not part of `make test`. A full run is recorded in docs/peers/ and regenerates docs/peers.md.
+# quantizer), ik_llama.cpp (.venv-ik, ik-llama-cpp-python built natively from its sdist, 8-15 min; those files plus
+# IQ4_KS from its own quantizer) and PyTorch + transformers (.venv-ref, shared with `make fixtures`) in venvs of their
+# own, measured beside tinyserve in one run. Not part of `make test`. A full run is recorded in docs/peers/ and
+# regenerates docs/peers.md.
 # Options go through BENCH_PEERS_ARGS, e.g. make bench-peers BENCH_PEERS_ARGS="--quick" or "--threads-sweep".
 .PHONY: bench-peers peer-venvs peers-table bench-variants test-blas
 BENCH_PEERS_ARGS ?=
 
 peer-venvs: $(RUNTIME) weights
 	tools/peers/setup_llama.sh .venv-llama $(PY)
+	tools/peers/setup_ik.sh .venv-ik $(PY)
 	$(PYTHON) tools/bench_peers.py --prepare
 	test -f .venv-ref/.installed-peers || { \
 	  echo "installing torch==2.13.0 (CPU) + transformers into .venv-ref ..." && \

@@ -27,9 +27,11 @@ from protocol import PeerError, Worker  # noqa: E402  (bench_peers put tools/pee
 def test_defaults_are_the_issue_workloads_on_the_fast_path():
     args = bp.parse_args([])
     assert args.settings == bp.Settings(rounds=3, prompt_len=32, new_tokens=128, batch=16, prefill_len=512)
-    # every llama.cpp format: Q4_1 (the same weights) and its fast paths on x86, made by its own quantizer
-    assert args.engines == ["llama.cpp Q4_1", "llama.cpp Q4_0", "llama.cpp IQ4_NL", "llama.cpp Q8_0", "PyTorch",
-                            "tinyserve"]
+    # every llama.cpp format: Q4_1 (the same weights) and its fast paths on x86, made by its own quantizer; then
+    # ik_llama.cpp on those fast formats and its own IQ4_KS
+    assert args.engines == ["llama.cpp Q4_1", "llama.cpp Q4_0", "llama.cpp IQ4_NL", "llama.cpp Q8_0",
+                            "ik_llama.cpp Q4_0", "ik_llama.cpp IQ4_NL", "ik_llama.cpp Q8_0", "ik_llama.cpp IQ4_KS",
+                            "PyTorch", "tinyserve"]
     assert args.settings.threads == 2 and not args.threads_sweep
     # the CLI's default path (auto: the fastest accurate mode on the Numba kernels), not load_model's float32 reference
     assert bp.load_kwargs(args) == {"quant": "auto", "backend": "numba"}
@@ -55,11 +57,42 @@ def test_llama_formats_and_threads_options():
     args = bp.parse_args(["--engines", "llama.cpp,tinyserve", "--llama-formats", "Q4_0,Q4_1", "--threads", "1"])
     assert args.engines == ["llama.cpp Q4_0", "llama.cpp Q4_1", "tinyserve"] and args.settings.threads == 1
     assert bp.sweep_threads(2) == [1, 2] and bp.sweep_threads(8) == [1, 2, 8] and bp.sweep_threads(1) == [1]
+    ik = bp.parse_args(["--engines", "ik_llama.cpp,tinyserve", "--ik-formats", "IQ4_KS,Q8_0"])
+    assert ik.engines == ["ik_llama.cpp IQ4_KS", "ik_llama.cpp Q8_0", "tinyserve"]
+    assert ik.formats == [] and ik.ik_formats == ["IQ4_KS", "Q8_0"]     # llama.cpp not chosen: none of its formats
+
+
+def test_formats_to_make_reuse_llama_cpps_files_for_ik_and_make_only_iq4_ks_with_iks_quantizer(tmp_path):
+    made = {"Q4_0"}
+    exists = lambda p: any(p.name.endswith(f".{f}.gguf") for f in made)   # noqa: E731
+    args = bp.parse_args(["--gguf", str(tmp_path / "m.Q4_1.gguf")])
+    assert bp.formats_to_make(args, exists) == (["IQ4_NL", "Q8_0"], ["IQ4_KS"])
+    # ik alone still needs llama.cpp's quantizer for the formats the two share
+    ik = bp.parse_args(["--gguf", str(tmp_path / "m.Q4_1.gguf"), "--engines", "ik_llama.cpp", "--ik-formats",
+                        "Q8_0,IQ4_KS"])
+    assert bp.formats_to_make(ik, exists) == (["Q8_0"], ["IQ4_KS"])
+    only = bp.parse_args(["--gguf", str(tmp_path / "m.Q4_1.gguf"), "--engines", "llama.cpp", "--llama-formats",
+                          "Q4_1,Q4_0"])
+    assert bp.formats_to_make(only, exists) == ([], [])                   # Q4_1 ships, Q4_0 is made
+    assert bp.gguf_path(args, "IQ4_KS") == tmp_path / "m.IQ4_KS.gguf"
+    # ik repacks Q4_0 and Q8_0 at load (its default), not IQ4_NL nor IQ4_KS (NaN logits in 0.1.5)
+    assert bp.ik_worker_args("Q4_0") == [] and bp.ik_worker_args("IQ4_KS") == ["--no-repack"]
+
+
+def test_a_missing_ik_venv_skips_its_quantizer_with_a_message(tmp_path, capsys):
+    q = tmp_path / "m.Q4_1.gguf"
+    q.write_bytes(b"GGUF")
+    (tmp_path / "m.Q4_0.gguf").write_bytes(b"GGUF")
+    args = bp.parse_args(["--gguf", str(q), "--engines", "ik_llama.cpp", "--ik-formats", "Q4_0,IQ4_KS",
+                          "--ik-python", str(tmp_path / "no-venv" / "python"), "--out", str(tmp_path / "p.json")])
+    assert bp.prepare_formats(args) == 0
+    assert "ik_llama.cpp's venv" in capsys.readouterr().err and not (tmp_path / "m.IQ4_KS.gguf").exists()
 
 
 @pytest.mark.parametrize("argv", [["--engines", "vllm"], ["--engines", ","], ["--rounds", "0"],
                                   ["--new-tokens", "1"], ["--batch", "0"], ["--threads", "0"],
-                                  ["--llama-formats", "Q4_K"], ["--llama-formats", ","]])
+                                  ["--llama-formats", "Q4_K"], ["--llama-formats", ","], ["--ik-formats", "Q4_1"],
+                                  ["--ik-formats", ","]])
 def test_bad_options_are_refused_with_a_message(argv, capsys):
     with pytest.raises(SystemExit):
         bp.parse_args(argv)
@@ -158,21 +191,59 @@ def test_table_shows_medians_spreads_ratios_and_goals():
     assert "tinyserve/best llama.cpp" in lines[0] and "tinyserve/llama.cpp Q4_1" in lines[0]
     b1 = next(line for line in lines if line.startswith("decode B=1"))
     assert "20.0 (10.0-45.0)" in b1 and "20.0 (20.0-30.0)" in b1      # tinyserve, llama.cpp Q4_1 tokens/s
-    assert "1.00x (0.50-1.50) vs Q4_1 <" in b1                           # goal 1.3x the best llama.cpp: not met
+    assert "1.00x (0.50-1.50) vs Q4_1 <" in b1                           # goal 1.15x the best peer: not met
     pre = next(line for line in lines if line.startswith("prefill 512"))
     assert "0.50x <" in pre and "512.0" in pre and "1024.0" in pre        # goal 1.2x PyTorch: not met
-    assert "0.25x vs Q4_0 <" in pre                                        # goal 1.5x the best llama.cpp: not met
+    assert "0.25x vs Q4_0 <" in pre                                        # goal 1.2x the best peer: not met
     assert "failed" in next(line for line in lines if line.startswith("decode B=16"))
     goals = bp.format_targets(rep, "avx512vnni")
-    assert "decode B=1: tinyserve >= 1.3x best llama.cpp (Q4_1)? 1.00x: not met" in goals
+    both = "best of llama.cpp and ik_llama.cpp"
+    assert f"decode B=1: tinyserve >= 1.15x {both} (llama.cpp Q4_1)? 1.00x: not met" in goals
     assert "prefill 512: tinyserve >= 1.2x PyTorch? 0.50x: not met" in goals
-    assert "prefill 512: tinyserve >= 1.5x best llama.cpp (Q4_0)? 0.25x: not met" in goals
-    assert "B=16 (aggregate): tinyserve >= 1.5x best llama.cpp? not measured" in goals
+    assert f"prefill 512: tinyserve >= 1.2x {both} (llama.cpp Q4_0)? 0.25x: not met" in goals
+    assert f"B=16 (aggregate): tinyserve >= 1.5x {both}? not measured" in goals
     avx2 = bp.format_targets(rep, "avx2")                                  # AVX2-class kernels: lower goals
-    assert "prefill 512: tinyserve >= 1.0x PyTorch?" in avx2 and "decode B=1: tinyserve >= 1.2x" in avx2
+    assert "prefill 512: tinyserve >= 1.0x PyTorch?" in avx2 and "decode B=1: tinyserve >= 1.0x" in avx2
+    assert "prefill 512: tinyserve >= 0.9x" in avx2 and "B=16 (aggregate): tinyserve >= 1.3x" in avx2
     met = {(g["workload"], g["peer"]): g["met"] for g in bp.goals_result(rep, "avx512vnni")}
     assert met == {("decode_b1", Q41): False, ("decode_bN", None): False, ("prefill", Q40): False,
                    ("prefill", "PyTorch"): False}
+
+
+IK40, IKKS = "ik_llama.cpp Q4_0", "ik_llama.cpp IQ4_KS"
+
+
+def _report_with_ik() -> "bp.Report":
+    """_report plus ik_llama.cpp: faster than every llama.cpp format at B=1, slower in prefill."""
+    rep = _report()
+    for rnd, (fast, ks) in enumerate([(50.0, 30.0), (40.0, 35.0), (45.0, 5.0)]):
+        rep.samples += [bp.Sample(rnd, IK40, "decode_b1", 100, 100 / fast),
+                        bp.Sample(rnd, IKKS, "decode_b1", 100, 100 / ks)]
+    rep.samples += [bp.Sample(0, IK40, "prefill", 512, 0.5), bp.Sample(0, IKKS, "prefill", 512, 1.0)]
+    return rep
+
+
+def test_the_goals_are_judged_against_the_faster_of_llama_cpp_and_ik_llama_cpp():
+    rep = _report_with_ik()
+    assert rep.best_llama("decode_b1") == Q41 and rep.resolve("decode_b1", bp.BEST_IK) == IK40
+    assert rep.resolve("decode_b1", bp.BEST_BOTH) == IK40          # ik Q4_0's median 45 beats Q4_1's 20
+    assert rep.resolve("prefill", bp.BEST_BOTH) == Q40             # llama.cpp Q4_0's 2048 beats ik's 1024
+    assert rep.resolve("prefill", bp.BEST_IK) == IK40 and rep.resolve("decode_bN", bp.BEST_IK) is None
+    r = rep.ratio("decode_b1", bp.BEST_BOTH)                       # 10/50, 20/40, 45/45
+    assert (r.median, r.lo, r.hi) == pytest.approx((0.5, 0.2, 1.0))
+    assert rep.ratio("decode_b1", bp.BEST_BOTH) == rep.ratio("decode_b1", IK40)
+    met = {(g["workload"], g["peer"]): (g["goal"], g["met"]) for g in bp.goals_result(rep, "avx512vnni")}
+    assert met[("decode_b1", IK40)] == (1.15, False) and met[("prefill", Q40)] == (1.2, False)
+    assert "1.15x best of llama.cpp and ik_llama.cpp (ik_llama.cpp Q4_0)? 0.50x" in bp.format_targets(rep, "avx512vnni")
+    lines = bp.format_table(rep, [Q41, Q40, IK40, IKKS, "tinyserve"]).splitlines()
+    assert "tinyserve/best llama.cpp" in lines[0] and "tinyserve/best ik_llama.cpp" in lines[0]
+    b1 = next(line for line in lines if line.startswith("decode B=1"))
+    # the goal mark sits in the column of the fastest peer only: ik at B=1
+    assert "1.00x (0.50-1.50) vs Q4_1  " in b1 + "  " and "0.50x (0.20-1.00) vs ik Q4_0 <" in b1
+    pre = next(line for line in lines if line.startswith("prefill 512"))
+    assert "0.25x vs Q4_0 <" in pre and "0.50x vs ik Q4_0" in pre and "0.50x vs ik Q4_0 <" not in pre
+    assert bp.goal_for(rep, "prefill", bp.BEST_IK, "avx512vnni") is None
+    assert bp.goal_for(rep, "prefill", bp.BEST, "avx2") == 0.9
 
 
 def test_a_recorded_run_becomes_a_row_of_the_generated_table(tmp_path):
@@ -193,6 +264,74 @@ def test_a_recorded_run_becomes_a_row_of_the_generated_table(tmp_path):
     assert "abc1234" in row and "AMD EPYC (family 25, model 17)" in row and "w4a8" in row
     assert "1.00x (0.50-1.50) vs Q4_1 ✗" in row and "0.25x vs Q4_0 ✗" in row
     assert "Do not edit by hand" in md
+
+
+def _result(rep: "bp.Report", engines) -> dict:
+    keys = ("decode_b1", "decode_bN", "prefill")
+    return {"time": "2026-12-06 04:10 UTC", "commit": "def5678", "settings": dataclasses.asdict(rep.settings),
+            "cpu": {"model": "AMD EPYC (family 25, model 17)", "kernels": "avx512vnni", "forced": False},
+            "engines": {"tinyserve": {"quant": "w4a8"}},
+            "summary": {k: {e: dataclasses.asdict(s) for e in engines if (s := rep.speeds(e, k))} for k in keys},
+            "best_llama": {k: rep.best_llama(k) for k in keys},
+            "best_ik": {k: rep.resolve(k, bp.BEST_IK) for k in keys},
+            "ratios": {k: {p: dataclasses.asdict(r) for p in (*engines, bp.BEST, bp.BEST_IK, bp.BEST_BOTH)
+                           if (r := rep.ratio(k, p))} for k in keys},
+            "goals": bp.goals_result(rep, "avx512vnni"), "prefill_peak": bp.peak_result(rep)}
+
+
+def test_a_run_with_ik_and_the_int8_peak_is_recorded_beside_an_older_run(tmp_path):
+    rep = _report_with_ik()
+    rep.macs_per_token, rep.peak_variant = 100_000_000, "avx512vnni"   # tinyserve prefill: 512 tokens/s, round 0
+    rep.int8_peak = {0: 2.56e11}                                       # 512 x 1e8 / 2.56e11 = 0.2
+    bp.record_run(_result(rep, ("tinyserve", Q41, Q40, IK40, IKKS, "PyTorch")), tmp_path)
+    old = _report()
+    bp.record_run({**_result(old, ("tinyserve", Q41, Q40, "PyTorch")), "time": "2026-12-04 23:10 UTC",
+                   "best_ik": None, "prefill_peak": None}, tmp_path)
+    md = bp.write_table(tmp_path).read_text()
+    head = next(line for line in md.splitlines() if line.startswith("| date"))
+    assert "decode B=1 / best ik_llama.cpp" in head and "prefill 512 / int8 peak" in head
+    assert "ik_llama.cpp IQ4_KS" in md.split("## Tokens/s")[1]
+    new = next(line for line in md.splitlines() if line.startswith("| 2026-12-06 04:10"))
+    cells = [c.strip() for c in new.split("|")[1:-1]]
+    assert cells[6:8] == ["1.00x (0.50-1.50) vs Q4_1", "0.50x (0.20-1.00) vs ik Q4_0 ✗"]    # B=1: ik is the best
+    assert cells[10:12] == ["0.25x vs Q4_0 ✗", "0.50x vs ik Q4_0"]                          # prefill: llama.cpp
+    assert cells[-1] == "0.20 of 256 G multiply-adds/s (avx512vnni), 100 M a token ✗"
+    older = next(line for line in md.splitlines() if line.startswith("| 2026-12-04 23:10"))
+    cells = [c.strip() for c in older.split("|")[1:-1]]
+    assert cells[6:8] == ["1.00x (0.50-1.50) vs Q4_1 ✗", "-"] and cells[-1] == "-"
+
+
+def test_the_peak_share_pairs_each_round_with_the_peak_measured_in_it():
+    rep = _report()
+    rep.samples += [bp.Sample(1, "tinyserve", "prefill", 512, 0.5), bp.Sample(2, "tinyserve", "prefill", 512, 2.0)]
+    assert rep.peak_share() is None and bp.peak_result(rep) is None        # no peak measured
+    rep.macs_per_token = 10**8                              # 512, 1024, 256 tokens/s: 51.2, 102.4, 25.6 G/s
+    rep.int8_peak = {0: 102.4e9, 1: 204.8e9, 2: 25.6e9}
+    share = rep.peak_share()                                # 0.5, 0.5, 1.0: paired round by round
+    assert (share.median, share.lo, share.hi, share.n) == pytest.approx((0.5, 0.5, 1.0, 3))
+    pk = bp.peak_result(rep)
+    assert pk["met"] is True and pk["goal"] == bp.PEAK_GOAL == 0.5 and pk["peak"]["1"] == 204.8e9
+
+
+def test_rounds_measure_the_int8_peak_once_a_round_and_go_on_without_it(capsys, monkeypatch):
+    monkeypatch.setattr(bp, "COOLDOWN_S", 0.0)
+    monkeypatch.setattr(bp, "round_bandwidth", lambda threads, nbytes=0: 1e10)
+    asked = []
+
+    def peak(variant, threads):
+        asked.append((variant, threads))
+        if len(asked) == 2:
+            raise bp.PeakError("int8 peak: no C compiler")
+        return 3e11
+    monkeypatch.setattr(bp, "round_int8_peak", peak)
+    st, rep = _settings_and_report(rounds=3)
+    rep.macs_per_token, rep.peak_variant = 10**8, "avx2"
+    bp.run_rounds({"tinyserve": FakeEngine(75.0)}, rep)
+    assert asked == [("avx2", 2), ("avx2", 2)]              # after a failure, not asked again
+    assert rep.int8_peak == {0: 3e11} and rep.peak_error == "int8 peak: no C compiler"
+    assert rep.peak_share().median == pytest.approx(75.0 * 1e8 / 3e11)
+    out = capsys.readouterr()
+    assert "int8 peak (avx2, 2 thread(s)) 300 G multiply-adds/s" in out.out and "left out" in out.err
 
 
 def test_pytorch_is_held_to_avx2_only_beside_forced_avx2_class_kernels():
@@ -319,6 +458,11 @@ def test_quick_run_with_tinyserve_alone_writes_the_json(tmp_path, capsys):
     assert rf["bytes_per_token"] > 0 and 0 < rf["share"]["median"] and rf["bandwidth"]["0"] > 1e8
     assert "of the read bandwidth measured in the same rounds" in printed
     assert rf["token_sized"]["bandwidth"]["0"] > 1e8 and "of a read as large as a token's bytes" in printed
+    pk = data["prefill_peak"]                              # the prefill against the int8 peak of the round
+    if peak.compiler() is not None:
+        from tinyserve.weights import DEFAULT_WEIGHTS_DIR
+        assert pk["macs_per_token"] == peak.model_macs_per_token(ts.config.ModelConfig.load(DEFAULT_WEIGHTS_DIR))
+        assert 0 < pk["share"]["median"] < 1 and pk["peak"]["0"] > 1e9 and "of the int8 peak" in printed
 
 
 # --- the run itself, with in-process fake engines -----------------------------------------------------------------
@@ -397,3 +541,55 @@ def test_greedy_check_compares_peers_with_tinyserve_and_warms_up_every_workload(
     assert "after the 8-token prefill prompt: llama.cpp Q4_1 0, PyTorch 0, tinyserve 0" in printed
     assert agree[Q41]["after_prefill_equal"] is True
     assert "llama.cpp Q4_1: 2/4 tokens equal" in printed and "expected, not an error" in printed
+
+
+# --- the int8 peak microbenchmark (tools/int8_peak.py) ------------------------------------------------------------
+
+peak = sys.modules["int8_peak"]          # bench_peers imported it from tools/
+
+
+def test_macs_per_token_count_the_layers_matrices_by_hand():
+    cfg = ts.config.ModelConfig(dim=8, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=12, vocab_size=50)
+    # per layer: Q 8x8, K and V 8x4 each, O 8x8, gate/up/down 8x12 each = 64 + 64 + 64 + 288 = 480
+    assert peak.model_macs_per_token(cfg) == 2 * 480
+    smol = ts.config.ModelConfig(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, intermediate_size=1536,
+                                 vocab_size=49152)
+    assert peak.model_macs_per_token(smol) == 106_168_320      # the issue's "about 106 M multiply-adds a token"
+
+
+def test_the_programs_line_is_parsed_or_refused_with_a_message():
+    p = peak.parse('{"variant": "avx2", "threads": 2, "macs_per_s": 1.5e+11, "macs_per_instruction": 32, '
+                   '"seconds": 0.1, "sink": 7}')
+    assert p == peak.Peak("avx2", 2, 1.5e11, 32)
+    with pytest.raises(peak.PeakError, match="not its JSON line"):
+        peak.parse("Segmentation fault")
+    with pytest.raises(peak.PeakError, match="no int8 dot-product instruction for the 'generic' kernels"):
+        peak.measure("generic", 2)
+
+
+@pytest.mark.skipif(peak.compiler() is None or not sys.platform.startswith("linux"),
+                    reason="needs a C compiler with OpenMP (tools/int8_peak.c)")
+def test_the_peak_program_compiles_runs_and_counts_what_it_ran():
+    from tinyserve.kernels import isa
+    if isa.NAME not in peak.VARIANTS:
+        pytest.skip(f"the {isa.NAME} kernels have no int8 dot-product instruction to measure")
+    one = peak.measure(isa.NAME, 1, steps=2000, repeat=2)
+    assert one.variant == isa.NAME and one.threads == 1
+    assert one.macs_per_instruction == {"avx512vnni": 64, "avxvnni": 32, "avx2": 32, "neon": 16}[isa.NAME]
+    assert 1e9 < one.macs_per_s < 1e13             # between a slow emulator and far beyond any CPU core
+    with pytest.raises(peak.PeakError):
+        peak.measure(isa.NAME, 0)                  # the program refuses 0 threads with its own message
+
+
+# --- the ik_llama.cpp worker's settings (tools/peers/ik_worker.py; its venv is not needed to read them) -----------
+
+def test_ik_worker_turns_flash_attention_off_for_several_sequences_and_keeps_v_in_f16_there():
+    import ik_worker
+    args, st = ik_worker.parse_args(["--gguf", "m.gguf"])
+    assert st == ik_worker.IkSettings(repack=True, flash_attn="auto", kv="q8_0", merge_qkv=False)
+    assert st.uses_flash_attn(1) and st.cache_types(1) == ("q8_0", "q8_0")
+    assert not st.uses_flash_attn(16) and st.cache_types(16) == ("q8_0", "f16")   # ik: quantized V needs FA
+    _, on = ik_worker.parse_args(["--gguf", "m.gguf", "--flash-attn", "on", "--no-repack", "--kv", "f16"])
+    assert on.uses_flash_attn(16) and on.cache_types(16) == ("f16", "f16") and not on.repack
+    _, off = ik_worker.parse_args(["--gguf", "m.gguf", "--flash-attn", "off"])
+    assert not off.uses_flash_attn(1) and off.cache_types(1) == ("q8_0", "f16")

@@ -1,4 +1,5 @@
-"""`make bench-peers`: tinyserve beside llama.cpp (every fast format) and PyTorch on this machine, interleaved.
+"""`make bench-peers`: tinyserve beside llama.cpp and ik_llama.cpp (every fast format) and PyTorch on this machine,
+interleaved.
 
     .venv/bin/python tools/bench_peers.py                 # 3 rounds, the workloads below, recorded in docs/peers.md
     .venv/bin/python tools/bench_peers.py --quick         # 1 round, few tokens: checks the whole chain end to end
@@ -20,9 +21,14 @@ The peers run as long-lived worker processes in venvs of their own (tools/peers/
 imports torch). llama.cpp (llama-cpp-python, its low-level batch API) runs once per format: Q4_1, the GGUF our
 weights are converted from (the same-weights comparison), and Q4_0, IQ4_NL and Q8_0, which llama.cpp's own quantizer
 makes from it (tools/peers/quantize_gguf.py): on x86 those are llama.cpp's fast paths (repacked interleaved blocks
-for decode, tinyBLAS for prefill) and Q4_1 is not. The goals are judged against the fastest llama.cpp format of each
-workload. PyTorch + transformers runs LlamaForCausalLM on our converted float32 tensors. tinyserve runs in this
-process. Every engine gets the same number of threads (--threads; tinyserve's Numba pool too).
+for decode, tinyBLAS for prefill) and Q4_1 is not. ik_llama.cpp (ik-llama-cpp-python built natively,
+tools/peers/ik_worker.py with ik's CPU settings: run-time repacking, flash attention, a q8_0 K/V cache) runs the same
+Q4_0, IQ4_NL and Q8_0 files and IQ4_KS, made by its own quantizer. The goals are judged against the fastest format
+of either engine on each workload. PyTorch + transformers runs LlamaForCausalLM on our converted float32 tensors.
+tinyserve runs in this process. Every engine gets the same number of threads (--threads; tinyserve's Numba pool too).
+
+Two limits beside the ratios: tinyserve's B=1 decode as a share of the read bandwidth, and its prefill as a share of
+the int8 multiply-add peak (tools/int8_peak.py), both measured in every round.
 
 Each round runs every workload on every engine, the engine order rotating from round to round; the table shows the
 median over rounds and the spread (min-max), and the ratios are taken round by round (tinyserve and its peer
@@ -46,43 +52,83 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools" / "peers"))
 sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT / "tools"))
+from int8_peak import PeakError, model_macs_per_token  # noqa: E402  (standard library only)
+from int8_peak import measure as measure_int8_peak  # noqa: E402
 from protocol import PeerError, Worker  # noqa: E402  (standard library only)
 # the one way every tokens/s here is summarised, and the CPU line and the table printed (tinyserve/measure.py)
 from tinyserve.measure import CPU_FLAGS_OF_NOTE, Spread, cpu_info, format_table as text_table, git_commit  # noqa: E402,F401,E501
 from tinyserve.quant import AUTO, QUANT_MODES  # noqa: E402
 
-LLAMA, TORCH, TINY = "llama.cpp", "PyTorch", "tinyserve"
-KINDS = (LLAMA, TORCH, TINY)                  # what --engines names
+LLAMA, IK, TORCH, TINY = "llama.cpp", "ik_llama.cpp", "PyTorch", "tinyserve"
+KINDS = (LLAMA, IK, TORCH, TINY)              # what --engines names
 # llama.cpp's formats, raced side by side: Q4_1 is the shipped GGUF (the same weights as ours), the others are made
 # from it by llama.cpp's quantizer (tools/peers/quantize_gguf.py) and are its fast paths on x86
 LLAMA_FORMATS = ("Q4_1", "Q4_0", "IQ4_NL", "Q8_0")
-BEST = "best llama.cpp"                       # a goal's peer: the fastest llama.cpp format of that workload
+# ik_llama.cpp's: llama.cpp's fast formats (the same files), which ik repacks at load into its interleaved rows, and
+# IQ4_KS, ik's own 4-bit type, made by ik's quantizer (IK_OWN_FORMATS)
+IK_FORMATS = ("Q4_0", "IQ4_NL", "Q8_0", "IQ4_KS")
+IK_OWN_FORMATS = ("IQ4_KS",)
+# ik-llama-cpp-python 0.1.5's run-time repacking of IQ4_NL (IQ4_KS falls back to IQ4_NL for rows of 576) gives NaN
+# logits on this model (its flash attention then aborts on them): those formats run unrepacked
+IK_NO_REPACK = ("IQ4_NL", "IQ4_KS")
+
+
+def ik_worker_args(fmt: str) -> list[str]:
+    """The ik worker's options beyond its defaults (ik's fastest CPU settings) for one format."""
+    return ["--no-repack"] if fmt in IK_NO_REPACK else []
+BEST = "best llama.cpp"                       # the fastest llama.cpp format of that workload
+BEST_IK = "best ik_llama.cpp"                 # the fastest ik_llama.cpp format of that workload
+BEST_BOTH = "best of llama.cpp and ik_llama.cpp"   # a goal's peer: the fastest of both, format by format
 
 
 def llama_name(fmt: str) -> str:
     return f"{LLAMA} {fmt}"
 
 
+def ik_name(fmt: str) -> str:
+    return f"{IK} {fmt}"
+
+
 def is_llama(engine: str) -> bool:
-    return engine.startswith(LLAMA)
+    return engine.startswith(LLAMA + " ")
+
+
+def is_ik(engine: str) -> bool:
+    return engine.startswith(IK + " ")
+
+
+def is_cpp(engine: str) -> bool:
+    """A llama.cpp-family engine: mainline or ik_llama.cpp, any format."""
+    return is_llama(engine) or is_ik(engine)
+
+
+def short(engine: str) -> str:
+    """'llama.cpp Q4_0' -> 'Q4_0', 'ik_llama.cpp Q8_0' -> 'ik Q8_0': a best peer's name in a table cell."""
+    return engine.removeprefix(LLAMA + " ") if is_llama(engine) else "ik " + engine.removeprefix(IK + " ")
 
 
 @dataclass(frozen=True, slots=True)
 class Goal:
     workload: str
-    peer: str           # BEST or an engine name
+    peer: str           # BEST_BOTH or an engine name
     ratio: float        # tinyserve / peer, at least
 
 
 # The goals on AVX-512 kernels, and on AVX2-class ones (8-32 byte multiply-adds per instruction against BLAS's and
-# llama.cpp's 16-lane float FMAs and AVX-512 integer kernels: kernels/isa.py): tinyserve / peer, same machine, same run.
-GOALS = (Goal("decode_b1", BEST, 1.3), Goal("decode_bN", BEST, 1.5), Goal("prefill", BEST, 1.5),
+# llama.cpp's 16-lane float FMAs and AVX-512 integer kernels: kernels/isa.py): tinyserve / peer, same machine, same run,
+# against the fastest of llama.cpp's and ik_llama.cpp's formats (ik_llama.cpp is the engine a CPU user picks when
+# llama.cpp is not fast enough).
+GOALS = (Goal("decode_b1", BEST_BOTH, 1.15), Goal("decode_bN", BEST_BOTH, 1.5), Goal("prefill", BEST_BOTH, 1.2),
          Goal("prefill", TORCH, 1.2))
-GOALS_BELOW_AVX512 = (Goal("decode_b1", BEST, 1.2), Goal("decode_bN", BEST, 1.3), Goal("prefill", BEST, 1.0),
-                      Goal("prefill", TORCH, 1.0))
+GOALS_BELOW_AVX512 = (Goal("decode_b1", BEST_BOTH, 1.0), Goal("decode_bN", BEST_BOTH, 1.3),
+                      Goal("prefill", BEST_BOTH, 0.9), Goal("prefill", TORCH, 1.0))
 # tinyserve's B=1 decode: tokens/s x the bytes a token reads, at least this share of the read bandwidth
 # (roofline.measure_bandwidth) measured in the same round
 ROOFLINE_GOAL = 0.8
+# tinyserve's prefill: multiply-adds a second in the layers' matrices, at least this share of the int8 peak
+# (tools/int8_peak.py) measured in the same round
+PEAK_GOAL = 0.5
 
 
 def targets(variant: str) -> tuple[Goal, ...]:
@@ -153,6 +199,17 @@ class Report:
     # round -> the read bandwidth over a matrix of bytes_per_token bytes: where the last-level cache holds part of
     # a token's bytes (a VM that reports hundreds of MiB of L3), this is faster than the 256 MiB figure
     token_sized_bandwidth: dict[int, float] = field(default_factory=dict)
+    macs_per_token: int = 0                                    # a prefill token's multiply-adds in the layers
+    peak_variant: str = ""                                     # whose instruction the int8 peak runs (kernels/isa.py)
+    int8_peak: dict[int, float] = field(default_factory=dict)  # round -> int8 multiply-adds/s (tools/int8_peak.py)
+    peak_error: str = ""                                       # why the peak could not be measured
+
+    def peak_share(self) -> Spread | None:
+        """tinyserve's prefill as a share of the int8 peak, round by round: tokens/s x multiply-adds a token / the
+        peak measured in the same round."""
+        by = {s.round: s.tokens_per_s for s in self.samples if s.engine == TINY and s.workload == "prefill"}
+        r = [by[i] * self.macs_per_token / peak for i, peak in self.int8_peak.items() if i in by]
+        return Spread.of(r) if r and self.macs_per_token else None
 
     def roofline_share(self, token_sized: bool = False) -> Spread | None:
         """tinyserve's B=1 decode as a share of the memory bandwidth, round by round: tokens/s x bytes per token /
@@ -167,26 +224,36 @@ class Report:
         return Spread.of(v) if v else None
 
     def ratio(self, workload: str, peer: str) -> Spread | None:
-        """tinyserve / peer, paired round by round (the two were measured in the same round). peer may be BEST."""
-        if peer == BEST:
-            peer = self.best_llama(workload)
-            if peer is None:
-                return None
+        """tinyserve / peer, paired round by round (the two were measured in the same round). peer may be BEST,
+        BEST_IK or BEST_BOTH."""
+        peer = self.resolve(workload, peer)
+        if peer is None:
+            return None
         by = {(s.engine, s.round): s.tokens_per_s for s in self.samples if s.workload == workload}
         r = [by[TINY, i] / by[peer, i] for i in range(self.settings.rounds) if (TINY, i) in by and (peer, i) in by]
         return Spread.of(r) if r else None
 
-    def best_llama(self, workload: str) -> str | None:
-        """The llama.cpp format with the highest median tokens/s on this workload (None if none was measured)."""
-        speeds = {e: s.median for e in {s.engine for s in self.samples if is_llama(s.engine)}
+    def resolve(self, workload: str, peer: str) -> str | None:
+        """A "best" peer -> the engine it names on this workload; any other name is itself."""
+        pick = {BEST: is_llama, BEST_IK: is_ik, BEST_BOTH: is_cpp}.get(peer)
+        return self.best(workload, pick) if pick else peer
+
+    def best(self, workload: str, pick=is_cpp) -> str | None:
+        """The engine `pick` accepts with the highest median tokens/s on this workload (None if none was measured)."""
+        speeds = {e: s.median for e in {s.engine for s in self.samples if pick(s.engine)}
                   if (s := self.speeds(e, workload))}
         return max(speeds, key=speeds.get) if speeds else None
+
+    def best_llama(self, workload: str) -> str | None:
+        """The llama.cpp format with the highest median tokens/s on this workload (None if none was measured)."""
+        return self.best(workload, is_llama)
 
 
 # --- pure helpers (tested without the peers) ----------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description="tinyserve vs llama.cpp vs PyTorch on this machine, interleaved")
+    ap = argparse.ArgumentParser(description="tinyserve vs llama.cpp, ik_llama.cpp and PyTorch on this machine, "
+                                             "interleaved")
     ap.add_argument("--rounds", type=int, default=None, help="rounds of every workload on every engine (3)")
     ap.add_argument("--quick", action="store_true", help="1 round, 16 new tokens, prefill 128: an end-to-end check")
     ap.add_argument("--new-tokens", type=int, default=None, help="new tokens per sequence in the decode workloads")
@@ -202,7 +269,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--quant", default=AUTO, choices=[AUTO, *QUANT_MODES], help="ts.load_model(quant=...)")
     ap.add_argument("--backend", default="numba", choices=["numpy", "numba"],
                     help="ts.load_model and ts.Engine (backend=...)")
+    ap.add_argument("--ik-formats", default=",".join(IK_FORMATS),
+                    help=f"ik_llama.cpp's formats to race, comma-separated ({', '.join(IK_FORMATS)})")
     ap.add_argument("--llama-python", default=str(ROOT / ".venv-llama" / "bin" / "python"))
+    ap.add_argument("--ik-python", default=str(ROOT / ".venv-ik" / "bin" / "python"))
     ap.add_argument("--torch-python", default=str(ROOT / ".venv-ref" / "bin" / "python"))
     ap.add_argument("--gguf", default=None, help="the Q4_1 GGUF for llama.cpp (default: extracted from the cached "
                                                  "wheel); the other formats are made beside it")
@@ -213,7 +283,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--docs", default=str(ROOT / "docs"), help="where docs/peers.md and docs/peers/ live")
     ap.add_argument("--table", action="store_true", help="only regenerate docs/peers.md from docs/peers/*.json")
     ap.add_argument("--prepare", action="store_true",
-                    help="only make llama.cpp's other formats from the Q4_1 GGUF (make peer-venvs runs this)")
+                    help="only make the peers' other formats from the Q4_1 GGUF (make peer-venvs runs this)")
     args = ap.parse_args(argv)
     kinds = [e.strip() for e in args.engines.split(",") if e.strip()]
     unknown = [e for e in kinds if e not in KINDS]
@@ -224,8 +294,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--llama-formats: unknown {bad}; choose from {', '.join(LLAMA_FORMATS)}")
     if LLAMA in kinds and not formats:
         ap.error("--llama-formats: empty list")
-    args.formats = formats
-    args.engines = [n for k in kinds for n in ([llama_name(f) for f in formats] if k == LLAMA else [k])]
+    ik_formats = [f.strip() for f in args.ik_formats.split(",") if f.strip()]
+    if bad := [f for f in ik_formats if f not in IK_FORMATS]:
+        ap.error(f"--ik-formats: unknown {bad}; choose from {', '.join(IK_FORMATS)}")
+    if IK in kinds and not ik_formats:
+        ap.error("--ik-formats: empty list")
+    args.formats, args.ik_formats = (formats if LLAMA in kinds else []), (ik_formats if IK in kinds else [])
+    names = {LLAMA: [llama_name(f) for f in formats], IK: [ik_name(f) for f in ik_formats]}
+    args.engines = [n for k in kinds for n in names.get(k, [k])]
     if args.threads < 1:
         ap.error(f"--threads must be >= 1, got {args.threads}")
     quick = Settings(rounds=1, new_tokens=16, prefill_len=128, check_tokens=8) if args.quick else Settings()
@@ -274,12 +350,24 @@ def agreement(ours: list[int], theirs: list[int]) -> int:
     return n
 
 
+def goal_for(report: Report, workload: str, peer: str, variant: str) -> float | None:
+    """The goal a ratio column carries: a named peer's own, or, for a "best" column, the goal against the best of
+    both families when this column's best is that engine (the goal is marked where the fastest peer is)."""
+    for g in targets(variant):
+        if g.workload != workload:
+            continue
+        if g.peer == peer or (g.peer == BEST_BOTH and peer in (BEST, BEST_IK)
+                              and report.resolve(workload, peer) == report.resolve(workload, BEST_BOTH)):
+            return g.ratio
+    return None
+
+
 def format_table(report: Report, engines: list[str], variant: str = "avx512vnni") -> str:
     """Tokens/s per workload and engine (median and min-max over rounds), then tinyserve / the fastest llama.cpp
-    format of the workload (named), / llama.cpp Q4_1 (the same weights) and / PyTorch, marked against the goals for
-    the kernels `variant` (" ok" met, " <" not)."""
-    goals = {(g.workload, g.peer): g.ratio for g in targets(variant)}
-    peers = ([BEST] if any(map(is_llama, engines)) else []) + [e for e in (llama_name("Q4_1"), TORCH) if e in engines]
+    format of the workload (named), / the fastest ik_llama.cpp format, / llama.cpp Q4_1 (the same weights) and
+    / PyTorch, marked against the goals for the kernels `variant` (" ok" met, " <" not)."""
+    peers = ([BEST] if any(map(is_llama, engines)) else []) + ([BEST_IK] if any(map(is_ik, engines)) else []) + \
+        [e for e in (llama_name("Q4_1"), TORCH) if e in engines]
     ratio_cols = [f"{TINY}/{p}" for p in peers] if TINY in engines else []
     rows = [["workload (tokens/s)", *engines, *ratio_cols]]
     for key, label in report.settings.workloads().items():
@@ -289,23 +377,23 @@ def format_table(report: Report, engines: list[str], variant: str = "avx512vnni"
             row.append(s.fmt(1) if s else ("failed" if e in report.failed else "-"))
         for p in peers if ratio_cols else ():
             r = report.ratio(key, p)
-            goal = goals.get((key, p))
+            goal = goal_for(report, key, p, variant)
             mark = "" if r is None or goal is None else (" ok" if r.median >= goal else " <")
-            vs = f" vs {report.best_llama(key).removeprefix(LLAMA).strip()}" if p == BEST and r else ""
+            vs = f" vs {short(report.resolve(key, p))}" if p in (BEST, BEST_IK) and r else ""
             row.append(r.fmt(2, "x") + vs + mark if r else "-")
         rows.append(row)
     return text_table(rows)
 
 
 def format_targets(report: Report, variant: str) -> str:
-    """One line per goal: the measured ratio against its target (the best llama.cpp format named)."""
+    """One line per goal: the measured ratio against its target (the best peer's format named)."""
     out = []
     for g in targets(variant):
         r = report.ratio(g.workload, g.peer)
         label = report.settings.workloads()[g.workload]
         peer = g.peer
-        if g.peer == BEST and (best := report.best_llama(g.workload)):
-            peer = f"{BEST} ({best.removeprefix(LLAMA).strip()})"
+        if g.peer == BEST_BOTH and (best := report.resolve(g.workload, g.peer)):
+            peer = f"{BEST_BOTH} ({best})"
         got = "not measured" if r is None else (f"{r.median:.2f}x: " + ("met" if r.median >= g.ratio else "not met"))
         out.append(f"  {label}: tinyserve >= {g.ratio}x {peer}? {got}")
     return "\n".join(out)
@@ -332,8 +420,8 @@ def find_gguf(log=print) -> Path:
 
 
 def gguf_path(args: argparse.Namespace, fmt: str) -> Path:
-    """Where llama.cpp's `fmt` copy of the model is: the Q4_1 GGUF itself, or the file quantize_gguf.py makes
-    beside it."""
+    """Where the `fmt` copy of the model is: the Q4_1 GGUF itself, or the file quantize_gguf.py makes beside it
+    (ik_llama.cpp reads the same files as llama.cpp, and its own IQ4_KS beside them)."""
     q4_1 = Path(args.gguf) if args.gguf else find_gguf()
     if fmt == "Q4_1":
         return q4_1
@@ -342,23 +430,45 @@ def gguf_path(args: argparse.Namespace, fmt: str) -> Path:
     return output_path(q4_1, fmt)
 
 
+def formats_to_make(args: argparse.Namespace, exists=lambda p: p.is_file()) -> tuple[list[str], list[str]]:
+    """(llama.cpp's quantizer's, ik_llama.cpp's quantizer's) formats that the chosen engines need and that are not
+    made yet: ik_llama.cpp runs llama.cpp's Q4_0 / IQ4_NL / Q8_0 files too, and only IQ4_KS from its own."""
+    need = {f for f in args.formats if f != "Q4_1"} | {f for f in args.ik_formats if f not in IK_OWN_FORMATS}
+    llama = [f for f in LLAMA_FORMATS if f in need and not exists(gguf_path(args, f))]
+    ik = [f for f in args.ik_formats if f in IK_OWN_FORMATS and not exists(gguf_path(args, f))]
+    return llama, ik
+
+
 def prepare_formats(args: argparse.Namespace) -> int:
-    """Make llama.cpp's other formats from the Q4_1 GGUF with llama.cpp's own quantizer, in its venv (~4 s each,
+    """Make the peers' other formats from the Q4_1 GGUF, each with its engine's own quantizer in its venv (~4 s each,
     IQ4_NL ~1 min on 2 cores); files already made are kept."""
-    missing = [f for f in args.formats if f != "Q4_1" and not gguf_path(args, f).is_file()]
-    if not missing:
-        return 0
-    print(f"making llama.cpp's {', '.join(missing)} from the Q4_1 GGUF with its quantizer (once) ...", flush=True)
-    cmd = [args.llama_python, str(ROOT / "tools/peers/quantize_gguf.py"), str(gguf_path(args, "Q4_1")), *missing]
-    log = Path(args.out).parent / "quantize_gguf.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as f:           # llama.cpp logs every tensor: keep it in a file, show its own summary lines
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": ""}).returncode
-    for line in log.read_text(errors="replace").splitlines():
-        if line.startswith("quantize_gguf:"):
-            print(" ", line)
-    if rc != 0:
-        print(f"quantize_gguf failed (exit {rc}); its log: {log}", file=sys.stderr)
+    llama, ik = formats_to_make(args)
+    rc = 0
+    for who, python, formats in ((LLAMA, args.llama_python, llama), (IK, args.ik_python, ik)):
+        if not formats:
+            continue
+        if not Path(python).exists():       # e.g. bench-serve, which builds only llama.cpp's venv
+            print(f"{who}'s venv ({python}) is missing: its {', '.join(formats)} not made (`make peer-venvs` "
+                  f"builds it)", file=sys.stderr)
+            continue
+        print(f"making {who}'s {', '.join(formats)} from the Q4_1 GGUF with its quantizer (once) ...", flush=True)
+        cmd = [python, str(ROOT / "tools/peers/quantize_gguf.py"), *(["--ik"] if who == IK else []),
+               str(gguf_path(args, "Q4_1")), *formats]
+        log = Path(args.out).parent / f"quantize_gguf{'_ik' if who == IK else ''}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "w") as f:       # the quantizers log every tensor: keep it in a file, show the summary lines
+            try:
+                done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": ""})
+                code = done.returncode
+            except OSError as e:                              # no such venv
+                print(f"quantize_gguf: cannot run {python}: {e}", file=f)
+                code = 127
+        for line in log.read_text(errors="replace").splitlines():
+            if line.startswith("quantize_gguf:"):
+                print(" ", line)
+        if code != 0:
+            print(f"quantize_gguf ({who}) failed (exit {code}); its log: {log}", file=sys.stderr)
+            rc = rc or code
     return rc
 
 
@@ -438,15 +548,19 @@ def start_engines(args: argparse.Namespace, weights: Path, report: Report, log_d
         held = " ".join(f"{k}={t_env[k]}" for k in TORCH_AVX2_ENV)
         print(f"kernels forced to {isa.NAME}: PyTorch held to AVX2 too ({held}); llama.cpp keeps the instructions "
               "it was built for")
-    def llama(fmt: str):
+    def cpp(kind: str, fmt: str):
         gguf = gguf_path(args, fmt)
         if not gguf.is_file():
-            raise OSError(f"no {fmt} GGUF at {gguf}: `make peer-venvs` makes it with llama.cpp's quantizer")
-        return Worker(llama_name(fmt), [args.llama_python, str(ROOT / "tools/peers/llama_worker.py"),
-                                        "--gguf", str(gguf), "--threads", str(st.threads)],
-                      log_dir / f"llama_worker_{fmt}.log", env)
+            raise OSError(f"no {fmt} GGUF at {gguf}: `make peer-venvs` makes it with "
+                          f"{IK if fmt in IK_OWN_FORMATS else LLAMA}'s quantizer")
+        python, worker, name = ((args.llama_python, "llama_worker.py", llama_name(fmt)) if kind == LLAMA else
+                                (args.ik_python, "ik_worker.py", ik_name(fmt)))
+        return Worker(name, [python, str(ROOT / "tools/peers" / worker), "--gguf", str(gguf),
+                             "--threads", str(st.threads), *(ik_worker_args(fmt) if kind == IK else [])],
+                      log_dir / f"{worker.removesuffix('.py')}_{fmt}.log", env)
 
-    starts = {**{llama_name(f): (lambda f=f: llama(f)) for f in LLAMA_FORMATS},
+    starts = {**{llama_name(f): (lambda f=f: cpp(LLAMA, f)) for f in LLAMA_FORMATS},
+              **{ik_name(f): (lambda f=f: cpp(IK, f)) for f in IK_FORMATS},
               TORCH: lambda: Worker(TORCH, [args.torch_python, str(ROOT / "tools/peers/torch_worker.py"),
                                              "--weights", str(weights), "--threads", str(st.threads)],
                                     log_dir / "torch_worker.log", t_env),
@@ -498,7 +612,7 @@ def greedy_check(engines: dict, report: Report, prompt: list[int], decode) -> di
                            "after_prefill_equal": after_prefill.get(name) == after_prefill.get(TINY)}
             how = "identical" if n == st.check_tokens else f"the first {n} equal, then {decode(outs[name])!r}"
             why = (" (llama.cpp computes on its own blocks with 8-bit activations, the other formats on "
-                   "requantized weights: a divergence is expected, not an error)") if is_llama(name) and n < len(outs[TINY]) \
+                   "requantized weights: a divergence is expected, not an error)") if is_cpp(name) and n < len(outs[TINY]) \
                 else ""
             print(f"  {name}: {n}/{st.check_tokens} tokens equal to tinyserve's: {how}{why}")
     return agree
@@ -540,6 +654,20 @@ def run_rounds(engines: dict, report: Report) -> None:
                 line += (f" (over {BANDWIDTH_BYTES >> 20} MiB); {report.token_sized_bandwidth[rnd] / 1e9:.1f} GB/s over "
                          f"{report.bytes_per_token / 1e6:.0f} MB, a token's bytes")
             print(f"round {rnd + 1}/{st.rounds}  read bandwidth ({st.threads} thread(s)) {line}", flush=True)
+        if TINY in engines and report.macs_per_token and report.peak_variant and not report.peak_error:
+            try:
+                report.int8_peak[rnd] = round_int8_peak(report.peak_variant, st.threads)
+            except PeakError as e:                    # no compiler, or no such instruction: the run goes on
+                report.peak_error = str(e)
+                print(f"{e}; the prefill's share of the int8 peak is left out", file=sys.stderr)
+            else:
+                print(f"round {rnd + 1}/{st.rounds}  int8 peak ({report.peak_variant}, {st.threads} thread(s)) "
+                      f"{report.int8_peak[rnd] / 1e9:.0f} G multiply-adds/s", flush=True)
+
+
+def round_int8_peak(variant: str, threads: int) -> float:
+    """tools/int8_peak.py: the int8 multiply-adds a second `threads` threads reach with the kernels' instruction."""
+    return measure_int8_peak(variant, threads).macs_per_s
 
 
 def round_bandwidth(threads: int, nbytes: int | None = None) -> float:
@@ -579,9 +707,12 @@ def _ratio_cell(result: dict, workload: str, peer: str) -> str:
         return "-"
     cell = Spread(**r).fmt(2, "x")
     if peer == BEST:
-        cell += f" vs {result['best_llama'][workload].removeprefix(LLAMA).strip()}"
+        cell += f" vs {short(result['best_llama'][workload])}"
+    elif peer == BEST_IK:
+        cell += f" vs {short(result['best_ik'][workload])}"
+    best = {BEST: result.get("best_llama", {}), BEST_IK: result.get("best_ik", {})}
     goal = next((g for g in result.get("goals", ()) if g["workload"] == workload
-                 and (g["peer"] == peer or (peer == BEST and g["peer"] == result["best_llama"][workload]))), None)
+                 and (g["peer"] == peer or (peer in best and g["peer"] == best[peer].get(workload)))), None)
     return cell + ("" if goal is None else (" ✓" if goal["met"] else " ✗"))
 
 
@@ -598,6 +729,15 @@ def _roofline_cell(result: dict) -> str:
     return cell
 
 
+def _peak_cell(result: dict) -> str:
+    pk = result.get("prefill_peak")
+    if not pk:
+        return "-"                                             # runs recorded before 2026-12-06 have none
+    peaks = sorted(pk["peak"].values())
+    return (f"{Spread(**pk['share']).fmt(2)} of {peaks[len(peaks) // 2] / 1e9:.0f} G multiply-adds/s "
+            f"({pk['variant']}), {pk['macs_per_token'] / 1e6:.0f} M a token" + (" ✓" if pk["met"] else " ✗"))
+
+
 TABLE_HEAD = """# tinyserve against its peers, as measured
 
 Generated by `make bench-peers` (tools/bench_peers.py) from the runs recorded in `docs/peers/*.json`; regenerate
@@ -608,15 +748,26 @@ of the rounds), on the machine named in its row: these are 2-core cloud VMs, sha
 not tokens/s across rows. "best llama.cpp" is the fastest of llama.cpp's formats on that workload in that run
 (Q4_1 is the GGUF the model ships as, the same weights tinyserve runs; Q4_0, IQ4_NL and Q8_0 are made from it with
 llama.cpp's own quantizer and are its fast paths on x86: repacked interleaved blocks for decode, tinyBLAS for
-prefill). ✓ / ✗: the goal for that column met or not (AVX-512 kernels: 1.3x / 1.5x / 1.5x llama.cpp and 1.2x
-PyTorch; AVX2-class: 1.2x / 1.3x / 1.0x / 1.0x). Workloads: decode B=1 (a 32-token prompt, 128 greedy tokens, decode
-steps only), decode B=16 (16 such prompts together, aggregate), prefill of one 512-token prompt to its last logits.
+prefill). "best ik_llama.cpp" is the fastest of ik_llama.cpp's (ik-llama-cpp-python 0.1.5 built natively) on the
+same Q4_0, IQ4_NL and Q8_0 files and on IQ4_KS made by ik's own quantizer, each with ik's CPU settings: run-time
+repacking, flash attention and a q8_0 K/V cache for one sequence; for 16 sequences without flash attention (that
+version aborts in it) and with a q8_0 K, f16 V cache; IQ4_NL and IQ4_KS unrepacked (that version's repacking of
+IQ4_NL gives NaN logits) (tools/peers/ik_worker.py). ✓ / ✗: the goal met or not, marked
+in the column of the fastest peer of both (AVX-512 kernels: 1.15x / 1.5x / 1.2x the best of llama.cpp and
+ik_llama.cpp and 1.2x PyTorch; AVX2-class: 1.0x / 1.3x / 0.9x and 1.0x PyTorch). Runs recorded before 2026-12-06
+raced llama.cpp alone and were judged by the goals of the time (1.3x / 1.5x / 1.5x; AVX2-class 1.2x / 1.3x / 1.0x).
+Workloads: decode B=1 (a 32-token prompt, 128 greedy tokens, decode steps only), decode B=16 (16 such prompts
+together, aggregate), prefill of one 512-token prompt to its last logits.
 "decode B=1 / read bandwidth": tinyserve's B=1 tokens/s times the bytes a token reads (every weight once, and the
 K/V of the run's mean context), over the read bandwidth `roofline.measure_bandwidth` measured in the same round at
 the same thread count: the median share over the rounds and the bandwidth's median (goal: 0.8). Runs since
 2026-12-05 add the share of a read over a matrix as large as a token's bytes: where the last-level cache holds part
 of the weights between tokens (a VM that reports a 480 MiB L3), that read is faster than the 256 MiB one, and the
-first share can pass 1.
+first share can pass 1. "prefill 512 / int8 peak" (runs since 2026-12-06): tinyserve's prefill tokens/s times the
+multiply-adds a token makes in the layers' matrices (Q, K, V, O, gate, up, down; not attention's scores, not the LM
+head), over the int8 multiply-adds a second measured in the same round by tools/int8_peak.py: the kernels'
+instruction (vpdpbusd on AVX-512 VNNI) on accumulators held in registers, no memory traffic, on the run's threads. A
+ceiling no GEMM reaches (it also loads, converts and stores); goal 0.5.
 """
 
 
@@ -624,26 +775,26 @@ def write_table(docs: Path) -> Path:
     """docs/peers.md from every docs/peers/*.json, newest first: the ratio table, then tokens/s per engine."""
     runs = sorted((json.loads(f.read_text()) for f in (docs / "peers").glob("*.json")),
                   key=lambda r: r["time"], reverse=True)
-    ratio_rows = [["date (UTC)", "commit", "CPU", "kernels", "threads", "tinyserve", "decode B=1 / best llama.cpp",
-                   "decode B=16 / best llama.cpp", "prefill 512 / best llama.cpp", "prefill 512 / PyTorch fp32",
-                   "decode B=1 / llama.cpp Q4_1", "decode B=1 / read bandwidth"]]
-    speed_rows = [["date (UTC)", "CPU", "kernels", "threads", "workload", "tinyserve",
-                   *(llama_name(f) for f in LLAMA_FORMATS), TORCH]]
+    workloads = (("decode_b1", "decode B=1"), ("decode_bN", "decode B=16"), ("prefill", "prefill 512"))
+    ratio_rows = [["date (UTC)", "commit", "CPU", "kernels", "threads", "tinyserve",
+                   *(f"{label} / {p}" for _, label in workloads for p in (BEST, BEST_IK)), "prefill 512 / PyTorch fp32",
+                   "decode B=1 / llama.cpp Q4_1", "decode B=1 / read bandwidth", "prefill 512 / int8 peak"]]
+    engines = (TINY, *(llama_name(f) for f in LLAMA_FORMATS), *(ik_name(f) for f in IK_FORMATS), TORCH)
+    speed_rows = [["date (UTC)", "CPU", "kernels", "threads", "workload", *engines]]
     for r in runs:
         cpu, st = r["cpu"], r["settings"]
         kernels = cpu["kernels"] + (" (forced)" if cpu.get("forced") else "")
         mode = r["engines"].get(TINY, {}).get("quant", "-")
         ratio_rows.append([r["time"][:16], r["commit"], cpu["model"], kernels, str(st["threads"]), mode,
-                           _ratio_cell(r, "decode_b1", BEST), _ratio_cell(r, "decode_bN", BEST),
-                           _ratio_cell(r, "prefill", BEST), _ratio_cell(r, "prefill", TORCH),
-                           _ratio_cell(r, "decode_b1", llama_name("Q4_1")), _roofline_cell(r)])
+                           *(_ratio_cell(r, key, p) for key, _ in workloads for p in (BEST, BEST_IK)),
+                           _ratio_cell(r, "prefill", TORCH), _ratio_cell(r, "decode_b1", llama_name("Q4_1")),
+                           _roofline_cell(r), _peak_cell(r)])
         for key in ("decode_b1", "decode_bN", "prefill"):
             got = r["summary"].get(key, {})
             label = {"decode_b1": "decode B=1", "decode_bN": f"decode B={st['batch']}",
                      "prefill": f"prefill {st['prefill_len']}"}[key]
             speed_rows.append([r["time"][:16], cpu["model"], kernels, str(st["threads"]), label,
-                               *(f"{got[e]['median']:.0f}" if e in got else "-"
-                                 for e in (TINY, *(llama_name(f) for f in LLAMA_FORMATS), TORCH))])
+                               *(f"{got[e]['median']:.0f}" if e in got else "-" for e in engines)])
     text = TABLE_HEAD + "\n## Ratios\n\n" + text_table(ratio_rows, markdown=True) + \
         "\n\n## Tokens/s (medians of the rounds)\n\n" + text_table(speed_rows, markdown=True) + "\n"
     out = docs / "peers.md"
@@ -656,7 +807,7 @@ def goals_result(report: Report, variant: str) -> list[dict]:
     out = []
     for g in targets(variant):
         r = report.ratio(g.workload, g.peer)
-        peer = report.best_llama(g.workload) if g.peer == BEST else g.peer
+        peer = report.resolve(g.workload, g.peer)
         out.append({"workload": g.workload, "peer": peer, "goal": g.ratio, "ratio": asdict(r) if r else None,
                     "met": bool(r and r.median >= g.ratio)})
     return out
@@ -674,6 +825,16 @@ def roofline_result(report: Report) -> dict | None:
         out["token_sized"] = {"share": asdict(token_sized),
                               "bandwidth": {str(k): v for k, v in report.token_sized_bandwidth.items()}}
     return out
+
+
+def peak_result(report: Report) -> dict | None:
+    """tinyserve's prefill against the int8 peak, as data (None without the peak or tinyserve's prefill)."""
+    share = report.peak_share()
+    if share is None:
+        return None
+    return {"macs_per_token": report.macs_per_token, "variant": report.peak_variant, "share": asdict(share),
+            "goal": PEAK_GOAL, "met": share.median >= PEAK_GOAL,
+            "peak": {str(k): v for k, v in report.int8_peak.items()}}
 
 
 def run(args: argparse.Namespace, st: Settings, weights: Path) -> tuple[int, dict]:
@@ -701,6 +862,8 @@ def run(args: argparse.Namespace, st: Settings, weights: Path) -> tuple[int, dic
     infos = {name: e.info for name, e in engines.items()}
     if TINY in engines:
         report.bytes_per_token = decode_bytes_per_token(engines[TINY].model, st)
+        report.macs_per_token = model_macs_per_token(engines[TINY].model.config)
+        report.peak_variant = isa.NAME
     agree = greedy_check(engines, report, tok.encode(CHECK_PROMPT), tok.decode)
     run_rounds(engines, report)
     for e in list(engines.values()):
@@ -712,7 +875,8 @@ def run(args: argparse.Namespace, st: Settings, weights: Path) -> tuple[int, dic
               f"{isa.describe()}")
     print(format_table(report, args.engines, isa.NAME))
     print(f"median over {st.rounds} round(s), (min-max) when more than one; ratios are tinyserve / peer per round; "
-          f"'{BEST}' is the fastest llama.cpp format of that workload. Prefill: LM head on the last position only in "
+          f"'{BEST}' / '{BEST_IK}' is the fastest format of that engine on that workload, and the goals are judged "
+          f"against the faster of the two. Prefill: LM head on the last position only in "
           f"every engine (transformers: logits_to_keep=1). On a shared machine single numbers are noisy; compare the "
           f"ratios.")
     print(f"load average (1 min): {load_before[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, "
@@ -726,12 +890,18 @@ def run(args: argparse.Namespace, st: Settings, weights: Path) -> tuple[int, dic
             gbs = sorted(bw / 1e9 for bw in report.token_sized_bandwidth.values())
             print(f"  and {small.fmt(2)} of a read as large as a token's bytes ({gbs[0]:.1f}-{gbs[-1]:.1f} GB/s): "
                   f"where this share is the lower one, the last-level cache holds part of the weights between tokens")
+    if peak := report.peak_share():
+        g = sorted(v / 1e9 for v in report.int8_peak.values())
+        print(f"tinyserve prefill: {report.macs_per_token / 1e6:.1f} M multiply-adds a token in the layers' matrices: "
+              f"{peak.fmt(2)} of the int8 peak measured in the same rounds ({g[0]:.0f}-{g[-1]:.0f} G/s, "
+              f"{isa.NAME}'s instruction in registers, tools/int8_peak.py); goal >= {PEAK_GOAL}")
     print(f"goals for the {isa.NAME} kernels (on a quiet machine):")
     print(format_targets(report, isa.NAME))
     for name, why in report.failed.items():
         print(f"{name} failed: {why.splitlines()[0]}")
 
-    peers = [e for e in args.engines if e != TINY] + ([BEST] if any(map(is_llama, args.engines)) else [])
+    peers = [e for e in args.engines if e != TINY] + ([BEST] if any(map(is_llama, args.engines)) else []) + \
+        ([BEST_IK] if any(map(is_ik, args.engines)) else []) + ([BEST_BOTH] if any(map(is_cpp, args.engines)) else [])
     result = {
         "time": time.strftime("%Y-%m-%d %H:%M %Z"), "commit": git_commit(ROOT),
         "cpu": cpu, "settings": asdict(st), "engines": infos, "load_model": load_kwargs(args),
@@ -739,9 +909,12 @@ def run(args: argparse.Namespace, st: Settings, weights: Path) -> tuple[int, dic
         "samples": [{**asdict(s), "tokens_per_s": s.tokens_per_s} for s in report.samples],
         "summary": {k: {e: asdict(s) for e in args.engines if (s := report.speeds(e, k))} for k in st.workloads()},
         "best_llama": {k: report.best_llama(k) for k in st.workloads()},
+        "best_ik": {k: report.resolve(k, BEST_IK) for k in st.workloads()},
+        "best_peer": {k: report.resolve(k, BEST_BOTH) for k in st.workloads()},
         "ratios": {k: {p: asdict(r) for p in peers if (r := report.ratio(k, p))} for k in st.workloads()},
         "goals": goals_result(report, isa.NAME),
         "roofline": roofline_result(report),
+        "prefill_peak": peak_result(report),
         "load_average": {"start": load_before, "end": os.getloadavg()},
     }
     return (1 if report.failed else 0), result
@@ -759,7 +932,7 @@ def main(argv: list[str] | None = None) -> int:
     if problem := weights_problem(weights):
         print(f"bench-peers: {problem}; run `make weights` first", file=sys.stderr)
         return 2
-    if LLAMA in {e.split()[0] for e in args.engines} and (rc := prepare_formats(args)) and args.prepare:
+    if any(map(is_cpp, args.engines)) and (rc := prepare_formats(args)) and args.prepare:
         return rc
     if args.prepare:
         return 0

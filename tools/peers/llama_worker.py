@@ -7,15 +7,14 @@ loaded once; a context (KV cache) is made once per batch shape and cleared befor
 
 Why the low-level API: `llama_cpp.Llama` serves one sequence; B sequences decoding together need a `llama_batch`
 with one seq_id per sequence, exactly as llama.cpp's own `batched` example does. Sampling is a NumPy argmax over
-the logits row of each sequence (greedy), inside the timed loop, as in tinyserve's Engine step.
+the logits row of each sequence (greedy), inside the timed loop, as in tinyserve's Engine step (greedy_loop.py,
+shared with ik_worker.py).
 """
 from __future__ import annotations
 
 import argparse
-import sys
-import time
 
-import numpy as np
+from greedy_loop import greedy_commands, quiet_log
 from protocol import serve
 
 
@@ -31,7 +30,8 @@ def load(gguf: str, threads: int):
     import llama_cpp
     from llama_cpp import llama_cpp as C
 
-    C.llama_log_set(_quiet_log(C), None)   # its debug lines (thousands per context) would bury the warnings
+    # its debug lines (thousands per context) would bury the warnings
+    C.llama_log_set(quiet_log(C.llama_log_callback, _LOG_CALLBACK), None)
     C.llama_backend_init()
     model = C.llama_model_load_from_file(gguf.encode(), C.llama_model_default_params())
     if not model:
@@ -57,83 +57,12 @@ def load(gguf: str, threads: int):
         C.llama_memory_clear(C.llama_get_memory(ctx), True)   # every measurement starts from an empty cache
         return ctx
 
-    def run_batch(ctx, batch, entries: list[tuple[int, int, int, bool]]) -> None:
-        """Fill `batch` with (token, position, sequence, wants logits) entries and run llama_decode on it."""
-        for i, (tok, pos, seq, logits) in enumerate(entries):
-            batch.token[i] = tok
-            batch.pos[i] = pos
-            batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = seq
-            batch.logits[i] = int(logits)
-        batch.n_tokens = len(entries)
-        rc = C.llama_decode(ctx, batch)
-        if rc != 0:
-            raise RuntimeError(f"llama_decode returned {rc} for a batch of {len(entries)} tokens")
-
-    def next_token(ctx, i: int) -> int:
-        """Greedy: argmax of the logits of batch entry i."""
-        row = np.ctypeslib.as_array(C.llama_get_logits_ith(ctx, i), shape=(n_vocab,))  # [V], no copy
-        return int(row.argmax())
-
-    def decode(prompts: list[list[int]], new_tokens: int) -> dict:
-        """B prompts prefilled together, then new_tokens - 1 decode steps of B tokens each (one per sequence).
-        Only the decode steps are timed: the first new token comes from the prefill's logits."""
-        B = len(prompts)
-        n_prompt = sum(map(len, prompts))
-        ctx = context(B, max(map(len, prompts)) + new_tokens, n_prompt)
-        batch = C.llama_batch_init(max(n_prompt, B), 0, 1)
-        try:
-            entries = [(t, j, b, j == len(p) - 1) for b, p in enumerate(prompts) for j, t in enumerate(p)]
-            t0 = time.perf_counter()
-            run_batch(ctx, batch, entries)
-            last = np.cumsum([len(p) for p in prompts]) - 1                  # [B] batch index of each last token
-            out = [[next_token(ctx, int(i))] for i in last]
-            prefill_s = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            for step in range(new_tokens - 1):
-                run_batch(ctx, batch, [(out[b][-1], len(p) + step, b, True) for b, p in enumerate(prompts)])
-                for b in range(B):
-                    out[b].append(next_token(ctx, b))
-            decode_s = time.perf_counter() - t0
-        finally:
-            C.llama_batch_free(batch)
-        return {"tokens": out, "decode_seconds": decode_s, "decode_tokens": B * (new_tokens - 1),
-                "prefill_seconds": prefill_s}
-
-    def prefill(ids: list[int]) -> dict:
-        """One prompt in one llama_decode, logits for its last position only; timed up to that token."""
-        ctx = context(1, len(ids), len(ids))
-        batch = C.llama_batch_init(len(ids), 0, 1)
-        try:
-            entries = [(t, j, 0, j == len(ids) - 1) for j, t in enumerate(ids)]
-            t0 = time.perf_counter()
-            run_batch(ctx, batch, entries)
-            tok = next_token(ctx, len(ids) - 1)
-            seconds = time.perf_counter() - t0
-        finally:
-            C.llama_batch_free(batch)
-        return {"seconds": seconds, "next_token": tok}
-
     info = {"engine": "llama.cpp", "llama_cpp_python": llama_cpp.__version__, "threads": threads, "gguf": gguf,
             "n_vocab": n_vocab, "system_info": C.llama_print_system_info().decode(errors="replace").strip()}
-    return info, {"decode": decode, "prefill": prefill}
+    return info, greedy_commands(C, n_vocab, context)
 
 
 _LOG_CALLBACK = []   # ctypes callbacks must outlive the C library's use of them
-
-
-def _quiet_log(C):
-    """A llama.cpp log callback that keeps warnings and errors (ggml levels WARN=3, ERROR=4) and drops the rest;
-    level 5 (CONT) continues the previous message, so it follows that message's fate."""
-    shown = [True]
-
-    def log(level: int, text: bytes, _user_data) -> None:
-        shown[0] = shown[0] if level == 5 else level >= 3
-        if shown[0]:
-            sys.stderr.write(text.decode(errors="replace"))
-
-    _LOG_CALLBACK.append(C.llama_log_callback(log))
-    return _LOG_CALLBACK[-1]
 
 
 if __name__ == "__main__":
