@@ -54,7 +54,8 @@ class Structured:
 
 
 # OpenAI's tool_choice words (not to be mistaken for quant modes of the same spelling)
-NO_TOOL, MODEL_CHOOSES, SOME_TOOL = "none", "auto", "required"
+NO_TOOL = "none"
+MODEL_CHOOSES, SOME_TOOL = tool_calls.MODEL_CHOOSES, tool_calls.SOME_TOOL
 
 
 def structured_output(response_format=None, tools=None, tool_choice=None, stream: bool = False,

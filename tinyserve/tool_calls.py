@@ -23,6 +23,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
+MODEL_CHOOSES, SOME_TOOL = "auto", "required"   # tool_choice values: the model decides / it must call
 RESPONSE_KEY, CALLS_KEY = "response", "tool_calls"
 
 
@@ -33,7 +34,7 @@ def tools_prompt(functions: dict[str, dict], descriptions: dict[str, str], mode:
     has what SmolLM2 did with each)."""
     listing = "\n".join(json.dumps({"name": n, "description": descriptions.get(n, ""), "parameters": p},
                                    ensure_ascii=False) for n, p in functions.items())
-    if mode == "auto":
+    if mode == MODEL_CHOOSES:
         several = "one or more functions" if parallel else "one function"
         return (f"You are a function-calling assistant. Functions:\n{listing}\nReply in JSON. Call {several} with "
                 f'{{"{CALLS_KEY}": [{{"name": ..., "arguments": ...}}]}}; reply in text with '
@@ -139,7 +140,7 @@ class Parsed:
 def parse(raw: str, mode: str) -> Parsed:
     """The (possibly partial) output of a grammar of `mode`: "auto" (the object above), "required" (one call
     object), or a function name (the arguments alone). Never raises: what is incomplete is left out."""
-    if mode not in ("auto", "required"):
+    if mode not in (MODEL_CHOOSES, SOME_TOOL):
         return Parsed("calls", calls=[(mode, *_value_so_far(raw, 0))])
     if mode == "required":
         call = _call_so_far(raw, 0)
