@@ -9,7 +9,6 @@ the few members used are extracted beside it. llama.cpp is MIT-licensed (its LIC
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import shutil
 import subprocess
@@ -17,7 +16,7 @@ import sys
 import tarfile
 from pathlib import Path
 
-from tinyserve.weights import cache_dir
+from tinyserve.weights import _sha256, cache_dir   # the one file hash the downloads use
 
 VERSION = "0.3.36"
 SDIST = f"llama_cpp_python-{VERSION}.tar.gz"
@@ -25,14 +24,6 @@ SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 LLAMA_CPP = f"llama_cpp_python-{VERSION}/vendor/llama.cpp/"
 VOCABS = ("llama-bpe", "llama-spm", "qwen2", "gpt-2", "phi-3")
 SEPARATOR = "\n__ggml_vocab_test__\n"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def sdist() -> Path:
