@@ -44,3 +44,30 @@ def test_nonsense_numbers_are_refused(build, predicted, measured):
 
 def test_a_predicted_tie_is_judged_by_the_tolerance_alone(build):
     assert course.check_prediction("paged / contiguous", 1.0, 1.1, rounds=[0.9, 1.1, 1.2]).holds
+
+
+# --- the course's one machine probe and its load check ----------------------------------------------------------
+
+def test_machine_probe_is_measured_once_per_run(tmp_path, monkeypatch):
+    from tinyserve import course
+    monkeypatch.setattr(course, "_machine_path", lambda: tmp_path / "machine.json")
+    monkeypatch.setenv(course.RUN_ENV, "run-a")
+    m = course.machine(rounds=1)
+    assert m.bandwidth_lo <= m.bandwidth <= m.bandwidth_hi and m.bandwidth > 0 and m.flops > 0
+    assert course.machine() == m                       # the same run: the cached probe, not a new one
+    monkeypatch.setenv(course.RUN_ENV, "run-b")
+    assert course.machine(rounds=1).run == "run-b"     # a new run of the course measures again
+
+
+def test_busy_check_sees_a_competing_process():
+    import subprocess
+    import sys
+    import time
+    from tinyserve import course
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        load = course.busy_check("a busy loop beside us", seconds=0.5)
+    finally:
+        spin.kill()
+    assert load.busy and load.other_cores >= 0.8, load

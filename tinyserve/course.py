@@ -5,8 +5,10 @@ records its findings (each a number with the conditions it was measured under), 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import time
 from pathlib import Path
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -107,6 +109,125 @@ def median_time(fn: Callable[[], object], repeat: int = 5, warmup: int = 1) -> f
     """Median wall time of fn() in seconds, after `warmup` untimed calls (machines here are shared and noisy):
     measure.time_repeated's median, the timer every benchmark of the course uses."""
     return time_repeated(fn, repeat, warmup).median
+
+
+# --- one measured machine for the whole course ----------------------------------------------------------------
+# Every lesson's floor divides bytes by the same bandwidth: `machine()` measures it once per run of the course (the
+# same buffer, the same threads, the same probe: roofline.measure_bandwidth's float32 matrix-vector product on BLAS's
+# threads), with its spread over rounds, and caches it in build/machine.json. `make lessons` starts a run
+# (TINYSERVE_COURSE_RUN); a lesson run on its own reuses a probe younger than MACHINE_MAX_AGE on this CPU.
+# A path that cannot reach this bound (one thread, a Python loop) names the bound it uses instead.
+
+MACHINE_FILE = "machine.json"
+MACHINE_MAX_AGE = 3600.0          # seconds a probe is reused by lessons run one at a time
+RUN_ENV = "TINYSERVE_COURSE_RUN"  # set by tools/run_lesson.py all: one probe for every lesson of the run
+
+
+@dataclass(frozen=True)
+class Machine:
+    """This machine as the course measured it: read bandwidth (bytes/s) and float32 matmul rate (FLOP/s), each a
+    median over rounds with its range, on `threads` threads."""
+    bandwidth: float
+    bandwidth_lo: float
+    bandwidth_hi: float
+    flops: float
+    flops_lo: float
+    flops_hi: float
+    threads: int
+    cpu: str
+    run: str
+    measured_at: float
+    busy_cores: float            # other programs' load while it was measured (busy_check), in cores
+
+    def describe(self) -> str:
+        return (f"{self.cpu}, {self.threads} threads: read bandwidth {self.bandwidth / 1e9:.1f} GB/s "
+                f"({self.bandwidth_lo / 1e9:.1f}-{self.bandwidth_hi / 1e9:.1f}), float32 matmul "
+                f"{self.flops / 1e9:.0f} GFLOP/s ({self.flops_lo / 1e9:.0f}-{self.flops_hi / 1e9:.0f}); measured "
+                f"{time.strftime('%H:%M:%S', time.localtime(self.measured_at))}"
+                + (f" while other programs used {self.busy_cores:.1f} cores" if self.busy_cores >= BUSY_CORES else ""))
+
+
+def _machine_path() -> Path:
+    d = _ROOT / "build"
+    d.mkdir(parents=True, exist_ok=True)
+    return d / MACHINE_FILE
+
+
+def machine(refresh: bool = False, rounds: int = 5) -> Machine:
+    """The course's one measurement of this machine (cached per run of the course; see above). Prints it."""
+    from . import roofline
+    from .measure import cpu_name
+
+    run, cpu, path = os.environ.get(RUN_ENV, ""), cpu_name(), _machine_path()
+    if not refresh:
+        try:
+            m = Machine(**json.loads(path.read_text()))
+            fresh = (m.run == run) if run else (time.time() - m.measured_at < MACHINE_MAX_AGE)
+            if fresh and m.cpu == cpu:
+                print(m.describe() + " (the course's probe, cached for this run)")
+                return m
+        except (OSError, ValueError, TypeError):
+            pass
+    load = busy_check("the machine probe", quiet=True)
+    bw = [roofline.measure_bandwidth(repeat=3) for _ in range(rounds)]
+    fl = [roofline.measure_flops(repeat=3) for _ in range(max(1, rounds // 2))]
+    m = Machine(float(np.median(bw)), min(bw), max(bw), float(np.median(fl)), min(fl), max(fl), os.cpu_count() or 1,
+                cpu, run, time.time(), load.other_cores)
+    path.write_text(json.dumps(dataclasses.asdict(m)))
+    print(m.describe())
+    return m
+
+
+# --- is the machine busy? ----------------------------------------------------------------------------------------
+# A timing on a shared machine measures the model and whatever else runs. Before a timed comparison a lesson calls
+# busy_check(): it samples, over a short sleep of our own, how many cores other programs kept busy (Linux's
+# /proc/stat, steal time included: a virtual machine's neighbours), or the load average elsewhere. From BUSY_CORES
+# on, the lesson says that this comparison's numbers cannot be trusted rather than explain them.
+
+BUSY_CORES = 0.5
+
+
+@dataclass(frozen=True)
+class Load:
+    what: str
+    other_cores: float           # cores other programs used during the sample
+    cores: int
+
+    @property
+    def busy(self) -> bool:
+        return self.other_cores >= BUSY_CORES
+
+    def __str__(self) -> str:
+        if self.busy:
+            return (f"{self.what}: other programs kept {self.other_cores:.1f} of {self.cores} cores busy: the timings "
+                    f"below share the machine, and a verdict that fails may be theirs, not the model's")
+        return f"{self.what}: machine quiet ({self.other_cores:.1f} of {self.cores} cores busy elsewhere)"
+
+
+def _cpu_ticks() -> tuple[int, int] | None:
+    """(busy, total) jiffies of all CPUs from /proc/stat (steal counted as busy), or None off Linux."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)          # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def busy_check(what: str = "this comparison", seconds: float = 0.5, quiet: bool = False) -> Load:
+    """How many cores other programs use right now (we sleep while it samples), printed unless quiet."""
+    cores = os.cpu_count() or 1
+    before = _cpu_ticks()
+    if before is None:
+        load = Load(what, max(0.0, os.getloadavg()[0] - 1), cores)
+    else:
+        time.sleep(seconds)
+        after = _cpu_ticks()
+        busy, total = after[0] - before[0], after[1] - before[1]
+        load = Load(what, cores * busy / total if total else 0.0, cores)
+    if not quiet:
+        print(load)
+    return load
 
 
 # --- the learner switch: your exercise functions inside the engine ---------------------------------------------

@@ -118,6 +118,8 @@ def main() -> int:
     which = sys.argv[1] if len(sys.argv) > 1 else "all"
     books = notebooks()
     chosen = books if which == "all" else {int(which): books.get(int(which))}
+    if which == "all":        # one run of the course: every lesson divides by the same probe (course.machine)
+        os.environ.setdefault("TINYSERVE_COURSE_RUN", f"{os.getpid()}-{time.time():.0f}")
     if None in chosen.values():
         print(f"no notebook for lesson {which}; have {sorted(books)}")
         return 1
