@@ -2,6 +2,7 @@
 whose interleaved rounds fall on both sides of 1 does not hold whatever its median says."""
 import json
 
+import numpy as np
 import pytest
 
 from tinyserve import course
@@ -71,3 +72,54 @@ def test_busy_check_sees_a_competing_process():
     finally:
         spin.kill()
     assert load.busy and load.other_cores >= 0.8, load
+
+
+# --- floors, the text after a verdict, robust fits --------------------------------------------------------------
+
+def test_a_floor_holds_at_or_above_it_and_says_by_how_much(build, capsys):
+    f = course.check_floor("decode step", 16.0, 40.0, "ms", bound="538 MB / 33 GB/s")
+    assert f.holds and f.ratio == 2.5 and abs(f.explained - 0.4) < 1e-12
+    assert "2.50x the floor" in capsys.readouterr().out
+    assert not course.check_floor("decode step", 16.0, 12.0, "ms").holds        # faster than a bound: the bound is wrong
+    assert course.check_floor("decode step", 16.0, 14.0, "ms", spread=1.2).holds  # within the probe's own spread
+    assert not course.check_floor("decode step", 16.0, 13.0, "ms", spread=1.2).holds
+    row = json.loads((build / "findings.jsonl").read_text().splitlines()[-1])
+    assert row["kind"] == "floor" and row["holds"] is False
+
+
+def test_a_floor_far_above_is_still_a_floor_not_an_estimate(build):
+    # check_prediction would call 16x a miss; a floor is respected however far above it the measurement is
+    assert course.check_floor("naive step", 10.0, 160.0, "ms").holds
+    assert not course.check_prediction("naive step", 10.0, 160.0, "ms").holds
+
+
+@pytest.mark.parametrize("floor, measured, spread", [(0.0, 1.0, 1.0), (1.0, float("inf"), 1.0), (1.0, 1.0, 0.5)])
+def test_nonsense_floors_are_refused(build, floor, measured, spread):
+    with pytest.raises(ValueError, match="floor needs"):
+        course.check_floor("x", floor, measured, spread=spread)
+
+
+def test_explain_says_busy_instead_of_a_why_and_nothing_when_it_holds(build, capsys):
+    failed = course.check_prediction("step", 10.0, 30.0, "ms")
+    busy, quiet = course.Load("x", 1.2, 2), course.Load("x", 0.1, 2)
+    assert "too busy" in course.explain(failed, busy, "the LM head")
+    assert "the LM head" not in course.explain(failed, busy, "the LM head")
+    assert course.explain(failed, quiet, lambda: f"{30 / 10:.1f}x") == "  why: 3.0x"
+    assert course.explain(course.check_prediction("step", 10.0, 11.0, "ms"), busy, "x") == ""
+
+
+def test_theil_sen_ignores_a_plateau_that_least_squares_follows():
+    x = np.arange(100.0)
+    y = 5.0 + 2.0 * x
+    y[60:75] = 5000.0                                     # another program's burst: 15 % of the points
+    slope, intercept = course.theil_sen(x, y)
+    assert abs(slope - 2.0) < 1e-9 and abs(intercept - 5.0) < 1e-9
+    assert abs(np.polyfit(x, y, 1)[0] - 2.0) > 5          # least squares is dragged off by the burst
+    with pytest.raises(ValueError, match="distinct x"):
+        course.theil_sen([1.0, 1.0], [2.0, 3.0])
+
+
+def test_interleaved_times_every_case_in_every_round():
+    calls = []
+    out = course.interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=3, warmup=1)
+    assert calls == ["a", "b"] * 4 and all(len(v) == 3 and min(v) >= 0 for v in out.values())

@@ -450,3 +450,111 @@ def apply_env_switch() -> LearnerSwitch | None:
         raise ValueError(f"{SOLUTION_ENV} must be 'reference', 'learner' or 'learner:1,2', got {value!r}")
     lessons = [int(x) for x in which.split(",") if x.strip()] or None
     return use_learner_code(lessons)
+
+
+# --- floors, robust fits, interleaved timings and the text after a verdict ----------------------------------------
+# A floor is a bound the measurement can never beat (bytes / the machine's bandwidth): it is judged as a floor, not
+# as an estimate. It holds when the measurement is at or above it, allowing for the probe's own spread (the fastest
+# probe round sets how low a bound can honestly be); the verdict says by how much the measurement exceeds it, which
+# is the share of the time the bound does not explain.
+
+@dataclass(frozen=True)
+class Floor:
+    """A measurement against a lower bound. `spread`: the bound's own uncertainty as a factor >= 1 (the bandwidth
+    probe's median / its fastest round): a measurement down to floor / spread still respects the bound."""
+    what: str
+    floor: float
+    measured: float
+    unit: str = ""
+    bound: str = ""              # what the floor counts, e.g. "538 MB of weights / 31 GB/s"
+    spread: float = 1.0
+
+    @property
+    def ratio(self) -> float:
+        """measured / floor: 1 means the bound explains all of the time."""
+        return self.measured / self.floor if self.floor else float("inf")
+
+    @property
+    def holds(self) -> bool:
+        return self.measured >= self.floor / self.spread
+
+    @property
+    def explained(self) -> float:
+        """The share of the measured time the bound accounts for (floor / measured, at most 1)."""
+        return min(1.0, self.floor / self.measured) if self.measured else 1.0
+
+    def __str__(self) -> str:
+        u = f" {self.unit}" if self.unit else ""
+        bound = f" ({self.bound})" if self.bound else ""
+        text = f"{self.what}: floor {self.floor:.3g}{u}{bound}, measured {self.measured:.3g}{u} = {self.ratio:.2f}x the floor"
+        if self.holds:
+            return text + (f" -> holds (a floor: measured >= floor); the bound accounts for {self.explained:.0%} "
+                           f"of the time")
+        return text + (f" -> BELOW ITS FLOOR (even allowing the probe's spread, {self.spread:.2f}x): the bound counts "
+                       f"bytes or work this measurement did not do")
+
+
+def check_floor(what: str, floor: float, measured: float, unit: str = "", *, bound: str = "", spread: float = 1.0,
+                lesson: int | None = None) -> Floor:
+    """Judge a measurement against a floor (see above), print the verdict and record it with its numbers.
+    `spread`: the bound's uncertainty factor, e.g. machine().bandwidth_hi / machine().bandwidth for a byte floor."""
+    if not (np.isfinite(floor) and np.isfinite(measured)) or floor <= 0 or measured < 0 or spread < 1:
+        raise ValueError(f"{what}: a floor needs a positive floor, a non-negative measurement and a spread >= 1, "
+                         f"got floor={floor!r}, measured={measured!r}, spread={spread!r}")
+    f = Floor(what, float(floor), float(measured), unit, bound, float(spread))
+    record(str(f), lesson, floor=f.floor, measured=f.measured, ratio=f.ratio, holds=f.holds, kind="floor")
+    return f
+
+
+def bandwidth_spread(m: "Machine") -> float:
+    """How much faster than its median the bandwidth probe ran at best: the slack of every byte floor."""
+    return max(1.0, m.bandwidth_hi / m.bandwidth)
+
+
+def explain(verdict: "Verdict | Floor", load: "Load | None", why: str | Callable[[], str] = "") -> str:
+    """The text after a verdict, printed and returned. It holds: nothing to add (''). It fails while other programs
+    held the machine (load.busy): say that this comparison could not be judged here, never explain it away.
+    It fails on a quiet machine: `why`, which the caller builds from the measured numbers (a callable is only
+    evaluated then)."""
+    if verdict.holds:
+        return ""
+    if load is not None and load.busy:
+        text = (f"  the machine was too busy for this comparison: other programs held {load.other_cores:.1f} of "
+                f"{load.cores} cores while it ran, so this failure says nothing about the model; run it again on a "
+                f"quiet machine")
+    else:
+        text = "  why: " + (why() if callable(why) else why) if why else "  why: (no reason computed)"
+    print(text)
+    return text
+
+
+def theil_sen(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
+    """(slope, intercept) of the line through (x, y) by Theil-Sen: the median of the slopes of every pair of points,
+    then the median of y - slope * x. Up to ~29 % of the points can be anything (a burst of another program's load)
+    without moving it, where least squares follows a single outlier."""
+    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    if x.shape != y.shape or x.ndim != 1 or len(x) < 2:
+        raise ValueError(f"theil_sen needs two 1-D sequences of the same length >= 2, got {x.shape} and {y.shape}")
+    i, j = np.triu_indices(len(x), k=1)
+    keep = x[j] != x[i]
+    if not keep.any():
+        raise ValueError("theil_sen needs at least two distinct x values")
+    slope = float(np.median((y[j] - y[i])[keep] / (x[j] - x[i])[keep]))
+    return slope, float(np.median(y - slope * x))
+
+
+def interleaved(cases: dict[str, Callable[[], object]], rounds: int = 5, warmup: int = 1) -> dict[str, list[float]]:
+    """Seconds per call of each case, timed in turn within every round (a, b, c, a, b, c, ...), so a burst of load
+    from another program hits every case alike instead of faking a difference. {name: [seconds per round]}."""
+    if rounds < 1 or warmup < 0 or not cases:
+        raise ValueError(f"interleaved: needs cases, rounds >= 1 and warmup >= 0, got {len(cases)}, {rounds}, {warmup}")
+    for _ in range(warmup):
+        for fn in cases.values():
+            fn()
+    out: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, fn in cases.items():
+            t0 = time.perf_counter()
+            fn()
+            out[name].append(time.perf_counter() - t0)
+    return out
