@@ -123,3 +123,9 @@ def test_interleaved_times_every_case_in_every_round():
     calls = []
     out = course.interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=3, warmup=1)
     assert calls == ["a", "b"] * 4 and all(len(v) == 3 and min(v) >= 0 for v in out.values())
+
+
+def test_interleaved_stops_at_its_budget_but_keeps_two_rounds():
+    import time as _time
+    out = course.interleaved({"slow": lambda: _time.sleep(0.02)}, rounds=50, warmup=0, budget_s=0.01)
+    assert len(out["slow"]) == 2

@@ -543,18 +543,25 @@ def theil_sen(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
     return slope, float(np.median(y - slope * x))
 
 
-def interleaved(cases: dict[str, Callable[[], object]], rounds: int = 5, warmup: int = 1) -> dict[str, list[float]]:
+def interleaved(cases: dict[str, Callable[[], object]], rounds: int = 5, warmup: int = 1,
+                budget_s: float | None = None) -> dict[str, list[float]]:
     """Seconds per call of each case, timed in turn within every round (a, b, c, a, b, c, ...), so a burst of load
-    from another program hits every case alike instead of faking a difference. {name: [seconds per round]}."""
+    from another program hits every case alike instead of faking a difference. {name: [seconds per round]}.
+    budget_s: stop after the round that passes this many seconds (warm-up included), keeping at least 2 rounds, so
+    a busy machine shortens the measurement instead of stretching the lesson."""
     if rounds < 1 or warmup < 0 or not cases:
         raise ValueError(f"interleaved: needs cases, rounds >= 1 and warmup >= 0, got {len(cases)}, {rounds}, {warmup}")
+    start = time.perf_counter()
     for _ in range(warmup):
         for fn in cases.values():
             fn()
     out: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(rounds):
+    for r in range(rounds):
         for name, fn in cases.items():
             t0 = time.perf_counter()
             fn()
             out[name].append(time.perf_counter() - t0)
+        if budget_s is not None and r >= 1 and time.perf_counter() - start > budget_s:
+            print(f"(time budget of {budget_s:g} s reached: {r + 1} of {rounds} rounds)")
+            break
     return out
