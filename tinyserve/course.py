@@ -101,7 +101,8 @@ def check_prediction(what: str, predicted: float, measured: float, unit: str = "
         raise ValueError(f"{what}: a prediction needs a positive predicted and a non-negative measured number, "
                          f"got predicted={predicted!r}, measured={measured!r}")
     v = Verdict(what, float(predicted), float(measured), unit, float(tolerance), tuple(float(r) for r in rounds))
-    record(str(v), lesson, predicted=v.predicted, measured=v.measured, holds=v.holds)
+    record(str(v), lesson, predicted=v.predicted, measured=v.measured, holds=v.holds, kind="prediction",
+           **_load_fields())
     return v
 
 
@@ -227,7 +228,19 @@ def busy_check(what: str = "this comparison", seconds: float = 0.5, quiet: bool 
         load = Load(what, cores * busy / total if total else 0.0, cores)
     if not quiet:
         print(load)
+        global _last_load
+        _last_load = load
     return load
+
+
+_last_load: Load | None = None     # the lesson's latest busy_check: each verdict records the load it ran under
+
+
+def _load_fields() -> dict:
+    """{"busy_cores": ..., "busy": ...} of the latest busy_check in this process, or {} if there was none."""
+    if _last_load is None:
+        return {}
+    return {"busy_cores": round(_last_load.other_cores, 2), "busy": _last_load.busy}
 
 
 # --- the learner switch: your exercise functions inside the engine ---------------------------------------------
@@ -502,7 +515,8 @@ def check_floor(what: str, floor: float, measured: float, unit: str = "", *, bou
         raise ValueError(f"{what}: a floor needs a positive floor, a non-negative measurement and a spread >= 1, "
                          f"got floor={floor!r}, measured={measured!r}, spread={spread!r}")
     f = Floor(what, float(floor), float(measured), unit, bound, float(spread))
-    record(str(f), lesson, floor=f.floor, measured=f.measured, ratio=f.ratio, holds=f.holds, kind="floor")
+    record(str(f), lesson, floor=f.floor, measured=f.measured, ratio=f.ratio, holds=f.holds, kind="floor",
+           **_load_fields())
     return f
 
 
