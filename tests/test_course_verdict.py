@@ -123,3 +123,17 @@ def test_interleaved_times_every_case_in_every_round():
     calls = []
     out = course.interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=3, warmup=1)
     assert calls == ["a", "b"] * 4 and all(len(v) == 3 and min(v) >= 0 for v in out.values())
+
+
+def test_interleaved_stops_at_its_budget_but_keeps_two_rounds():
+    import time as _time
+    out = course.interleaved({"slow": lambda: _time.sleep(0.02)}, rounds=50, warmup=0, budget_s=0.01)
+    assert len(out["slow"]) == 2
+
+
+def test_a_verdict_records_the_load_of_the_latest_busy_check(build, monkeypatch):
+    monkeypatch.setattr(course, "_last_load", course.Load("x", 1.5, 2))
+    course.check_prediction("step", 10.0, 11.0, "ms")
+    course.check_floor("step", 10.0, 11.0, "ms")
+    rows = [json.loads(r) for r in (build / "findings.jsonl").read_text().splitlines()]
+    assert [(r["busy"], r["busy_cores"]) for r in rows] == [(True, 1.5), (True, 1.5)]

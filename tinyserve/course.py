@@ -101,7 +101,8 @@ def check_prediction(what: str, predicted: float, measured: float, unit: str = "
         raise ValueError(f"{what}: a prediction needs a positive predicted and a non-negative measured number, "
                          f"got predicted={predicted!r}, measured={measured!r}")
     v = Verdict(what, float(predicted), float(measured), unit, float(tolerance), tuple(float(r) for r in rounds))
-    record(str(v), lesson, predicted=v.predicted, measured=v.measured, holds=v.holds)
+    record(str(v), lesson, predicted=v.predicted, measured=v.measured, holds=v.holds, kind="prediction",
+           **_load_fields())
     return v
 
 
@@ -227,7 +228,19 @@ def busy_check(what: str = "this comparison", seconds: float = 0.5, quiet: bool 
         load = Load(what, cores * busy / total if total else 0.0, cores)
     if not quiet:
         print(load)
+        global _last_load
+        _last_load = load
     return load
+
+
+_last_load: Load | None = None     # the lesson's latest busy_check: each verdict records the load it ran under
+
+
+def _load_fields() -> dict:
+    """{"busy_cores": ..., "busy": ...} of the latest busy_check in this process, or {} if there was none."""
+    if _last_load is None:
+        return {}
+    return {"busy_cores": round(_last_load.other_cores, 2), "busy": _last_load.busy}
 
 
 # --- the learner switch: your exercise functions inside the engine ---------------------------------------------
@@ -502,7 +515,8 @@ def check_floor(what: str, floor: float, measured: float, unit: str = "", *, bou
         raise ValueError(f"{what}: a floor needs a positive floor, a non-negative measurement and a spread >= 1, "
                          f"got floor={floor!r}, measured={measured!r}, spread={spread!r}")
     f = Floor(what, float(floor), float(measured), unit, bound, float(spread))
-    record(str(f), lesson, floor=f.floor, measured=f.measured, ratio=f.ratio, holds=f.holds, kind="floor")
+    record(str(f), lesson, floor=f.floor, measured=f.measured, ratio=f.ratio, holds=f.holds, kind="floor",
+           **_load_fields())
     return f
 
 
@@ -543,18 +557,25 @@ def theil_sen(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
     return slope, float(np.median(y - slope * x))
 
 
-def interleaved(cases: dict[str, Callable[[], object]], rounds: int = 5, warmup: int = 1) -> dict[str, list[float]]:
+def interleaved(cases: dict[str, Callable[[], object]], rounds: int = 5, warmup: int = 1,
+                budget_s: float | None = None) -> dict[str, list[float]]:
     """Seconds per call of each case, timed in turn within every round (a, b, c, a, b, c, ...), so a burst of load
-    from another program hits every case alike instead of faking a difference. {name: [seconds per round]}."""
+    from another program hits every case alike instead of faking a difference. {name: [seconds per round]}.
+    budget_s: stop after the round that passes this many seconds (warm-up included), keeping at least 2 rounds, so
+    a busy machine shortens the measurement instead of stretching the lesson."""
     if rounds < 1 or warmup < 0 or not cases:
         raise ValueError(f"interleaved: needs cases, rounds >= 1 and warmup >= 0, got {len(cases)}, {rounds}, {warmup}")
+    start = time.perf_counter()
     for _ in range(warmup):
         for fn in cases.values():
             fn()
     out: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(rounds):
+    for r in range(rounds):
         for name, fn in cases.items():
             t0 = time.perf_counter()
             fn()
             out[name].append(time.perf_counter() - t0)
+        if budget_s is not None and r >= 1 and time.perf_counter() - start > budget_s:
+            print(f"(time budget of {budget_s:g} s reached: {r + 1} of {rounds} rounds)")
+            break
     return out

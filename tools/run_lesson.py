@@ -73,8 +73,19 @@ def run(n: int, paths: list[Path]) -> bool:
     findings = out / "findings.jsonl"
     if findings.exists():
         print("   what the lesson found:")
-        for line in findings.read_text().splitlines():
-            print("    -", json.loads(line)["finding"])
+        rows = [json.loads(line) for line in findings.read_text().splitlines()]
+        for row in rows:
+            print("    -", row["finding"])
+        verdicts = [r for r in rows if "holds" in r]
+        if verdicts:     # the ledger the closing note compares, quiet run against busy run
+            held = sum(r["holds"] for r in verdicts)
+            busy = sum(1 for r in verdicts if r.get("busy"))
+            print(f"   verdicts: {held} of {len(verdicts)} held; {busy} measured while other programs held the cores "
+                  f"(busy_check)")
+            for r in verdicts:
+                load = "" if "busy" not in r else (" [busy %.1f cores]" % r["busy_cores"] if r["busy"] else " [quiet]")
+                print(f"     {'held' if r['holds'] else 'FAILED':6s} {r.get('kind', 'prediction'):11s}"
+                      f"{r['finding'].split(':')[0][:90]}{load}")
     figures = sorted(out.glob("*.png"))
     if figures:
         print("   figures:", ", ".join(str(f.relative_to(ROOT)) for f in figures))
