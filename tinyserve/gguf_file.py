@@ -51,8 +51,11 @@ LAYER_TENSORS = {
 MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 OPTIONAL = {"qkv_bias": ("q_bias", "k_bias", "v_bias"), "qk_norm": ("q_norm", "k_norm"),
             "post_norms": ("post_attn_norm", "post_mlp_norm")}   # switch -> the fields it needs in every layer
-# a model ends its turn with one of these as well as with the file's eos token (llama.cpp's end-of-generation list)
-END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|endoftext|>", "<|end|>")
+# llama.cpp ends a generation at any token spelled like one of these, not only at EOS (llama-vocab.cpp,
+# special_eog_ids: a Llama 3 file names <|end_of_text|> as EOS, its chat turns end with <|eot_id|>), and treats such
+# a token as a control token whatever type the file gives it
+END_OF_GENERATION = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+                     "<|end_of_text|>", "<EOT>", "_<EOT>", "<end_of_utterance>", "</s>", "<eos>")
 
 
 class WeightsError(RuntimeError):
@@ -162,12 +165,12 @@ def read_gguf(path: str | Path) -> GGUFFile:
             raise GGUFError(f"{path}: corrupt: tensor {t.name} ({type_name}, shape {shape}) has {raw.size} bytes, "
                             f"expected {need}")
         tensors[t.name] = TensorInfo(t.name, type_name, shape, raw)
-    config = config_from_gguf(meta, tensors, path, end_of_turn_ids(reader))
+    config = config_from_gguf(meta, tensors, path, end_of_generation_ids(reader))
     return GGUFFile(path, arch, config, meta, tensors, reader)
 
 
 def config_from_gguf(meta: dict, tensors: dict[str, TensorInfo], path: Path,
-                     end_of_turn: list[int] = ()) -> ModelConfig:
+                     end_of_generation: list[int] = ()) -> ModelConfig:
     arch = meta["general.architecture"]
 
     def get(key: str, default=None):
@@ -189,7 +192,7 @@ def config_from_gguf(meta: dict, tensors: dict[str, TensorInfo], path: Path,
     bos = int(meta.get("tokenizer.ggml.bos_token_id", 1))
     eos = [int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                   "tokenizer.ggml.eom_token_id") if k in meta]
-    eos += list(end_of_turn)
+    eos += list(end_of_generation)
     family = dict(FAMILIES[arch])
     if arch == "gemma3":
         family["embed_scale"] = math.sqrt(dim)
@@ -206,12 +209,13 @@ def config_from_gguf(meta: dict, tensors: dict[str, TensorInfo], path: Path,
         raise GGUFError(f"{path}: {e}") from None
 
 
-def end_of_turn_ids(reader) -> list[int]:
-    """Ids of the tokens that end a turn (END_OF_TURN), from the GGUF's vocabulary."""
+def end_of_generation_ids(reader) -> list[int]:
+    """Ids of the tokens that end a generation (END_OF_GENERATION), from the GGUF's vocabulary: the config's stop
+    ids are the tokenizer's (Tokenizer.stop_ids), as llama.cpp's llama_vocab_is_eog decides them."""
     if "tokenizer.ggml.tokens" not in reader.fields:
         return []
     f = reader.fields["tokenizer.ggml.tokens"]
-    wanted = {t.encode() for t in END_OF_TURN}
+    wanted = {t.encode() for t in END_OF_GENERATION}
     return [i for i, part in enumerate(f.data) if bytes(f.parts[part]) in wanted]
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 
-from .gguf_file import WeightsError
+from .gguf_file import END_OF_GENERATION, WeightsError
 
 
 class TokenType(IntEnum):
@@ -59,11 +59,6 @@ PRE_TOKENIZER_REGEXES: dict[str, tuple[str, ...]] = {
 # (tokenizers: BPE(ignore_merges=True)); the others always merge
 _IGNORE_MERGES = {"llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral"}
 _ADD_BOS_BPE = {"llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral"}   # llama.cpp's default before the file's key
-# llama.cpp ends a generation at any token spelled like one of these, not only at EOS (llama-vocab.cpp,
-# special_eog_ids: a Llama 3 file names <|end_of_text|> as EOS, its chat turns end with <|eot_id|>), and treats such
-# a token as a control token whatever type the file gives it
-END_OF_GENERATION = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
-                     "<|end_of_text|>", "<EOT>", "_<EOT>", "<end_of_utterance>", "</s>", "<eos>")
 
 
 @dataclass(slots=True)
