@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 import tinyserve as ts
@@ -58,7 +59,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
         shape = replace(SHAPES[f.shape], dim=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn=96, n_layers=1)
         tok = _vocab_tokenizer(vocabs / shape.vocab_file)
         paths[f.name] = out / f"{f.name}.gguf"
-        write_gguf(paths[f.name], shape, "Q8_0", vocab_dir=vocabs, answer=tok.token_to_id(f.end),
+        write_gguf(paths[f.name], shape, "F16", vocab_dir=vocabs, answer=tok.token_to_id(f.end),
                    chat_template=TEMPLATES[f.template]["template"] if f.template else None)
     return paths
 
@@ -182,3 +183,68 @@ def test_bench_runs_a_gguf(files, capsys):
                            "--prompt-len", "8", "--output-len", "3", "--sweep", "")
     assert rc == 0, err
     assert "workload: 2 requests" in out and "\nworkload " in out
+
+
+# --- bad input: one line, a non-zero exit, nothing loaded ----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory) -> dict[str, Path]:
+    """A small good file (synthetic 64-token vocabulary) and one broken copy per way a file can be wrong."""
+    from tests.test_gguf import _rewrite
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+    out = tmp_path_factory.mktemp("bad")
+    shape = replace(SHAPES["smollm2-360m"], dim=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn=96, vocab=64,
+                    n_layers=1)
+    good = out / "good.gguf"
+    write_gguf(good, shape, "Q8_0")
+    write_gguf(out / "mamba.gguf", replace(shape, arch="mamba"), "Q8_0")
+
+    def iq2(what, x):     # one matrix in a format tinyserve does not read (the byte count of its shape kept right)
+        if what == "tensor" and x[0] == "blk.0.ffn_up.weight":
+            per, nbytes = GGML_QUANT_SIZES[Q.IQ2_XXS]
+            return x[0], np.zeros((24, 4 * 64 // per * nbytes), np.uint8), Q.IQ2_XXS
+        return x
+    _rewrite(good, out / "iq2.gguf", iq2)
+    _rewrite(good, out / "notok.gguf", lambda what, x: None if what == "kv" and x[0].startswith("tokenizer.") else x)
+    data = good.read_bytes()
+    (out / "cut.gguf").write_bytes(data[:len(data) * 9 // 10])
+    (out / "header.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 60)
+    (out / "zip.gguf").write_bytes(b"PK\x03\x04" + bytes(60))
+    return {p.stem: p for p in out.iterdir()}
+
+
+
+@pytest.mark.parametrize("name, says", [
+    ("mamba", "architecture 'mamba' is not supported; tinyserve runs llama, qwen2, qwen3, gemma3"),
+    ("iq2", "tensor blk.0.ffn_up.weight is IQ2_XXS, a format tinyserve does not read"),
+    ("cut", "truncated"),
+    ("header", "not a readable GGUF file"),
+    ("zip", "not the GGUF magic"),
+    ("notok", "has no tokenizer"),
+    ("absent", "no such GGUF file"),
+])
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_a_bad_file_is_one_line_and_exit_2(bad_files, name, says, command, capsys, monkeypatch):
+    """Every door that needs text refuses the file before loading anything: the tokenizer is read first, the
+    model's whole header and tensor table are checked before a tensor is dequantized, and serve never starts."""
+    import uvicorn
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: pytest.fail("serve started on a bad file"))
+    path = bad_files.get(name, bad_files["good"].with_name("absent.gguf"))
+    argv = [command, "--model", str(path), *NUMPY] + (["--max-new-tokens", "2", "hi"] if command == "generate" else [])
+    rc, out, err = run_cli(capsys, *argv)
+    assert rc == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0] and path.name in lines[0], err
+
+
+def test_the_good_file_runs(bad_files, capsys):
+    """The broken copies fail because of what was broken: the file they were made from answers."""
+    rc, out, err = run_cli(capsys, "generate", "--model", str(bad_files["good"]), *NUMPY, "--json",
+                           "--max-new-tokens", "2", "tok5 tok7")
+    assert rc == 0, err
+    assert len(json.loads(out)["output_ids"]) >= 1
+
+
+def test_a_missing_weights_folder_is_named(tmp_path, capsys):
+    rc, out, err = run_cli(capsys, "generate", "--model", str(tmp_path / "nowhere"), *NUMPY, "hi")
+    assert rc == 2 and str(tmp_path / "nowhere") in err and len(err.strip().splitlines()) == 1, err
