@@ -1,11 +1,11 @@
 """A GGUF through every door (generate, generate --chat, chat, serve, bench, the Engine): the tokenizer's BOS, the
 file's end-of-generation tokens and its own chat template reach the model, whatever the family.
 
-The files are tiny (one layer, D=64) but carry llama.cpp's real vocabularies (llama-bpe for Llama 3, qwen2, llama-spm
-for TinyLlama) and the families' chat templates; their weights make greedy decoding answer the family's end-of-turn
-token at every position (make_gguf_fixtures.answering_tensors). So a generation that stops after one token proves
-the stop id reached the stop check, and the same request with ignore_eos runs on to its budget (the model does keep
-answering it: the check can fail). No real weights are needed; the real SmolLM2 files are checked in
+The files are tiny (one layer, D=64) but carry llama.cpp's real vocabularies (llama-bpe for Llama 3, qwen2 for
+Qwen2.5 and Qwen3, llama-spm for TinyLlama) and the families' chat templates; their weights make greedy decoding
+answer the family's end-of-turn token at every position (make_gguf_fixtures.answering_tensors). So a generation
+that stops after one token proves the stop id reached the stop check, and the same request with ignore_eos runs on
+to its budget (the model does keep answering it: the check can fail). No real weights are needed; the real SmolLM2 files are checked in
 docs/your-own-model.md and tests/test_gguf_invariance.py.
 """
 from __future__ import annotations
@@ -47,6 +47,7 @@ class Family:
 FAMILIES = {f.name: f for f in [
     Family("llama3", "llama-3.2-1b", "meta-llama-Llama-3.2-3B-Instruct", "<|eot_id|>", "<|begin_of_text|>"),
     Family("qwen2", "qwen2.5-0.5b", "Qwen-Qwen2.5-7B-Instruct", "<|im_end|>", None),
+    Family("qwen3", "qwen3-0.6b", "Qwen-Qwen3-0.6B", "<|im_end|>", None),
     Family("tinyllama", "tinyllama-1.1b", None, "</s>", "<s>"),
 ]}
 
@@ -120,7 +121,7 @@ def test_generate_chat_renders_the_files_template(files, name, capsys):
         assert tok.chat_template.source == TEMPLATES[f.template]["template"]
         assert ids == prompt_ids(tok, tok.apply_chat_template([{"role": "user", "content": "Hi"}]))
         assert text.endswith({"llama3": "<|start_header_id|>assistant<|end_header_id|>\n\n",
-                              "qwen2": "<|im_start|>assistant\n"}[name])
+                              "qwen2": "<|im_start|>assistant\n", "qwen3": "<|im_start|>assistant\n"}[name])
     assert answer["output_ids"] == [tok._tok.token_to_id(f.end)]
 
 
