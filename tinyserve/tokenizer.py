@@ -245,7 +245,8 @@ class Tokenizer:
 
     def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
                     tools: Sequence[dict] | None = None) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools))
+        """The ids of a conversation as a prompt: the template's text, with the BOS prompt_ids adds."""
+        return prompt_ids(self, self.apply_chat_template(messages, add_generation_prompt, tools))
 
     def stream_decoder(self, skip_special_tokens: bool = True) -> "StreamDecoder":
         return StreamDecoder(self, skip_special_tokens)
