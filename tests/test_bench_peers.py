@@ -89,10 +89,24 @@ def test_a_missing_ik_venv_skips_its_quantizer_with_a_message(tmp_path, capsys):
     assert "ik_llama.cpp's venv" in capsys.readouterr().err and not (tmp_path / "m.IQ4_KS.gguf").exists()
 
 
+def test_model_runs_your_own_gguf_against_llama_cpp_on_the_peer_files(tmp_path):
+    own = tmp_path / "llama-3.2-1b-Q4_K_M.gguf"
+    args = bp.parse_args(["--model", str(own), "--quick"])
+    assert args.engines == ["llama.cpp llama-3.2-1b-Q4_K_M", "tinyserve"]       # PyTorch reads the shipped folder only
+    assert bp.gguf_path(args, "llama-3.2-1b-Q4_K_M") == own and bp.formats_to_make(args) == ([], [])
+    race = bp.parse_args(["--model", str(own), "--peer-files", f"{tmp_path / 'a-Q4_0.gguf'},{own}",
+                          "--engines", "llama.cpp,ik_llama.cpp,tinyserve"])
+    assert race.engines == ["llama.cpp a-Q4_0", "llama.cpp llama-3.2-1b-Q4_K_M", "ik_llama.cpp a-Q4_0",
+                            "ik_llama.cpp llama-3.2-1b-Q4_K_M", "tinyserve"]
+    assert bp.gguf_path(race, "a-Q4_0") == tmp_path / "a-Q4_0.gguf"
+    assert bp.main(["--model", str(tmp_path / "absent.gguf"), "--quick"]) == 2     # one line, before anything loads
+
+
 @pytest.mark.parametrize("argv", [["--engines", "vllm"], ["--engines", ","], ["--rounds", "0"],
                                   ["--new-tokens", "1"], ["--batch", "0"], ["--threads", "0"],
                                   ["--llama-formats", "Q4_K"], ["--llama-formats", ","], ["--ik-formats", "Q4_1"],
-                                  ["--ik-formats", ","]])
+                                  ["--ik-formats", ","], ["--peer-files", "a.gguf"],
+                                  ["--model", "a.gguf", "--engines", "PyTorch,tinyserve"]])
 def test_bad_options_are_refused_with_a_message(argv, capsys):
     with pytest.raises(SystemExit):
         bp.parse_args(argv)

@@ -24,7 +24,7 @@ from typing import Iterable, TextIO
 from .backend import runs_on_kernels
 from .kv_sizing import max_kv_blocks
 from .sampling import SamplingParams
-from .tokenizer import DEFAULT_SYSTEM_PROMPT, default_system_prompt
+from .tokenizer import DEFAULT_SYSTEM_PROMPT, default_system_prompt, prompt_ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +42,7 @@ class Conversation:
 
     def __init__(self, tokenizer, system: str = DEFAULT_SYSTEM_PROMPT):
         self.tok = tokenizer
-        self.ids: list[int] = tokenizer.encode(tokenizer.render_turn("system", system))
+        self.ids: list[int] = prompt_ids(tokenizer, tokenizer.render_turn("system", system))
         self.system_len = len(self.ids)
         self.turn_lens: list[int] = []     # tokens of each committed turn (user + reply), oldest first
 
@@ -166,15 +166,12 @@ def chat_loop(engine, tokenizer, lines: Iterable[str], params: SamplingParams, o
 def main(args) -> int:
     """`python -m tinyserve chat` (see __main__.py for the options)."""
     from .engine import Engine
-    from .tokenizer import load_tokenizer
-    from .weights import load_model
+    from .cli_options import describe_backend, engine_kwargs, load_for_cli
+    from . import jit
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
                             seed=args.seed)
-    tok = load_tokenizer(args.model)
-    from .cli_options import describe_backend, engine_kwargs
-    from . import jit
-    model = load_model(args.model, quant=args.quant, backend=args.backend)
+    tok, model = load_for_cli(args)     # the tokenizer first: a file without one fails before the weights load
     print(f"[{describe_backend(model)}]", file=sys.stderr)
     kernels = None
     log = lambda line: print(line, file=sys.stderr, flush=True)   # noqa: E731

@@ -37,7 +37,8 @@ def main(args) -> int:
     wire speculation, stream the answer, report."""
     params, strategy, prompt = check_generate_args(args)       # 1. bad input answers before anything loads
     tok, model = load_for_cli(args)                             # 2. weights, quantisation, backend
-    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}]) if args.chat else prompt)
+    from .tokenizer import prompt_ids                           # (loaded with the tokenizer: not before)
+    ids = prompt_ids(tok, tok.apply_chat_template([{"role": "user", "content": prompt}]) if args.chat else prompt)
     model, kernels = kernels_for(args, model, ids, strategy)    # 3. loaded, compiled, or compiling meanwhile
     generate_stream, spec = with_speculation(args, strategy, model, strategies()[strategy])   # 4. lesson 6
     answer = stream_answer(args, model, ids, generate_stream, params, tok, kernels)         # 5. timed

@@ -51,8 +51,11 @@ LAYER_TENSORS = {
 MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 OPTIONAL = {"qkv_bias": ("q_bias", "k_bias", "v_bias"), "qk_norm": ("q_norm", "k_norm"),
             "post_norms": ("post_attn_norm", "post_mlp_norm")}   # switch -> the fields it needs in every layer
-# a model ends its turn with one of these as well as with the file's eos token (llama.cpp's end-of-generation list)
-END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|endoftext|>", "<|end|>")
+# llama.cpp ends a generation at any token spelled like one of these, not only at EOS (llama-vocab.cpp,
+# special_eog_ids: a Llama 3 file names <|end_of_text|> as EOS, its chat turns end with <|eot_id|>), and treats such
+# a token as a control token whatever type the file gives it
+END_OF_GENERATION = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+                     "<|end_of_text|>", "<EOT>", "_<EOT>", "<end_of_utterance>", "</s>", "<eos>")
 
 
 class WeightsError(RuntimeError):
@@ -77,13 +80,9 @@ class GGUFFile:
     path: Path
     arch: str
     config: ModelConfig
-    metadata: dict            # key -> value (tokenizer arrays left out: read them from `reader`)
+    metadata: dict            # key -> value (tokenizer arrays left out: gguf_tokenizer reads them)
     tensors: dict[str, TensorInfo]
-    reader: object            # gguf.GGUFReader: the tokenizer's loader reads its arrays
-
-    @property
-    def has_tokenizer(self) -> bool:
-        return "tokenizer.ggml.tokens" in self.reader.fields
+    has_tokenizer: bool       # the file holds a vocabulary (tokenizer.ggml.tokens)
 
 
 def require_tokenizer(path: str | Path) -> GGUFFile:
@@ -115,21 +114,94 @@ def is_gguf(path: str | Path) -> bool:
         return False
 
 
-def _scalar_metadata(reader) -> dict:
-    out = {}
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and len(field.data) > 1:
-            continue   # the vocabulary: hundreds of thousands of entries, not metadata
-        try:
-            out[key] = field.contents()
-        except Exception:  # noqa: BLE001  (a field of a type we never read)
-            continue
-    return out
+# GGUF's value types: the scalars' struct formats; 8 is a string, 9 an array (element type, count, elements)
+_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass(slots=True)
+class Header:
+    """A GGUF's header: its key/value metadata and its tensor table (the tensors' bytes follow at data_start)."""
+    meta: dict                                        # key -> int | float | bool | str | list
+    tensors: list[tuple[str, tuple[int, ...], int, int]]   # (name, shape [rows, row length], GGML type id, offset)
+    data_start: int                                   # byte offset of the tensor data (aligned)
+
+
+def read_header(path: str | Path) -> Header:
+    """Parse a GGUF's header in one pass over a memory map. gguf-py's GGUFReader builds an object per array
+    element, which takes seconds for a 128k-token vocabulary; the header is a flat sequence of (key, type, value),
+    then (name, dims, type, offset) per tensor. Raises ValueError, struct.error or OSError on a bad file."""
+    import mmap
+    import struct
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        if m[:4] != GGUF_MAGIC:
+            raise ValueError(f"starts with {bytes(m[:4])!r}, not the GGUF magic")
+        version, n_tensors, n_kv = struct.unpack_from("<IQQ", m, 4)
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} (tinyserve reads versions 2 and 3)")
+        if n_kv > len(m) or n_tensors > len(m):
+            raise ValueError(f"the header counts {n_kv} keys and {n_tensors} tensors in a file of {len(m)} bytes")
+        pos = 24
+
+        def unpack(fmt: str):
+            nonlocal pos
+            out = struct.unpack_from(fmt, m, pos)
+            pos += struct.calcsize(fmt)
+            return out
+
+        def string() -> str:
+            nonlocal pos
+            (n,) = unpack("<Q")
+            if pos + n > len(m):
+                raise ValueError(f"a string of {n} bytes at offset {pos} runs past the end of the file")
+            pos += n
+            return m[pos - n:pos].decode("utf-8", errors="replace")
+
+        def value(vtype: int):
+            if vtype == _STRING:
+                return string()
+            if vtype == _ARRAY:
+                etype, n = unpack("<IQ")
+                if etype in _SCALAR:
+                    if pos + n * struct.calcsize(_SCALAR[etype]) > len(m):
+                        raise ValueError(f"an array of {n} values at offset {pos} runs past the end of the file")
+                    return list(unpack(f"<{n}{_SCALAR[etype][1]}"))
+                if n > len(m) - pos:
+                    raise ValueError(f"an array of {n} values at offset {pos} runs past the end of the file")
+                return [value(etype) for _ in range(n)]
+            if vtype not in _SCALAR:
+                raise ValueError(f"unknown value type {vtype} at offset {pos}")
+            return unpack(_SCALAR[vtype])[0]
+
+        meta = {}
+        for _ in range(n_kv):
+            key = string()
+            meta[key] = value(unpack("<I")[0])
+        tensors = []
+        for _ in range(n_tensors):
+            name = string()
+            (n_dims,) = unpack("<I")
+            if n_dims > 4:
+                raise ValueError(f"tensor {name} has {n_dims} dimensions (GGUF has at most 4)")
+            dims = unpack(f"<{n_dims}Q")                    # ne[0] (the row length) first
+            kind, offset = unpack("<IQ")
+            tensors.append((name, tuple(int(d) for d in reversed(dims)), kind, offset))
+        align = int(meta.get("general.alignment", 32))
+        return Header(meta, tensors, -(-pos // align) * align)
+
+
+def _type_name(kind: int) -> str:
+    from gguf import GGMLQuantizationType
+    try:
+        return GGMLQuantizationType(kind).name
+    except ValueError:
+        return f"type {kind}"
 
 
 def read_gguf(path: str | Path) -> GGUFFile:
     """Parse a GGUF's metadata and tensor table and check that tinyserve can run it (no tensor dequantized yet)."""
-    from gguf import GGUFReader
+    import struct
 
     path = Path(path)
     if not path.is_file():
@@ -137,37 +209,39 @@ def read_gguf(path: str | Path) -> GGUFFile:
     if not is_gguf(path):
         raise GGUFError(f"{path}: not a GGUF file (it does not start with the bytes 'GGUF')")
     try:
-        reader = GGUFReader(str(path))
-    except Exception as e:  # noqa: BLE001  (gguf-py fails with whatever NumPy raises on short reads)
+        header = read_header(path)
+    except (ValueError, struct.error, OverflowError, OSError) as e:
         raise GGUFError(f"{path}: truncated or corrupt GGUF ({type(e).__name__}: {e})") from None
-    meta = _scalar_metadata(reader)
+    full = header.meta
+    meta = {k: v for k, v in full.items() if not (k.startswith("tokenizer.ggml.") and isinstance(v, list))}
     arch = meta.get("general.architecture")
     if arch not in FAMILIES:
         raise GGUFError(f"{path}: architecture {arch!r} is not supported; tinyserve runs {', '.join(SUPPORTED_ARCHS)}")
     size = path.stat().st_size
+    data = np.memmap(path, dtype=np.uint8, mode="r") if header.tensors else None
     tensors = {}
-    for t in reader.tensors:
-        type_name = t.tensor_type.name
-        shape = tuple(int(n) for n in reversed(t.shape))
+    for name, shape, kind, offset in header.tensors:
+        type_name = _type_name(kind)
         if type_name not in BLOCKS:
-            raise GGUFError(f"{path}: tensor {t.name} is {type_name}, a format tinyserve does not read "
+            raise GGUFError(f"{path}: tensor {name} is {type_name}, a format tinyserve does not read "
                             f"(it reads {', '.join(SUPPORTED)})")
         per_block, nbytes = BLOCKS[type_name]
-        need = int(np.prod(shape)) // per_block * nbytes
-        if t.data_offset + need > size:
-            raise GGUFError(f"{path}: truncated: tensor {t.name} needs bytes up to {t.data_offset + need}, the file "
-                            f"has {size}")
-        raw = np.asarray(t.data).view(np.uint8).reshape(-1)
-        if raw.size != need:
-            raise GGUFError(f"{path}: corrupt: tensor {t.name} ({type_name}, shape {shape}) has {raw.size} bytes, "
-                            f"expected {need}")
-        tensors[t.name] = TensorInfo(t.name, type_name, shape, raw)
-    config = config_from_gguf(meta, tensors, path, end_of_turn_ids(reader))
-    return GGUFFile(path, arch, config, meta, tensors, reader)
+        n = int(np.prod(shape))
+        if n % per_block:
+            raise GGUFError(f"{path}: corrupt: tensor {name} ({type_name}, shape {shape}) is not whole blocks of "
+                            f"{per_block}")
+        start, need = header.data_start + offset, n // per_block * nbytes
+        if start + need > size:
+            raise GGUFError(f"{path}: truncated: tensor {name} needs bytes up to {start + need}, the file has {size}")
+        tensors[name] = TensorInfo(name, type_name, shape, data[start:start + need])
+    tokens = full.get("tokenizer.ggml.tokens")
+    has_tokenizer = isinstance(tokens, list)
+    config = config_from_gguf(meta, tensors, path, end_of_generation_ids(tokens if has_tokenizer else []))
+    return GGUFFile(path, arch, config, meta, tensors, has_tokenizer)
 
 
 def config_from_gguf(meta: dict, tensors: dict[str, TensorInfo], path: Path,
-                     end_of_turn: list[int] = ()) -> ModelConfig:
+                     end_of_generation: list[int] = ()) -> ModelConfig:
     arch = meta["general.architecture"]
 
     def get(key: str, default=None):
@@ -189,7 +263,7 @@ def config_from_gguf(meta: dict, tensors: dict[str, TensorInfo], path: Path,
     bos = int(meta.get("tokenizer.ggml.bos_token_id", 1))
     eos = [int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                   "tokenizer.ggml.eom_token_id") if k in meta]
-    eos += list(end_of_turn)
+    eos += list(end_of_generation)
     family = dict(FAMILIES[arch])
     if arch == "gemma3":
         family["embed_scale"] = math.sqrt(dim)
@@ -206,13 +280,11 @@ def config_from_gguf(meta: dict, tensors: dict[str, TensorInfo], path: Path,
         raise GGUFError(f"{path}: {e}") from None
 
 
-def end_of_turn_ids(reader) -> list[int]:
-    """Ids of the tokens that end a turn (END_OF_TURN), from the GGUF's vocabulary."""
-    if "tokenizer.ggml.tokens" not in reader.fields:
-        return []
-    f = reader.fields["tokenizer.ggml.tokens"]
-    wanted = {t.encode() for t in END_OF_TURN}
-    return [i for i, part in enumerate(f.data) if bytes(f.parts[part]) in wanted]
+def end_of_generation_ids(tokens: list[str]) -> list[int]:
+    """Ids of the tokens that end a generation (END_OF_GENERATION) in a GGUF's vocabulary: the config's stop ids
+    are the tokenizer's (Tokenizer.stop_ids), as llama.cpp's llama_vocab_is_eog decides them."""
+    wanted = set(END_OF_GENERATION)
+    return [i for i, t in enumerate(tokens) if t in wanted]
 
 
 def load_gguf_model(path: str | Path) -> Model:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 
-from .gguf_file import WeightsError
+from .gguf_file import END_OF_GENERATION, WeightsError, read_header
 
 
 class TokenType(IntEnum):
@@ -59,11 +59,6 @@ PRE_TOKENIZER_REGEXES: dict[str, tuple[str, ...]] = {
 # (tokenizers: BPE(ignore_merges=True)); the others always merge
 _IGNORE_MERGES = {"llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral"}
 _ADD_BOS_BPE = {"llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral"}   # llama.cpp's default before the file's key
-# llama.cpp ends a generation at any token spelled like one of these, not only at EOS (llama-vocab.cpp,
-# special_eog_ids: a Llama 3 file names <|end_of_text|> as EOS, its chat turns end with <|eot_id|>), and treats such
-# a token as a control token whatever type the file gives it
-END_OF_GENERATION = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
-                     "<|end_of_text|>", "<EOT>", "_<EOT>", "<end_of_utterance>", "</s>", "<eos>")
 
 
 @dataclass(slots=True)
@@ -112,65 +107,14 @@ class GGUFVocab:
         return self.tokens[i] if i is not None and 0 <= i < len(self.tokens) else None
 
 
-_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
-
-
 def gguf_metadata(path: str | Path) -> dict:
-    """The key/value header of a GGUF file, without its tensors: {key: int | float | bool | str | list}.
-
-    gguf's GGUFReader builds an object per array element, which takes seconds for a 128k-token vocabulary;
-    the header is a flat sequence of (key, type, value), read here in one pass over a memory map."""
-    import mmap
+    """The key/value header of a GGUF file, without its tensors: {key: int | float | bool | str | list}
+    (gguf_file.read_header: one pass over a memory map, not an object per vocabulary entry)."""
     import struct
 
     p = Path(path)
     try:
-        with open(p, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            if m[:4] != b"GGUF":
-                raise ValueError(f"starts with {bytes(m[:4])!r}, not the GGUF magic")
-            version, _, n_kv = struct.unpack_from("<IQQ", m, 4)
-            if version not in (2, 3):
-                raise ValueError(f"GGUF version {version} (tinyserve reads versions 2 and 3)")
-            pos = 24
-
-            def string():
-                nonlocal pos
-                (n,) = struct.unpack_from("<Q", m, pos)
-                if pos + 8 + n > len(m):
-                    raise ValueError(f"a string of {n} bytes at offset {pos} runs past the end of the file")
-                s = m[pos + 8:pos + 8 + n].decode("utf-8", errors="replace")
-                pos += 8 + n
-                return s
-
-            def value(vtype):
-                nonlocal pos
-                if vtype == _STRING:
-                    return string()
-                if vtype == _ARRAY:
-                    etype, n = struct.unpack_from("<IQ", m, pos)
-                    pos += 12
-                    if etype in _SCALAR:
-                        size = struct.calcsize(_SCALAR[etype])
-                        if pos + n * size > len(m):
-                            raise ValueError(f"an array of {n} values at offset {pos} runs past the end of the file")
-                        out = list(struct.unpack_from(f"<{n}{_SCALAR[etype][1]}", m, pos))
-                        pos += n * size
-                        return out
-                    return [value(etype) for _ in range(n)]
-                if vtype not in _SCALAR:
-                    raise ValueError(f"unknown value type {vtype} at offset {pos}")
-                (v,) = struct.unpack_from(_SCALAR[vtype], m, pos)
-                pos += struct.calcsize(_SCALAR[vtype])
-                return v
-
-            meta = {}
-            for _ in range(n_kv):
-                key = string()
-                (vtype,) = struct.unpack_from("<I", m, pos)
-                pos += 4
-                meta[key] = value(vtype)
-            return meta
+        return read_header(p).meta
     except FileNotFoundError:
         raise WeightsError(f"no such GGUF file: {p}") from None
     except (ValueError, struct.error, OverflowError, OSError) as e:   # truncated, empty or not a GGUF at all

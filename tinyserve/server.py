@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -52,6 +53,7 @@ from .sampling import SamplingParams
 from . import structured_api, tool_calls
 from .constrained import SchemaError, grammars_for
 from .structured_api import Structured, StructuredError, structured_output
+from .tokenizer import prompt_ids
 from .tokenizer import CharTokenizer  # noqa: F401  (the tests and --model tiny import it from here too)
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -246,7 +248,7 @@ class OpenAIService:
             raise BadRequest(f"the prompt has {len(text)} characters, more than this server's context of "
                              f"{self.max_context} tokens can hold", param=param, code="context_length_exceeded")
         try:
-            return self.tokenizer.encode(text)
+            return prompt_ids(self.tokenizer, text)     # with the BOS a Llama 3 or SentencePiece model wants
         except ValueError as e:
             raise BadRequest(str(e), param=param, code="invalid_parameter") from None
 
@@ -785,7 +787,7 @@ def build(args, log=None) -> tuple[FastAPI, str]:
 
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     tok, model = load_for_cli(args)
-    name = "tiny" if args.model == "tiny" else "smollm2-135m-instruct"
+    name = served_name(args.model)
     kernels = None
     if runs_on_kernels(model):
         model, kernels = jit.prepare(model, "engine", args.compile == "background", log)
@@ -793,6 +795,14 @@ def build(args, log=None) -> tuple[FastAPI, str]:
     name = args.served_model_name or name
     return create_app(engine, tok, name, max_waiting=args.max_waiting, kernels=kernels,
                       limits=limits_from_args(args)), name
+
+
+def served_name(model: str) -> str:
+    """The `model` clients name by default: the file's or folder's name (smollm2-135m-instruct for the shipped
+    folder, SmolLM2-135M-Instruct.Q4_K_M for that GGUF), or tiny."""
+    from .cli_options import TINY
+    from .zoo import local_path
+    return TINY if model == TINY else Path(local_path(model)).name.removesuffix(".gguf")
 
 
 def main(args) -> int:

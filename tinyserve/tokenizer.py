@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from .chat_template import ChatTemplate
-from .gguf_tokenizer import END_OF_GENERATION
+from .gguf_file import END_OF_GENERATION
 from .weights import DEFAULT_WEIGHTS_DIR, WeightsError
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -21,6 +21,18 @@ def default_system_prompt(tokenizer) -> str:
     template = getattr(tokenizer, "chat_template", None)
     return DEFAULT_SYSTEM_PROMPT if template is None or DEFAULT_SYSTEM_PROMPT in template.source \
         else GENERIC_SYSTEM_PROMPT
+
+
+def prompt_ids(tokenizer, text: str) -> list[int]:
+    """The ids a prompt runs as: `text` encoded, with the model's BOS in front when its tokenizer asks for one
+    (add_bos_token: Llama 3 and the SentencePiece models were trained with it; SmolLM2 and Qwen were not) and the
+    text did not write it already (a chat template that starts with `{{ bos_token }}`): exactly one BOS, as
+    Hugging Face's tokenizer gives a plain prompt, and never the double BOS llama.cpp warns about."""
+    ids = tokenizer.encode(text)
+    bos = getattr(tokenizer, "bos_id", None)
+    if getattr(tokenizer, "add_bos_token", False) and bos is not None and ids[:1] != [bos]:
+        ids = [bos, *ids]
+    return ids
 
 
 class Tokenizer:
@@ -64,7 +76,7 @@ class Tokenizer:
         self.byte_level = isinstance(self._tok.decoder, decoders.ByteLevel)
         self._missing_bytes = bytes(b for b, ch in enumerate(_byte_level_symbols())
                                     if self.byte_level and self._tok.token_to_id(ch) is None)
-        # the ids that end a generation, as llama.cpp decides them (gguf_tokenizer.END_OF_GENERATION)
+        # the ids that end a generation, as llama.cpp decides them (gguf_file.END_OF_GENERATION)
         self.stop_ids = frozenset(i for t in (self.eos_token, *END_OF_GENERATION)
                                   if t and (i := self._tok.token_to_id(t)) is not None)
 
@@ -233,7 +245,8 @@ class Tokenizer:
 
     def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
                     tools: Sequence[dict] | None = None) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools))
+        """The ids of a conversation as a prompt: the template's text, with the BOS prompt_ids adds."""
+        return prompt_ids(self, self.apply_chat_template(messages, add_generation_prompt, tools))
 
     def stream_decoder(self, skip_special_tokens: bool = True) -> "StreamDecoder":
         return StreamDecoder(self, skip_special_tokens)

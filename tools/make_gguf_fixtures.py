@@ -127,7 +127,26 @@ def random_tensors(shape: Shape, seed: int = 0, rope_freqs: bool = False) -> dic
     return t
 
 
-def _add_vocab(w, shape: Shape, vocab_dir: Path | None) -> None:
+def answering_tensors(t: dict[str, np.ndarray], answer: int) -> dict[str, np.ndarray]:
+    """The same tensors turned into a model whose greedy next token is always `answer`, whatever the prompt: the
+    blocks add nothing to the residual stream (attn_output and ffn_down are zero), every embedding row is a constant
+    vector, and the LM head's row `answer` is twice the others, so its logit is twice theirs after the final norm.
+    The tests of stop tokens and BOS need a model that emits a chosen token, not weights that were trained."""
+    t = dict(t)
+    V, D = t["token_embd.weight"].shape
+    head = np.ones((V, D), np.float32)
+    head[answer] = 2.0
+    t["token_embd.weight"] = head if "output.weight" not in t else np.ones((V, D), np.float32)
+    if "output.weight" in t:
+        t["output.weight"] = head
+    t["output_norm.weight"] = np.ones(D, np.float32)
+    for name in t:
+        if name.endswith(("attn_output.weight", "ffn_down.weight")):
+            t[name] = np.zeros_like(t[name])
+    return t
+
+
+def _add_vocab(w, shape: Shape, vocab_dir: Path | None, skip: tuple[str, ...] = ()) -> None:
     import gguf
     if shape.vocab_file and vocab_dir is not None:   # every tokenizer.* key of llama.cpp's vocab file, as it is
         r = gguf.GGUFReader(str(vocab_dir / shape.vocab_file))
@@ -135,7 +154,7 @@ def _add_vocab(w, shape: Shape, vocab_dir: Path | None) -> None:
         if n != shape.vocab:
             raise ValueError(f"{shape.vocab_file} has {n} tokens, the {shape.name} shape {shape.vocab}")
         for key, f in r.fields.items():
-            if key.startswith("tokenizer."):
+            if key.startswith("tokenizer.") and key not in skip:
                 array = f.types[0] == gguf.GGUFValueType.ARRAY
                 w.add_key_value(key, f.contents(), f.types[0], f.types[1] if array else None)
         return
@@ -150,9 +169,11 @@ def _add_vocab(w, shape: Shape, vocab_dir: Path | None) -> None:
 
 
 def write_gguf(path: str | Path, shape: Shape, qtype: str = "F16", seed: int = 0, rope_freqs: bool = False,
-               vocab_dir: Path | None = None) -> str:
+               vocab_dir: Path | None = None, chat_template: str | None = None, answer: int | None = None) -> str:
     """Write one random-weight GGUF; return its sha256. Norms, biases and rope_freqs stay F32 (as llama.cpp's
-    converter keeps every 1-D tensor); matrices and the embedding are `qtype` (F32, F16 or Q8_0)."""
+    converter keeps every 1-D tensor); matrices and the embedding are `qtype` (F32, F16 or Q8_0).
+    `chat_template`: stored as tokenizer.chat_template (the vocab GGUFs carry none); `answer`: a token id the
+    model then always predicts greedily (answering_tensors), for the tests of stop tokens and BOS."""
     import gguf
     from gguf.quants import quantize
 
@@ -176,8 +197,13 @@ def write_gguf(path: str | Path, shape: Shape, qtype: str = "F16", seed: int = 0
     if shape.sliding_window:
         w.add_sliding_window(shape.sliding_window)
     w.add_file_type({"F32": 0, "F16": 1, "Q8_0": 7}[qtype])
-    _add_vocab(w, shape, vocab_dir)
-    for name, a in random_tensors(shape, seed, rope_freqs).items():
+    _add_vocab(w, shape, vocab_dir, skip=("tokenizer.chat_template",) if chat_template is not None else ())
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
+    tensors = random_tensors(shape, seed, rope_freqs)
+    if answer is not None:
+        tensors = answering_tensors(tensors, answer)
+    for name, a in tensors.items():
         if a.ndim == 1 or kind == gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, a)
         elif kind == gguf.GGMLQuantizationType.F16:
