@@ -479,7 +479,7 @@ class Floor:
     floor: float
     measured: float
     unit: str = ""
-    bound: str = ""              # what the floor counts, e.g. "538 MB of weights / 31 GB/s"
+    bound: str = ""              # what the floor counts: the bytes and the bandwidth it divides them by
     spread: float = 1.0
 
     @property
