@@ -60,7 +60,8 @@ def main(paths: list[str]) -> None:
         a, ppl = agreement(fast, ref), perplexity(fast, ids)
         packed, file_bytes = step_bytes(fast)
         print(f"{Path(p).name}: {tiles(fast)} | step {packed / 1e6:.1f} MB (file {file_bytes / 1e6:.1f} MB) | "
-              f"top-1 {a.top1:.1%} of {a.positions} | ppl {ppl:.4f} / {ppl32:.4f} = {ppl / ppl32:.4f}", flush=True)
+              f"top-1 {a.top1:.1%} of {a.positions} (widest flip {a.max_flip_margin:.2f}) | "
+              f"ppl {ppl:.4f} / {ppl32:.4f} = {ppl / ppl32:.4f}", flush=True)
 
 
 if __name__ == "__main__":
