@@ -45,6 +45,10 @@ BOUNDS = {
 BOUNDS["w8a8-64"] = BOUNDS["int8"]
 # w4a8 likewise: it is the default for SmolLM2 (its layers are Q4_1 already, so only the activations are rounded)
 BOUNDS["w4a8"] = BOUNDS["int8"]
+# gguf likewise: the default for a GGUF file. The shipped folder has no file behind it, so here every matrix is
+# requantized by Q8_0's rule per 32 onto the byte tile (quant.quantize_q8_blocks); the files' own blocks are held to
+# the same bounds at the end of this file
+BOUNDS["gguf"] = BOUNDS["int8"]
 MODES = list(BOUNDS)
 
 

@@ -13,10 +13,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tinyserve import backend, quant, weights                           # noqa: E402
+import numpy as np                                                       # noqa: E402
+
+from tinyserve import backend, naive, quant, weights                    # noqa: E402
 from tinyserve.gguf_file import LAYER_TENSORS                           # noqa: E402
 from tinyserve.kernels import isa                                       # noqa: E402
-from tests.quant_accuracy import agreement, fp32_logits, perplexity, perplexity_ids   # noqa: E402
+from tests.quant_accuracy import PPL_WINDOW, agreement, fp32_logits, perplexity_ids   # noqa: E402
 
 ROLES = {"q|k|v": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "gate|up": ("ffn_gate", "ffn_up"),
          "down": ("ffn_down",)}
@@ -48,6 +50,21 @@ def step_bytes(model) -> tuple[int, int]:
     return packed, sum(model.gguf_tensors[n].raw.nbytes for n in names)
 
 
+def running_text(model, ids: list[int]) -> tuple[np.ndarray, float]:
+    """The logits [2044, V] of the shipped text's next tokens (4 windows of 512, as quant_accuracy.perplexity) and
+    the perplexity they give."""
+    out, nll = [], 0.0
+    for s in range(0, len(ids), PPL_WINDOW):
+        chunk = ids[s:s + PPL_WINDOW]
+        logits = naive.forward(model, chunk)[:-1].astype(np.float64)                 # [W-1, V]
+        m = logits.max(-1, keepdims=True)
+        nll += float((m[:, 0] + np.log(np.exp(logits - m).sum(-1)) - logits[np.arange(len(chunk) - 1),
+                                                                              chunk[1:]]).sum())
+        out.append(logits.argmax(-1))
+    top = np.concatenate(out)
+    return top, float(np.exp(nll / len(top)))
+
+
 def main(paths: list[str]) -> None:
     from tinyserve.tokenizer import load_tokenizer
     tok = load_tokenizer(weights.DEFAULT_WEIGHTS_DIR)
@@ -55,13 +72,14 @@ def main(paths: list[str]) -> None:
     print(f"kernels: {isa.NAME}")
     for p in paths:
         m = weights.load_model(p)
-        ref, ppl32 = fp32_logits(m), perplexity(m, ids)
+        ref, (top32, ppl32) = fp32_logits(m), running_text(m, ids)
         fast = backend.set_backend(m, quant.GGUF.name, "numba")
-        a, ppl = agreement(fast, ref), perplexity(fast, ids)
+        a, (top, ppl) = agreement(fast, ref), running_text(fast, ids)
         packed, file_bytes = step_bytes(fast)
         print(f"{Path(p).name}: {tiles(fast)} | step {packed / 1e6:.1f} MB (file {file_bytes / 1e6:.1f} MB) | "
               f"top-1 {a.top1:.1%} of {a.positions} (widest flip {a.max_flip_margin:.2f}) | "
-              f"ppl {ppl:.4f} / {ppl32:.4f} = {ppl / ppl32:.4f}", flush=True)
+              f"ppl {ppl:.4f} / {ppl32:.4f} = {ppl / ppl32:.4f} | top-1 on the text {np.mean(top == top32):.1%} "
+              f"of {len(top)}", flush=True)
 
 
 if __name__ == "__main__":
