@@ -360,8 +360,9 @@ def check_blocks(model: Model, mode: str) -> None:
 def with_mode(model: Model, mode: str) -> Model:
     """A quantised model switched between INT8, W8A8 and W8A8_64 (same int8 weights, other activations)."""
     if {W4A8.name, GGUF.name} & {mode, model.quant}:
-        raise ValueError(f"a {model.quant} model cannot become {mode}: {W4A8.name} and {GGUF.name} hold other weights "
-                         f"(blocks of 32) than the int8 modes; load the float32 weights again with quant={mode!r}")
+        raise ValueError(f"a {model.quant} model cannot become {mode}: {W4A8.name} holds other weights (4-bit) than "
+                         f"the int8 modes, {GGUF.name} a file's own blocks; load the float32 weights again with "
+                         f"quant={mode!r}")
     check_blocks(model, mode)
     layers = [dataclasses.replace(w, **{f: dataclasses.replace(getattr(w, f), mode=mode) for f in MATRICES})
               for w in model.layers]
