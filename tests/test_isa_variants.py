@@ -3,7 +3,8 @@
 A variant is chosen once per process (TINYSERVE_KERNELS), so each runs in a process of its own, compiled for
 exactly its features (an AVX-512 machine runs the avx2 tiles with AVX-512 switched off) and cached in its own
 folder. What must hold on every variant:
-- W8A8 matmuls (a scale per row, and per 64 activations) and W4A8 ones (Q4_1 weights, a scale per 32) are
+- W8A8 matmuls (a scale per row, and per 64 activations), W4A8 ones (Q4_1 weights, a scale per 32) and the byte
+  tile's (quant "gguf": whole-byte weights, a scale and a minimum per 32) are
   bit-identical to the NumPy reference (integer sums; the tile's activation offset is undone exactly), at shapes
   that exercise full tiles, one-row tiles and ragged edges;
 - W8A32 matmuls are within the stated tolerance of the reference, and bit-identical to this process's variant:
@@ -32,8 +33,8 @@ SCRIPT = textwrap.dedent("""
     import tinyserve as ts
     from tinyserve import backend, kv_cache, naive, quant
     from tinyserve.kernels import isa
-    from tinyserve.kernels.matmul import (block_sums, matmul_w4a8, matmul_w8a8, matmul_w8a32, pack_vnni, pack_w4a8,
-                                          pack_w8a32, quantize_rows)
+    from tinyserve.kernels.matmul import (block_sums, matmul_w4a8, matmul_w8a8, matmul_w8a32, pack_b8a8, pack_vnni,
+                                          pack_w4a8, pack_w8a32, quantize_rows)
     from tinyserve.sampling import SamplingParams
 
     out = {"variant": np.array(isa.NAME)}
@@ -59,10 +60,14 @@ SCRIPT = textwrap.dedent("""
             quantize_rows(x, xu, sx)
             out[f"w4a8_{T}_{D}_{O}"] = matmul_w4a8(xu, sx, pack_w4a8(q4.q, q4.d, q4.m))
             out[f"w4a8_ref_{T}_{D}_{O}"] = quant.matmul_reference_w4a8(x, q4)
+            b8 = quant.quantize_q8_blocks(rng.standard_normal((D, O)).astype(np.float32))   # the byte tile
+            b8.q[0] = 255                                                # the largest byte, against the outlier
+            out[f"b8a8_{T}_{D}_{O}"] = matmul_w4a8(xu, sx, pack_b8a8(b8.q, b8.d, b8.m))
+            out[f"b8a8_ref_{T}_{D}_{O}"] = quant.matmul_reference_w4a8(x, b8)
         out[f"w8a32_{T}_{D}_{O}"] = matmul_w8a32(x, pack_w8a32(q.wq), q.scale)
         out[f"w8a32_ref_{T}_{D}_{O}"] = quant.matmul_reference(x, quant.QuantizedLinear(q.wq, q.scale, "int8"))
     prompt = [5, 17, 99, 3, 42, 250, 7, 7, 128]
-    for mode in ("int8", "w8a8", "w8a8-64", "w4a8"):
+    for mode in ("int8", "w8a8", "w8a8-64", "w4a8", "gguf"):
         tiny = ts.tiny_model(seed=0, **({"dim": 128, "intermediate_size": 192} if mode == "w8a8-64" else {}))
         fast = backend.set_backend(quant.quantize_model(tiny, mode), mode, "numba")
         out[f"logits_{mode}"] = naive.forward(fast, prompt)
@@ -123,9 +128,10 @@ def test_variant_is_exact_and_agrees_with_this_cpus_own(variant, native, tmp_pat
     for key in (k for k in got if k.startswith("w8a8_") and "_ref_" not in k):
         ref = got[key.replace("w8a8_", "w8a8_ref_", 1)]
         assert np.array_equal(got[key], ref), f"{variant}: W8A8 {key} not bit-exact: max {np.abs(got[key] - ref).max()}"
-    for key in (k for k in got if k.startswith("w4a8_") and "_ref_" not in k):
-        ref = got[key.replace("w4a8_", "w4a8_ref_", 1)]
-        assert np.array_equal(got[key], ref), f"{variant}: W4A8 {key} not bit-exact: max {np.abs(got[key] - ref).max()}"
+    for kind in ("w4a8", "b8a8"):     # the nibble tile and the byte tile
+        for key in (k for k in got if k.startswith(kind + "_") and "_ref_" not in k):
+            ref = got[key.replace(kind + "_", kind + "_ref_", 1)]
+            assert np.array_equal(got[key], ref), f"{variant}: {key} not bit-exact: max {np.abs(got[key] - ref).max()}"
     for key in (k for k in got if k.startswith("w8a32_") and "_ref_" not in k):
         ref = got[key.replace("w8a32_", "w8a32_ref_", 1)]
         np.testing.assert_allclose(got[key], ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max(), err_msg=key)
@@ -199,14 +205,15 @@ COMPILE_TILES = textwrap.dedent("""
     from tinyserve.kernels import int4_dot
     from tinyserve.kernels.matmul import COLS, ROWS
     nb = 18                                          # 576 inputs, 18 blocks of 32
-    for R, C in ((ROWS, COLS), (1, 1)):
-        tile = int4_dot.make_w4a8_tile(R, C)
+    for R, C, whole in ((ROWS, COLS, False), (1, 1, False), (ROWS, COLS, True)):   # nibbles, then the byte tile
+        tile = int4_dot.make_w4a8_tile(R, C, whole_bytes=whole)
+        gb = int4_dot.BYTE_GROUP_BYTES if whole else int4_dot.GROUP_BYTES
 
         @njit                                        # not cached: every run compiles the tile again
         def run(x, w, sx, xs, out):
-            tile(x, 0, nb * 32, w, 0, nb * int4_dot.GROUP_BYTES, nb, sx, xs, 0, nb, out, 0, 16 * C)
+            tile(x, 0, nb * 32, w, 0, nb * gb, nb, sx, xs, 0, nb, out, 0, 16 * C)
         out = np.ones(R * 16 * C, np.float32)
-        run(np.zeros(R * nb * 32, np.uint8), np.zeros(C * nb * int4_dot.GROUP_BYTES + 4096, np.uint8),
+        run(np.zeros(R * nb * 32, np.uint8), np.zeros(C * nb * gb + 4096, np.uint8),
             np.ones(R * nb, np.float32), np.ones(R * nb, np.float32), out)
         assert not out.any()                         # zero activations and weights: every output is 0
     print("done")

@@ -45,6 +45,10 @@ BOUNDS = {
 BOUNDS["w8a8-64"] = BOUNDS["int8"]
 # w4a8 likewise: it is the default for SmolLM2 (its layers are Q4_1 already, so only the activations are rounded)
 BOUNDS["w4a8"] = BOUNDS["int8"]
+# gguf likewise: the default for a GGUF file. The shipped folder has no file behind it, so here every matrix is
+# requantized by Q8_0's rule per 32 onto the byte tile (quant.quantize_q8_blocks); the files' own blocks are held to
+# the same bounds at the end of this file
+BOUNDS["gguf"] = BOUNDS["int8"]
 MODES = list(BOUNDS)
 
 
@@ -164,3 +168,39 @@ def test_the_bounds_catch_a_quantisation_bug(smol, ppl_ids):
     ratio = perplexity(bad, ids) / perplexity(smol, ids)
     print(f"perplexity ratio with the bug: {ratio:.3f}")
     assert ratio > BOUNDS["w8a8"]["ppl_ratio"], "the bounds would not even catch this bug"
+
+
+# --- quant "gguf": the same SmolLM2 as the GGUF formats people download, each on the tile of its blocks ----------
+# The files are llama.cpp's quantizer's (llama_model_quantize) from the shipped Q4_1, which tinyserve cannot make
+# itself (it writes no K-quants): they are read from $TINYSERVE_GGUF_DIR (SmolLM2-135M-Instruct.<FORMAT>.gguf), and
+# the test is skipped, saying so, where that folder does not hold them. Each file is held to int8's bounds against
+# its own float32 path (its blocks dequantized): docs/your-own-model.md has the measured table (tools/gguf_tiles.py).
+GGUF_DIR_ENV = "TINYSERVE_GGUF_DIR"
+GGUF_FILES = ("Q4_K_M", "Q8_0")
+
+
+def gguf_file(fmt: str):
+    import os
+    from pathlib import Path
+    folder = os.environ.get(GGUF_DIR_ENV)
+    path = Path(folder or ".") / f"SmolLM2-135M-Instruct.{fmt}.gguf"
+    if not folder or not path.is_file():
+        pytest.skip(f"no {path.name}: set {GGUF_DIR_ENV} to a folder of SmolLM2-135M-Instruct GGUFs made by "
+                    f"llama.cpp's quantizer (tinyserve cannot write K-quants)")
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", GGUF_FILES)
+def test_a_gguf_files_own_blocks_stay_within_the_bounds(fmt, ppl_ids):
+    from tinyserve import weights
+    m = weights.load_model(gguf_file(fmt))
+    ref, ppl32 = fp32_logits(m), perplexity(m, ppl_ids)
+    fast_model = backend.set_backend(m, "auto", "numba")
+    assert fast_model.quant == quant.GGUF.name
+    a, ppl = agreement(fast_model, ref), perplexity(fast_model, ppl_ids)
+    print(f"{fmt}: {a}, perplexity {ppl:.4f} vs float32 {ppl32:.4f}")
+    b = BOUNDS["int8"]
+    assert a.top1 >= b["top1"], f"{fmt}: top-1 agrees with float32 at only {a.top1:.1%} of positions"
+    assert ppl / ppl32 <= b["ppl_ratio"], f"{fmt}: perplexity {ppl / ppl32:.4f}x float32's"
+    assert a.max_flip_margin <= b["flip_margin"], f"{fmt}: a flip where float32's margin was {a.max_flip_margin:.2f}"

@@ -21,8 +21,8 @@ import numpy as np
 
 from .attention_backends import KVLayout
 from .model import AttentionFn, Model, forward as reference_forward
-from .quant import (AUTO, INT8, NONE, QUANT_MODES, W4A8, W8A8_64, check_blocks, get_mode, is_q4_1, load_or_quantize,
-                    with_mode)
+from .quant import (AUTO, GGUF, INT8, NONE, QUANT_MODES, W4A8, W8A8_64, check_blocks, get_mode, is_q4_1,
+                    load_or_quantize, with_mode)
 
 BACKENDS = ("numpy", "numba")
 
@@ -51,6 +51,8 @@ def default_quant(model: Model | None = None, backend: str = "numba") -> str:
     """quant="auto" (the CLI's default): the fastest mode whose accuracy stays within int8's bounds (top-1 >= 95 %,
     perplexity <= 1.02x float32: tests/test_quant_accuracy.py pins them for int8, w8a8-64 and w4a8; per-token w8a8
     misses them). On the numba backend:
+    - gguf for a model loaded from a GGUF file (Model.gguf_tensors), on every variant: each matrix keeps the file's
+      own blocks (quant.quantize_gguf), where requantizing its floats to int8 misses the bounds on K-quant files;
     - w4a8 for a model whose layers are Q4_1 already (quant.is_q4_1; SmolLM2, the model of the course, when model
       is None), on the variants of W4A8_DEFAULT_ON: it computes with the model's own weights and reads the fewest
       bytes a decode step;
@@ -62,10 +64,16 @@ def default_quant(model: Model | None = None, backend: str = "numba") -> str:
     if backend != "numba":
         return NONE.name
     variant = kernel_variant()
+    if model is not None and model.quant in (W4A8.name, GGUF.name):
+        return model.quant
+    if model is not None and model.quant == NONE.name and model.gguf_tensors is not None:
+        try:
+            check_blocks(model, GGUF.name)
+            return GGUF.name
+        except ValueError:
+            pass
     if variant == "generic":
         return INT8.name
-    if model is not None and model.quant == W4A8.name:
-        return W4A8.name
     q4 = variant in W4A8_DEFAULT_ON
     if model is None:
         return (W4A8 if q4 else W8A8_64).name

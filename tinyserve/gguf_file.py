@@ -336,4 +336,6 @@ def model_from_gguf(g: GGUFFile) -> Model:
     if extra:   # a tensor the forward would silently skip: a switch this file needs that we do not know
         raise GGUFError(f"{path}: tensor {extra[0]} (and {len(extra) - 1} more) is not used by tinyserve's "
                         f"{g.arch} block: this file's model differs from the families tinyserve knows")
-    return Model.from_weights(cfg, embed, layers, final_norm, output=output, rope_factors=factors)
+    model = Model.from_weights(cfg, embed, layers, final_norm, output=output, rope_factors=factors)
+    model.gguf_tensors = g.tensors        # the blocks themselves, for quant="gguf" (views into the mapped file)
+    return model

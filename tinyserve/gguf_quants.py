@@ -19,6 +19,8 @@ that gguf-py's `gguf.quants.dequantize` is tested against (tests/test_gguf.py).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 # type name -> (values per block, bytes per block): GGML's type table for the formats tinyserve reads
@@ -115,3 +117,61 @@ def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.nd
         raise ValueError(f"{type_name} tensor of shape {tuple(shape)} needs {n // n_per_block * n_bytes} bytes, "
                          f"got {raw.size}")
     return dequantize_blocks(raw, type_name).reshape(shape)
+
+
+# --- the blocks themselves: what the fast path multiplies (quant.py's "gguf" mode) ----------------------------------
+
+class Blocks(NamedTuple):
+    """A quantised tensor as unsigned integers with a scale and a minimum per group of inputs of a row:
+    w[r, i] = d[r, i // g] * q[r, i] + m[r, i // g], float32 operations giving dequantize's values bit for bit.
+    The signed formats carry their offset in m (Q8_0: q + 128 with m = -128 d; Q4_0: m = -8 d; Q5_0: m = -16 d)."""
+    q: np.ndarray        # [rows, n] uint8: 0..15 (Q4_0, Q4_1, Q4_K), 0..31 (Q5_*), 0..63 (Q6_K), 0..255 (Q8_0)
+    d: np.ndarray        # [rows, n / g] float32
+    m: np.ndarray        # [rows, n / g] float32
+    group: int           # g: 32, or 16 for Q6_K (its scales are per 16)
+    bits: int            # the widest q: 4, 5, 6 or 8
+
+
+BLOCK_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")   # the float ones have no blocks
+
+
+def split_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Blocks:
+    """A quantised tensor's bytes -> its Blocks (shape: [rows, row length], as dequantize takes it)."""
+    if type_name not in BLOCK_FORMATS:
+        raise ValueError(f"{type_name} has no integer blocks (formats with blocks: {', '.join(BLOCK_FORMATS)})")
+    rows, n = shape
+    dequantize(raw, type_name, shape)[:0]                  # the same checks of shape and size, one message each
+    b = _blocks(np.ascontiguousarray(raw).view(np.uint8).reshape(-1), type_name)
+    group, bits = 32, {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q4_K": 4, "Q5_K": 5,
+                       "Q6_K": 6}[type_name]
+    if type_name == "Q8_0":
+        d = _f16(b[:, :2])
+        q, m = (b[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8), -128 * d
+    elif type_name == "Q4_0":
+        d = _f16(b[:, :2])
+        q, m = _nibbles(b[:, 2:]), -8 * d
+    elif type_name == "Q4_1":
+        d, m, q = _f16(b[:, :2]), _f16(b[:, 2:4]), _nibbles(b[:, 4:])
+    elif type_name == "Q5_0":
+        d = _f16(b[:, :2])
+        q, m = _nibbles(b[:, 6:]) | _fifth_bits(b[:, 2:6]), -16 * d
+    elif type_name == "Q5_1":
+        d, m, q = _f16(b[:, :2]), _f16(b[:, 2:4]), _nibbles(b[:, 8:]) | _fifth_bits(b[:, 4:8])
+    elif type_name in ("Q4_K", "Q5_K"):          # (as dequantize_blocks: d*sc_j and dmin*m_j, exact in float32)
+        sc, mn = _k_scales(b[:, 4:16])
+        d, m = _f16(b[:, 0:2]) * sc, -(_f16(b[:, 2:4]) * mn)          # [n, 8] each
+        if type_name == "Q4_K":
+            q = _k_quads(b[:, 16:144])
+        else:
+            qh = b[:, 16:48]
+            hi = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1
+            q = _k_quads(b[:, 48:176]) | (hi.reshape(-1, 256) << 4)
+    else:                                        # Q6_K: d * sc_j per 16 values, q - 32 as q with m = -32 d sc_j
+        ql, qh = b[:, 0:128].reshape(-1, 2, 64), b[:, 128:192].reshape(-1, 2, 1, 32)
+        d = _f16(b[:, 208:210]) * b[:, 192:208].view(np.int8).astype(np.float32)        # [n, 16]
+        low = np.concatenate([ql & 0x0F, ql >> 4], axis=2)
+        high = (qh >> np.array([0, 2, 4, 6], np.uint8)[None, None, :, None]) & 3
+        q, m, group = (low | (high.reshape(-1, 2, 128) << 4)).reshape(-1, 256), -32 * d, 16
+    as_rows = lambda a: np.ascontiguousarray(a.reshape(rows, -1))      # noqa: E731
+    return Blocks(as_rows(q.astype(np.uint8)), as_rows(d.astype(np.float32)), as_rows(m.astype(np.float32)), group,
+                  bits)

@@ -64,6 +64,8 @@ class Model:
     fast: object | None = None
     output: np.ndarray | None = None   # [V, D] the LM head of an untied model (config.tied_embeddings False)
     rope_local: tuple[np.ndarray, np.ndarray] | None = None  # cos, sin [P, H/2] of the local layers (rope_theta_local)
+    gguf_tensors: dict | None = None   # a GGUF's tensors by name (gguf_file.TensorInfo): quant "gguf" multiplies
+    #                                    their own blocks (quant.quantize_gguf); None for a model from a folder
 
     @property
     def head(self) -> np.ndarray:  # [V, D] float32: the LM head's weights, the embedding itself when tied

@@ -25,6 +25,9 @@ Four int8 modes (`quantize_model(model, mode)`), and a 4-bit one:
   weights at 5 bits each (4-bit values plus a float16 scale and minimum per 32), so a decode step reads ~95 MB
   instead of int8's ~135 (see "W4A8" below). The default (backend.default_quant) for weights that are Q4_1 already,
   on the instruction sets where it is fastest (docs/performance.md, "The quantisation modes, measured").
+- "gguf": a GGUF file's matrices as the file holds them, each on the tile of its format (W4A8's nibbles, or the
+  same arithmetic on whole bytes), int8 activations per 32 (see '"gguf": every matrix as its file holds it' below).
+  The default for a model loaded from a GGUF file.
 Why the int8 weights keep one scale per output channel, not per group of 32/64 inputs: it costs little accuracy on
 SmolLM2 (lesson 7 measures both), and one weight scale per output keeps each block's sum an integer dot product.
 
@@ -39,6 +42,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
@@ -74,7 +78,10 @@ W8A8_64 = QuantMode("w8a8-64", "int8 weights and activations, a scale per 64 (W8
                     top1_min=0.95, ppl_ratio_max=1.02)
 W4A8 = QuantMode("w4a8", "the GGUF's 4-bit weights (Q4_1) and int8 activations (W4A8)", 20 / 32, True, Q4_GROUP,
                  "w4a8", top1_min=0.95, ppl_ratio_max=1.02)   # 16 bytes of nibbles + float16 d and m per 32
-MODES = {m.name: m for m in (NONE, INT8, W8A8, W8A8_64, W4A8)}
+GGUF = QuantMode("gguf", "a GGUF's own blocks, each matrix on the tile that holds it (4-bit or byte weights) and int8 "
+                 "activations", 36 / 32, True, Q4_GROUP, "gguf", top1_min=0.95, ppl_ratio_max=1.02)
+#                (bytes_per_weight: the byte tile's 32 bytes + float16 d and m per 32; the nibble tile's are W4A8's)
+MODES = {m.name: m for m in (NONE, INT8, W8A8, W8A8_64, W4A8, GGUF)}
 QUANT_MODES = tuple(MODES)                                      # the names, float32's first
 KERNEL_MODES = tuple(m.name for m in MODES.values() if m.kernels)   # the modes the Numba kernels run
 AUTO = "auto"                     # --quant auto: default_quant picks one of QUANT_MODES for this CPU and model
@@ -180,14 +187,17 @@ def matmul_reference(x: np.ndarray, q: QuantizedLinear) -> np.ndarray:
 #     xs[t, b] = sx[t, b] * sum_{i in b} xq[t, i]
 # each block's dot product an exact integer, the blocks added in float32 in order: kernels/int4_dot.py's tile
 # reproduces it bit for bit. The LM head (a Q8_0 table in the GGUF) stays int8 per channel, activations per 32.
+# The same arithmetic on whole bytes (B8Linear, the byte tile) runs the GGUF formats of 5 to 8 bits: "gguf" below.
 
 @dataclass
-class Q4Linear:
-    """A [D_in, O] weight matrix as Q4_1 blocks of 32 inputs: W[i, o] = d[i // 32, o] * q[i, o] + m[i // 32, o]."""
-    q: np.ndarray        # [D_in, O] uint8, 0..15
+class BlockLinear:
+    """A [D_in, O] weight matrix as blocks of 32 inputs: W[i, o] = d[i // 32, o] * q[i, o] + m[i // 32, o]; the
+    arithmetic of matmul_reference_w4a8, whatever the width of q (Q4Linear: nibbles, B8Linear: bytes)."""
+    q: np.ndarray        # [D_in, O] uint8
     d: np.ndarray        # [D_in / 32, O] float32 (float16 values)
     m: np.ndarray        # [D_in / 32, O] float32 (float16 values)
     mode: str = W4A8.name
+    BITS: ClassVar[int] = 8
 
     __array_ufunc__ = None
 
@@ -196,8 +206,8 @@ class Q4Linear:
         return self.q.shape
 
     @property
-    def nbytes(self) -> int:              # as the kernels hold it: two nibbles a byte, d and m as float16
-        return self.q.size // 2 + (self.d.size + self.m.size) * 2
+    def nbytes(self) -> int:              # as the kernels hold it: q at BITS bits, d and m as float16
+        return self.q.size * self.BITS // 8 + (self.d.size + self.m.size) * 2
 
     def __rmatmul__(self, x: np.ndarray) -> np.ndarray:
         return matmul_reference_w4a8(x, self)
@@ -206,6 +216,16 @@ class Q4Linear:
         D, O = self.q.shape
         b = self.q.reshape(D // Q4_GROUP, Q4_GROUP, O).astype(np.float32)
         return (self.d[:, None] * b + self.m[:, None]).reshape(D, O)
+
+
+class Q4Linear(BlockLinear):
+    """Q4_1-style blocks (q 0..15): the W4A8 tile, two values a byte (kernels/int4_dot.py)."""
+    BITS: ClassVar[int] = 4
+
+
+class B8Linear(BlockLinear):
+    """Blocks of whole bytes (q 0..255): the byte tile (kernels.matmul.pack_b8a8), for the GGUF formats of 5 to 8
+    bits (a Q5 value or Q8_0's q + 128 is a byte) and for what is requantized to 8 bits (quantize_q8_blocks)."""
 
 
 def quantize_q4_1(w: np.ndarray) -> Q4Linear:
@@ -223,7 +243,7 @@ def quantize_q4_1(w: np.ndarray) -> Q4Linear:
     return Q4Linear(np.clip(q, 0, 15).astype(np.uint8).reshape(D, O), d, m)
 
 
-def matmul_reference_w4a8(x: np.ndarray, q: Q4Linear) -> np.ndarray:
+def matmul_reference_w4a8(x: np.ndarray, q: BlockLinear) -> np.ndarray:
     """x [T, D_in] float32 @ q -> [T, O] float32: the readable definition kernels/int4_dot.py is tested against."""
     T, D = x.shape
     nb = D // Q4_GROUP
@@ -237,12 +257,81 @@ def matmul_reference_w4a8(x: np.ndarray, q: Q4Linear) -> np.ndarray:
     return y
 
 
+def quantize_q8_blocks(w: np.ndarray, mode: str = GGUF.name) -> B8Linear:
+    """[D_in, O] float32 -> B8Linear by llama.cpp's Q8_0 rule per 32 inputs (d = max |w| / 127 rounded to float16,
+    q = round(w / d) + 128, m = -128 d): the byte tile for what the file holds as floats (F32, F16, BF16) or in
+    blocks the tile cannot hold exactly (Q6_K's scales per 16)."""
+    D, O = w.shape
+    b = np.ascontiguousarray(w, np.float32).reshape(D // Q4_GROUP, Q4_GROUP, O)
+    d = (np.abs(b).max(axis=1) / np.float32(127)).astype(np.float16).astype(np.float32)      # [D/32, O]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(d[:, None] > 0, np.rint(b / d[:, None]), 0)
+    q = (np.clip(q, -127, 127) + 128).astype(np.uint8).reshape(D, O)
+    return B8Linear(q, d, (np.float32(-128) * d).astype(np.float16).astype(np.float32), mode)
+
+
+# --- "gguf": every matrix as its file holds it -------------------------------------------------------------------
+# A GGUF file's matrices come in blocks of 32 inputs with a scale d and a minimum m (gguf_quants.split_blocks), and
+# two tiles multiply such blocks with int8 activations per 32 (the arithmetic of matmul_reference_w4a8): the W4A8
+# tile (nibbles) and the byte tile (whole bytes). So each format maps onto one without rounding a weight:
+#     Q4_0, Q4_1, Q4_K                -> the nibble tile (Q4_K's d * sc_j and dmin * m_j rounded to float16)
+#     Q5_0, Q5_1, Q5_K, Q8_0          -> the byte tile (Q5_K's scales likewise rounded to float16)
+#     Q6_K, F32, F16, BF16            -> the byte tile, requantized per 32 by Q8_0's rule (quantize_q8_blocks: Q6_K's
+#                                        scales are per 16; floats have no blocks)
+# A float32 model with no file behind it (Model.gguf_tensors None) takes the last row for every matrix.
+
+NIBBLE_FORMATS = ("Q4_0", "Q4_1", "Q4_K")
+BYTE_FORMATS = ("Q5_0", "Q5_1", "Q5_K", "Q8_0")
+
+
+def _f16(a: np.ndarray) -> np.ndarray:
+    return a.astype(np.float16).astype(np.float32)
+
+
+def tile_of(type_name: str) -> str:
+    """Which tile a GGUF format runs on in the gguf mode: "nibble", "byte" or "byte (requantized)"."""
+    return "nibble" if type_name in NIBBLE_FORMATS else "byte" if type_name in BYTE_FORMATS else "byte (requantized)"
+
+
+def file_matrix(info, w: np.ndarray, unpermute_heads: int | None = None) -> BlockLinear:
+    """One GGUF tensor (gguf_file.TensorInfo, [O, D_in] in the file) -> the block matrix [D_in, O] the gguf mode
+    multiplies; w [D_in, O] float32 is the model's dequantized copy (requantized where the format has no exact tile).
+    unpermute_heads: the file's Q/K rows are llama.cpp's interleaved order (gguf_file.unpermute_rope_rows)."""
+    from .gguf_file import unpermute_rope_rows
+    from .gguf_quants import split_blocks
+    if info is None or tile_of(info.type_name).startswith("byte ("):
+        return quantize_q8_blocks(w)
+    b = split_blocks(info.raw, info.type_name, info.shape)                             # [O, D_in], [O, D_in/32]
+    q, d, m = b.q, _f16(b.d), _f16(b.m)
+    if unpermute_heads:
+        q, d, m = (unpermute_rope_rows(a, unpermute_heads) for a in (q, d, m))
+    kind = Q4Linear if info.type_name in NIBBLE_FORMATS else B8Linear
+    return kind(np.ascontiguousarray(q.T), np.ascontiguousarray(d.T), np.ascontiguousarray(m.T), GGUF.name)
+
+
+def quantize_gguf(model: Model) -> Model:
+    """The "gguf" mode: every matmul weight (the LM head too) as its file's own blocks (see above)."""
+    from .gguf_file import LAYER_TENSORS
+    tensors = model.gguf_tensors or {}
+    names = {f: n for n, f in LAYER_TENSORS.items()}
+    cfg = model.config
+    heads = {"wq": cfg.n_heads, "wk": cfg.n_kv_heads} if cfg.arch == "llama" else {}   # as gguf_file unpermutes
+    layers = [dataclasses.replace(w, **{f: file_matrix(tensors.get(f"blk.{i}.{names[f]}"), getattr(w, f),
+                                                       heads.get(f)) for f in MATRICES})
+              for i, w in enumerate(model.layers)]
+    head = tensors.get("token_embd.weight" if model.output is None else "output.weight")
+    return dataclasses.replace(model, layers=layers, lm_head_q=file_matrix(head, model.head.T), quant=GGUF.name,
+                               fast=None)
+
+
 def quantize_model(model: Model, mode: str) -> Model:
     """The same model with every matmul weight quantised (attention, MLP and the tied LM head); the embedding
     lookup table and the norms stay float32 (a lookup reads T rows, not the whole table)."""
     if get_mode(mode) is NONE:
         return model
     check_blocks(model, mode)
+    if get_mode(mode) is GGUF:
+        return quantize_gguf(model)
     layer_q = quantize_q4_1 if get_mode(mode) is W4A8 else lambda w: quantize_weight(w, mode)
     layers = [dataclasses.replace(w, **{f: layer_q(getattr(w, f)) for f in MATRICES}) for w in model.layers]
     return dataclasses.replace(model, layers=layers, lm_head_q=quantize_weight(model.head.T, mode), quant=mode,
@@ -270,9 +359,10 @@ def check_blocks(model: Model, mode: str) -> None:
 
 def with_mode(model: Model, mode: str) -> Model:
     """A quantised model switched between INT8, W8A8 and W8A8_64 (same int8 weights, other activations)."""
-    if W4A8.name in (mode, model.quant):
-        raise ValueError(f"a {model.quant} model cannot become {mode}: w4a8 holds other weights (4-bit) than the int8 "
-                         f"modes; load the float32 weights again with quant={mode!r}")
+    if {W4A8.name, GGUF.name} & {mode, model.quant}:
+        raise ValueError(f"a {model.quant} model cannot become {mode}: {W4A8.name} holds other weights (4-bit) than "
+                         f"the int8 modes, {GGUF.name} a file's own blocks; load the float32 weights again with "
+                         f"quant={mode!r}")
     check_blocks(model, mode)
     layers = [dataclasses.replace(w, **{f: dataclasses.replace(getattr(w, f), mode=mode) for f in MATRICES})
               for w in model.layers]
@@ -387,7 +477,8 @@ def load_or_quantize(model: Model, weights_dir: str | Path | None, mode: str) ->
     if get_mode(mode) is NONE:
         return model
     check_blocks(model, mode)
-    if weights_dir is None or get_mode(mode) is W4A8:         # (w4a8 reads its blocks back from the float32 weights)
+    if weights_dir is None or get_mode(mode) in (W4A8, GGUF):   # (their blocks come from the float32 weights or
+        #                                                              the file: nothing to cache)
         return quantize_model(model, mode)
     from safetensors.numpy import load_file, save_file
     d = Path(weights_dir)

@@ -26,8 +26,9 @@ from .decode_step import DecodeWeights, Packed, PackedLayer
 from .layer import (lm_head, lm_head_w8a32, mlp_down, mlp_down_w8a32, post_attention, post_attention_w8a32,
                     pre_attention, pre_attention_w8a32)
 from ..model import forward as float32_forward
-from ..quant import Q4Linear, act_blocks, dequantize_model, is_w8a8
-from .matmul import W8A8Weights, W8A32Weights, act_blocks_of, pack_vnni, pack_w4a8, pack_w8a32, w4a8_weights
+from ..quant import BlockLinear, Q4Linear, act_blocks, dequantize_model, is_w8a8
+from .matmul import (W8A8Weights, W8A32Weights, act_blocks_of, b8a8_weights, pack_b8a8, pack_vnni, pack_w4a8,
+                     pack_w8a32, w4a8_weights)
 
 
 # SiLU's exp on the three-call W8A8 path. None (the default): fast_exp.exp32 inside mlp_down, the fused decode step's
@@ -58,12 +59,16 @@ class FastWeights:
                                                            # (decode_step._run_kernel)
 
 
-def _pack(mode: str, *qs) -> Packed:
-    """Quantised matrices side by side (same input) -> one packed matrix of their kind: a fused projection. Q4_1
-    blocks (quant.Q4Linear) pack as W4A8; int8 ones as W8A8 when the model's mode rounds the activations to int8
-    too (a W4A8 model's LM head among them), else as W8A32."""
-    if isinstance(qs[0], Q4Linear):
+def _pack(mode: str, *qs, whole_bytes: bool = False) -> Packed:
+    """Quantised matrices side by side (same input) -> one packed matrix of their kind: a fused projection. Blocks
+    of 32 (quant.BlockLinear) pack as W4A8 if every one is nibbles (quant.Q4Linear) and whole_bytes is not set, else
+    on the byte tile (a nibble is a byte: a fused or stacked matrix of mixed formats reads 8 bits a weight); int8
+    ones as W8A8 when the model's mode rounds the activations to int8 too (a W4A8 model's LM head among them), else
+    as W8A32."""
+    if isinstance(qs[0], BlockLinear):
         cat = lambda f: np.concatenate([getattr(q, f) for q in qs], axis=1)        # noqa: E731
+        if whole_bytes or not all(isinstance(q, Q4Linear) for q in qs):
+            return b8a8_weights(pack_b8a8(cat("q"), cat("d"), cat("m")))
         return w4a8_weights(pack_w4a8(cat("q"), cat("d"), cat("m")))
     wq = np.concatenate([q.wq for q in qs], axis=1)                                  # [D_in, sum O]
     scale = np.concatenate([q.scale for q in qs])
@@ -82,10 +87,15 @@ def _stack(matrices: list[Packed]) -> tuple[Packed, list[Packed]]:
 def prepare(model) -> FastWeights:
     """Pack a quantised model's weights for the kernels (once per model, before anything is timed)."""
     mode = model.quant
-    qkv, qkv_l = _stack([_pack(mode, w.wq, w.wk, w.wv) for w in model.layers])
-    o, o_l = _stack([_pack(mode, w.wo) for w in model.layers])
-    gate_up, gate_up_l = _stack([_pack(mode, w.w_gate, w.w_up) for w in model.layers])
-    down, down_l = _stack([_pack(mode, w.w_down) for w in model.layers])
+
+    def role(*fields):     # one matrix of every layer, stacked: on the byte tile if any layer's is bytes (_pack)
+        mats = [[getattr(w, f) for f in fields] for w in model.layers]
+        wide = any(isinstance(q, BlockLinear) and not isinstance(q, Q4Linear) for qs in mats for q in qs)
+        return _stack([_pack(mode, *qs, whole_bytes=wide) for qs in mats])
+    qkv, qkv_l = role("wq", "wk", "wv")
+    o, o_l = role("wo")
+    gate_up, gate_up_l = role("w_gate", "w_up")
+    down, down_l = role("w_down")
     layers = [PackedLayer(w.attn_norm, qkv_l[i], o_l[i], w.mlp_norm, gate_up_l[i], down_l[i])
               for i, w in enumerate(model.layers)]
     stacked = PackedLayer(np.stack([w.attn_norm for w in model.layers]), qkv, o,

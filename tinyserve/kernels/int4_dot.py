@@ -44,6 +44,7 @@ BLOCK = 16                      # outputs per packed block
 GROUP = 32                      # inputs per Q4_1 block (one d, one m)
 SCALE_BYTES = 2 * BLOCK * 2     # d[16] and m[16] as float16
 GROUP_BYTES = SCALE_BYTES + GROUP * BLOCK // 2   # 320 bytes per (output block, input block)
+BYTE_GROUP_BYTES = SCALE_BYTES + GROUP * BLOCK     # the byte tile's: 576 (whole bytes instead of nibbles)
 _I1, _I8, _I16, _I32 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32)
 _F32 = ir.FloatType()
 
@@ -57,11 +58,15 @@ def _fn(builder, name, ret, args):
 EXTRA_REGISTERS = 3
 
 
-def _step(name: str, vb: int) -> IsaStep:
+def _step(name: str, vb: int, whole_bytes: bool = False) -> IsaStep:
     """The W4A8 step of an instruction set (int8_dot.IsaStep's contract): w the nibbles as bytes (0..15), x the signed
-    activation bytes, already broadcast (per_row passes them on)."""
+    activation bytes, already broadcast (per_row passes them on). whole_bytes: w is 0..255 (the byte tile), which
+    vpdpbusd and the plain loops take as they are; avx2's vpmaddubsw would saturate its 16-bit pairs and neon's sdot
+    reads signed bytes, so there the step splits each byte into its nibbles (_split_step)."""
     nl = vb // 4
     bytes_t, lanes_t = ir.VectorType(_I8, vb), ir.VectorType(_I32, nl)
+    if whole_bytes and name in ("avx2", "neon"):
+        return _split_step(name, vb)
     if name in ("avx512vnni", "avxvnni"):
         intr = "llvm.x86.avx512.vpdpbusd.512" if vb == 64 else "llvm.x86.avx512.vpdpbusd.256"
 
@@ -106,6 +111,36 @@ def _step(name: str, vb: int) -> IsaStep:
     raise ValueError(f"no W4A8 tile for {name!r}")
 
 
+def _split_step(name: str, vb: int) -> IsaStep:
+    """The byte tile's step where the instruction set multiplies only small unsigned (avx2) or signed (neon) bytes:
+    q = 16 hi + lo, so dot(q, x) = 16 dot(hi, x) + dot(lo, x), each nibble's dot taken as the W4A8 step takes it
+    (in the same bounds). Its accumulator is the two nibbles' side by side: the low half the low nibbles'."""
+    nl = vb // 4
+    bytes_t, lanes_t = ir.VectorType(_I8, vb), ir.VectorType(_I32, nl)
+    low = ir.Constant(bytes_t, [ir.Constant(_I8, 0x0F)] * vb)
+    four = ir.Constant(bytes_t, [ir.Constant(_I8, 4)] * vb)
+    half = _step(name, vb)                                  # the nibble step: its accumulator, its finish
+
+    def halves(builder, acc):                               # the accumulator's low and high nibbles' halves
+        n = half.acc_type.count
+        return [builder.shuffle_vector(acc, ir.Constant(acc.type, None),
+                                       ir.Constant(ir.VectorType(_I32, n), list(range(k * n, (k + 1) * n))))
+                for k in (0, 1)]
+
+    def step(builder, st, acc, q, x):
+        lo, hi = halves(builder, acc)
+        lo = half.step(builder, st, lo, builder.and_(q, low), x)
+        hi = half.step(builder, st, hi, builder.and_(builder.lshr(q, four), low), x)
+        n = half.acc_type.count
+        return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 2 * n), list(range(2 * n))))
+
+    def finish(builder, st, acc):
+        lo, hi = (half.finish(builder, st, a) for a in halves(builder, acc))
+        return builder.add(lo, builder.shl(hi, ir.Constant(lanes_t, [ir.Constant(_I32, 4)] * nl)))
+    wide_t = ir.VectorType(half.acc_type.element, 2 * half.acc_type.count)
+    return IsaStep(wide_t, EXTRA_REGISTERS + 2, half.setup, half.per_row, step, finish)
+
+
 def _opaque(builder, value):
     """value, hidden from LLVM's optimiser behind an empty inline assembly (no instruction is emitted, on any CPU).
     The tile's loop over a block's 4 pairs of steps gets this as its trip count: a loop of a known 4 trips is
@@ -136,9 +171,10 @@ def _plan(R: int, C: int, v: int, regs: int, extra: int) -> tuple[int, int]:
     return max(fits or [(1, 1)], key=lambda rc: (rc[0] * rc[1], -abs(rc[0] - rc[1])))
 
 
-def make_w4a8_tile(R: int, C: int, name: str | None = None):
-    """An R x C W4A8 tile: tile(x, x_off, x_stride, w, w_off, w_stride, nb, sx, xs, s_off, s_stride, out, o_off,
-    o_stride). x: the int8 activations' bytes (row r at byte x_off + r*x_stride; signed, not the + 128 of the
+def make_w4a8_tile(R: int, C: int, name: str | None = None, whole_bytes: bool = False):
+    """An R x C W4A8 tile, or with whole_bytes the byte tile (weights 0..255, matmul.pack_b8a8's layout: 576 bytes per
+    block of 16 outputs and 32 inputs, the 8 steps a byte each): tile(x, x_off, x_stride, w, w_off, w_stride, nb, sx,
+    xs, s_off, s_stride, out, o_off, o_stride). x: the int8 activations' bytes (row r at byte x_off + r*x_stride; signed, not the + 128 of the
     other kinds' tiles: so a row's 4 bytes go from memory straight into the broadcast, which vpdpbusd takes as its
     memory operand, where a flip of the sign bits first cost a third of the inner loop's instructions; the caller
     converts them once per matmul: matmul._tile_inputs), w: pack_w4a8's bytes (block c
@@ -149,9 +185,12 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None):
     parts, nl = 64 // vb, vb // 4
     bytes_t, lanes_t, float_t = ir.VectorType(_I8, vb), ir.VectorType(_I32, nl), ir.VectorType(_F32, nl)
     half_t = ir.VectorType(_I16, nl)
-    acc_t, extra, setup, per_row, step, finish = _step(name, vb)
-    # live registers: the accumulators, 2 activation broadcasts per row, one weight vector and its nibbles, the mask
-    rs, cs = (1, 1) if name == "generic" else _plan(R, C, 64 // vb, isa.VARIANTS[name].registers, extra)
+    acc_t, extra, setup, per_row, step, finish = _step(name, vb, whole_bytes)
+    group_bytes = BYTE_GROUP_BYTES if whole_bytes else GROUP_BYTES
+    # live registers: the accumulators (a split step's are two registers wide), 2 activation broadcasts per row, one
+    # weight vector and its nibbles, the mask
+    acc_regs = 64 // vb * (acc_t.count * acc_t.element.width) // (8 * vb)
+    rs, cs = (1, 1) if name == "generic" else _plan(R, C, acc_regs, isa.VARIANTS[name].registers, extra)
 
     @intrinsic
     def tile(typingctx, x, x_off, x_stride, w, w_off, w_stride, nb, sx, xs, s_off, s_stride, out, o_off, o_stride):
@@ -178,6 +217,16 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None):
             s_rows = [builder.add(s_off, builder.mul(s_stride, k(r))) for r in range(R)]
             out_rows = [builder.gep(out_base, [builder.add(o_off, builder.mul(o_stride, k(r)))]) for r in range(R)]
 
+            def load_bytes(c, off):
+                return builder.load(builder.bitcast(builder.gep(w_cols[c], [off]), bytes_t.as_pointer()), align=1)
+
+            def weights(j, c, p, base):                         # steps 2j and 2j + 1 of part p of block c: [(0,
+                if whole_bytes:                                 # q), (1, q)], a vector each
+                    return [(half, load_bytes(c, builder.add(base, builder.add(
+                        builder.mul(j, k(128)), k(SCALE_BYTES + 64 * half + vb * p))))) for half in (0, 1)]
+                v = load_bytes(c, builder.add(base, builder.add(builder.mul(j, k(64)), k(SCALE_BYTES + vb * p))))
+                return [(0, builder.and_(v, low)), (1, builder.and_(builder.lshr(v, four), low))]
+
             def bcast(value):                                   # one float in every lane
                 one = builder.insert_element(ir.Constant(float_t, None), value, ir.Constant(_I32, 0))
                 return builder.shuffle_vector(one, ir.Constant(float_t, None), ir.Constant(lanes_t, None))
@@ -187,10 +236,10 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None):
                     sub_r, sub_c = range(r0, min(R, r0 + rs)), range(c0, min(C, c0 + cs))
 
                     def one_block(b, first):                    # input block b (first: b == 0, an i1)
-                        base = builder.mul(b, k(GROUP_BYTES))
+                        base = builder.mul(b, k(group_bytes))
                         if r0 == 0:                             # the next tile's lines of this block, into L2
                             for c in sub_c:
-                                for line in range(0, GROUP_BYTES, 64):
+                                for line in range(0, group_bytes, 64):
                                     ahead = builder.gep(w_cols[c], [builder.add(base, builder.add(next_tile, k(line)))])
                                     builder.call(prefetch, [ahead] + [ir.Constant(_I32, a) for a in (0, 2, 1)])
                         zero = ir.Constant(acc_t, [ir.Constant(acc_t.element, 0)] * acc_t.count)
@@ -211,12 +260,7 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None):
                                         one, ir.Constant(lanes_t, None), ir.Constant(lanes_t, None)), bytes_t))
                             for c in sub_c:                     # one weight vector at a time: unpacked, used, gone
                                 for p in range(parts):
-                                    off = builder.add(base, builder.add(builder.mul(j, k(64)),
-                                                                        k(SCALE_BYTES + vb * p)))
-                                    v = builder.load(builder.bitcast(builder.gep(w_cols[c], [off]),
-                                                                     bytes_t.as_pointer()), align=1)
-                                    for half, qv in ((0, builder.and_(v, low)),
-                                                     (1, builder.and_(builder.lshr(v, four), low))):
+                                    for half, qv in weights(j, c, p, base):
                                         for r in sub_r:
                                             acc[r, c, p] = step(builder, st, acc[r, c, p], qv, xv[r, half])
                             for key in keys:

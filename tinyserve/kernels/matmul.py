@@ -9,9 +9,10 @@ Three kernels, one per kind of quantisation in tinyserve.quant:
 - `matmul_w8a32`: weight-only; each int8 weight is widened to float32 and multiplied with the float32 activation.
   Float sums in a different order than BLAS: matches the NumPy reference to ~1e-6 relative (tests/test_quant.py).
 - `matmul_w4a8`: Q4_1 weights (4 bits, a scale and a minimum per 32 inputs; `pack_w4a8`) times int8 activations
-  per 32, the tile of kernels/int4_dot.py; bit-identical to quant.matmul_reference_w4a8.
+  per 32, the tile of kernels/int4_dot.py; bit-identical to quant.matmul_reference_w4a8. The same with whole bytes
+  (0..255, `pack_b8a8`): the byte tile, which runs the GGUF formats of 5 to 8 bits (quant.py's "gguf" mode).
 
-Inside, a packed matrix is one of three NamedTuples, W8A8Weights, W8A32Weights and W4A8Weights: its class is its
+Inside, a packed matrix is one of four NamedTuples, W8A8Weights, W8A32Weights, W4A8Weights and B8A8Weights: its class is its
 kind, and the kind picks the tile when Numba compiles a matmul. Every kind is walked by the same two drivers
 (`matmul_items`, `matmul_blocks`, at the end of this file) over work items of (a tile of rows, a group of 64 output
 channels), so one weight group is read from memory once per tile of rows and stays in cache while the other rows'
@@ -26,7 +27,7 @@ import numpy as np
 from numba import njit, prange
 from numba.extending import overload
 
-from .int4_dot import GROUP, GROUP_BYTES, make_w4a8_tile
+from .int4_dot import BYTE_GROUP_BYTES, GROUP, GROUP_BYTES, make_w4a8_tile
 from .int8_dot import make_int8_tile
 from .simd import bits_float, float_bits, make_fma_microkernel
 
@@ -110,6 +111,19 @@ class W4A8Weights(NamedTuple):
     w: np.ndarray          # [O/16, D/32, 320] uint8: pack_w4a8
     blocks: np.ndarray     # [D/32, 0] int32: one activation scale per 32 inputs
     scale: np.ndarray      # [0] float32
+
+
+class B8A8Weights(NamedTuple):
+    """Whole-byte weights (0..255, a float16 scale and minimum per 32 inputs: w = d * q + m) times int8 activations:
+    the GGUF formats of 5 to 8 bits (QuantMode "gguf"), the W4A8 tile's arithmetic on bytes. Scales inside w."""
+    w: np.ndarray          # [O/16, D/32, 576] uint8: pack_b8a8
+    blocks: np.ndarray     # [D/32, 0] int32: one activation scale per 32 inputs
+    scale: np.ndarray      # [0] float32
+
+
+def b8a8_weights(wp: np.ndarray) -> B8A8Weights:
+    """pack_b8a8's bytes [O/16, D/32, 576] as the byte kind."""
+    return B8A8Weights(wp, act_blocks_of(wp.shape[1]), np.zeros(0, np.float32))
 
 
 def w4a8_weights(wp: np.ndarray) -> W4A8Weights:
@@ -354,21 +368,36 @@ def matmul_w8a32(x: np.ndarray, wp: np.ndarray, sw: np.ndarray, out: np.ndarray 
 # the tile is kernels/int4_dot.py's; the rest mirrors W8A8 above.
 
 _q4_RC, _q4_1C, _q4_11 = make_w4a8_tile(ROWS, COLS), make_w4a8_tile(1, COLS), make_w4a8_tile(1, 1)
+_b8_RC, _b8_1C, _b8_11 = (make_w4a8_tile(ROWS, COLS, whole_bytes=True), make_w4a8_tile(1, COLS, whole_bytes=True),
+                          make_w4a8_tile(1, 1, whole_bytes=True))
+
+
+def _block_steps(q: np.ndarray, d: np.ndarray, m: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """q [D, O] uint8, d and m [D/32, O] -> (the 8 4-input steps of pack_vnni's layout per block of 16 outputs and
+    run of 32 inputs [O/16, D/32, 8, 64] uint8, d[16] and m[16] as float16 bytes [O/16, D/32, 64])."""
+    D, O = q.shape
+    if D % GROUP or O % BLOCK:
+        raise ValueError(f"{kind} needs D % {GROUP} == 0 and O % {BLOCK} == 0, got a [{D}, {O}] matrix")
+    steps = pack_vnni(q.view(np.int8)).view(np.uint8).reshape(O // BLOCK, D // GROUP, GROUP // 4, 4 * BLOCK)
+    half = lambda a: np.ascontiguousarray(                                       # noqa: E731
+        a.astype(np.float16).reshape(D // GROUP, O // BLOCK, BLOCK).transpose(1, 0, 2)).view(np.uint8)
+    return steps, np.concatenate([half(d), half(m)], axis=2)
 
 
 def pack_w4a8(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
     """q [D, O] uint8 (0..15), d and m [D/32, O] (float16 values) -> [O/16, D/32, 320] uint8: per block of 16
     outputs and run of 32 inputs, d[16] and m[16] as float16, then the 8 4-input steps of pack_vnni's layout two to
     a byte (step 2j in the low nibble, 2j + 1 in the high one)."""
-    D, O = q.shape
-    if D % GROUP or O % BLOCK:
-        raise ValueError(f"pack_w4a8 needs D % {GROUP} == 0 and O % {BLOCK} == 0, got a [{D}, {O}] matrix")
-    steps = pack_vnni(q.astype(np.int8)).view(np.uint8).reshape(O // BLOCK, D // GROUP, GROUP // 4, 4 * BLOCK)
+    steps, scales = _block_steps(np.asarray(q, np.uint8), d, m, "pack_w4a8")
     nibbles = steps[:, :, 0::2] | (steps[:, :, 1::2] << 4)                      # [O/16, D/32, 4, 64]
-    half = lambda a: np.ascontiguousarray(                                       # noqa: E731
-        a.astype(np.float16).reshape(D // GROUP, O // BLOCK, BLOCK).transpose(1, 0, 2)).view(np.uint8)
-    packed = np.concatenate([half(d), half(m), nibbles.reshape(O // BLOCK, D // GROUP, -1)], axis=2)
-    return np.ascontiguousarray(packed)
+    return np.ascontiguousarray(np.concatenate([scales, nibbles.reshape(*scales.shape[:2], -1)], axis=2))
+
+
+def pack_b8a8(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """q [D, O] uint8 (0..255), d and m [D/32, O] (float16 values) -> [O/16, D/32, 576] uint8: pack_w4a8's layout
+    with each step's 64 bytes whole (the byte tile: int4_dot.make_w4a8_tile(whole_bytes=True))."""
+    steps, scales = _block_steps(np.asarray(q, np.uint8), d, m, "pack_b8a8")
+    return np.ascontiguousarray(np.concatenate([scales, steps.reshape(*scales.shape[:2], -1)], axis=2))
 
 
 @njit(cache=True, inline="always")
@@ -398,14 +427,42 @@ def w4a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc):
                 out[r0 + r, o] = acc[r * CB + j]
 
 
+@njit(cache=True, inline="always")
+def b8a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc):
+    """w4a8_tile with the byte tile (B8A8Weights)."""
+    nb = D // GROUP
+    step = nb * BYTE_GROUP_BYTES
+    CB = COLS * BLOCK
+    sf, xsf = sx.ravel(), xs.ravel()
+    if nr == ROWS and nc == COLS:
+        _b8_RC(xf, r0 * D, D, wf, b0 * step, step, nb, sf, xsf, r0 * nb, nb, acc, 0, CB)
+    elif nc == COLS:
+        for r in range(nr):
+            _b8_1C(xf, (r0 + r) * D, D, wf, b0 * step, step, nb, sf, xsf, (r0 + r) * nb, nb, acc, r * CB, CB)
+    else:
+        for r in range(nr):
+            for c in range(nc):
+                _b8_11(xf, (r0 + r) * D, D, wf, (b0 + c) * step, step, nb, sf, xsf, (r0 + r) * nb, nb, acc,
+                       r * CB + c * BLOCK, CB)
+    for r in range(nr):
+        for j in range(nc * BLOCK):
+            o = b0 * BLOCK + j
+            if accumulate:
+                out[r0 + r, o] += acc[r * CB + j]
+            else:
+                out[r0 + r, o] = acc[r * CB + j]
+
+
 def matmul_w4a8(xu: np.ndarray, sx: np.ndarray, wp: np.ndarray, out: np.ndarray | None = None,
                 accumulate: bool = False) -> np.ndarray:
-    """xu [T, D] uint8 (+128), sx [T, D/32] (one scale per block of 32 inputs), wp = pack_w4a8(q, d, m) -> [T, O]."""
+    """xu [T, D] uint8 (+128), sx [T, D/32] (one scale per block of 32 inputs), wp = pack_w4a8(q, d, m) -> [T, O];
+    or wp = pack_b8a8(q, d, m) (its last axis 576 bytes, not 320): the byte tile."""
     T, D = xu.shape
     if out is None:
         out = np.empty((T, wp.shape[0] * BLOCK), np.float32)
     sx = np.ascontiguousarray(sx, np.float32).reshape(T, D // GROUP)
-    _matmul_int8(w4a8_weights(wp), xu, sx, out, accumulate)
+    wt = b8a8_weights(wp) if wp.shape[-1] == BYTE_GROUP_BYTES else w4a8_weights(wp)
+    _matmul_int8(wt, xu, sx, out, accumulate)
     return out
 
 
@@ -450,8 +507,8 @@ def _layer(wt, i):
 
 def _kind(wt):
     kind = getattr(wt, "instance_class", None)
-    if kind not in (W8A8Weights, W8A32Weights, W4A8Weights):
-        raise TypeError(f"the matmuls take W8A8Weights, W8A32Weights or W4A8Weights, not {wt}")
+    if kind not in (W8A8Weights, W8A32Weights, W4A8Weights, B8A8Weights):
+        raise TypeError(f"the matmuls take W8A8Weights, W8A32Weights, W4A8Weights or B8A8Weights, not {wt}")
     return kind
 
 
@@ -509,6 +566,9 @@ def _tile_of_kind(wt, wf, xf, sx, xs, out, accumulate, D, r0, nr, b0, nc, acc):
     elif kind is W4A8Weights:
         def tile(wt, wf, xf, sx, xs, out, accumulate, D, r0, nr, b0, nc, acc):
             w4a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc)
+    elif kind is B8A8Weights:
+        def tile(wt, wf, xf, sx, xs, out, accumulate, D, r0, nr, b0, nc, acc):
+            b8a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc)
     else:
         def tile(wt, wf, xf, sx, xs, out, accumulate, D, r0, nr, b0, nc, acc):
             w8a32_tile(xf, wf, wt.scale, out, accumulate, D, r0, nr, b0, nc, acc)

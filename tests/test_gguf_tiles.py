@@ -1,0 +1,226 @@
+"""quant="gguf": a GGUF file's matrices on the fast path as the file holds them (quant.quantize_gguf).
+
+On synthetic blocks of every format (random integers, random float16 scales), fast:
+- gguf_quants.split_blocks gives the integers and scales back: d * q + m is dequantize's value bit for bit;
+- each format lands on its tile (quant.tile_of) and, for the exact ones, the tile's weights ARE the file's
+  (BlockLinear.dequantize() == dequantize()); Q4_K/Q5_K round only d*sc_j and dmin*m_j to float16, and the
+  requantized ones (Q6_K, floats) stay within half a step of Q8_0's rule;
+- the byte tile and the nibble tile are bit-identical to quant.matmul_reference_w4a8 on those blocks;
+- a tiny model whose every matrix is another format (mixed within Q|K|V and across layers) runs the Numba path as
+  the NumPy reference of the same weights, packs each role on the tile its formats need, and `auto` picks gguf.
+The real files' accuracy (top-1 and perplexity against the float path) is tests/test_quant_accuracy.py's.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import tinyserve as ts
+from tinyserve import backend, gguf_quants, kv_cache, naive, quant
+from tinyserve.gguf_file import LAYER_TENSORS, TensorInfo, unpermute_rope_rows
+from tinyserve.kernels import decode_step, forward as fast
+from tinyserve.kernels import matmul as km
+
+# the largest integer of each format's q (as split_blocks returns it), to give random blocks weights of ~AMPLITUDE
+Q_RANGE = {"Q8_0": 128, "Q4_0": 8, "Q4_1": 15, "Q5_0": 16, "Q5_1": 31, "Q4_K": 63 * 15, "Q5_K": 63 * 31,
+           "Q6_K": 128 * 32}
+AMPLITUDE = 0.1
+FORMATS = gguf_quants.SUPPORTED          # the float ones too (no blocks: requantized)
+EXACT = quant.NIBBLE_FORMATS + quant.BYTE_FORMATS
+
+
+def random_tensor(type_name: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    """The raw bytes of a [rows, cols] tensor of a format: every quant's bits random, the float16 scales and
+    minimums of a size that keeps the weights near AMPLITUDE (a model made of them stays finite and peaked)."""
+    rng = np.random.default_rng(seed)
+    if type_name in ("F32", "F16", "BF16"):
+        w = (rng.standard_normal((rows, cols)) * AMPLITUDE).astype(np.float32)
+        if type_name == "F32":
+            return w.view(np.uint8).reshape(-1)
+        if type_name == "F16":
+            return w.astype(np.float16).view(np.uint8).reshape(-1)
+        return (w.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(-1)
+    per, nbytes = gguf_quants.BLOCKS[type_name]
+    n = rows * cols // per
+    b = rng.integers(0, 256, (n, nbytes), dtype=np.uint8)
+    f16 = lambda scale: (rng.uniform(0.5, 1, (n, 1)) * scale).astype(np.float16).view(np.uint8)   # noqa: E731
+    d = AMPLITUDE / Q_RANGE[type_name]
+    at = 208 if type_name == "Q6_K" else 0
+    b[:, at:at + 2] = f16(d)
+    if type_name in ("Q4_1", "Q5_1"):
+        b[:, 2:4] = f16(-d * Q_RANGE[type_name] / 2)
+    if type_name in ("Q4_K", "Q5_K"):
+        b[:, 2:4] = f16(AMPLITUDE / 63)                # dmin
+    return b.reshape(-1)
+
+
+def info(type_name: str, rows: int, cols: int, seed: int, name: str = "t") -> TensorInfo:
+    return TensorInfo(name, type_name, (rows, cols), random_tensor(type_name, rows, cols, seed))
+
+
+# --- the formats, one matrix at a time ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("type_name", gguf_quants.BLOCK_FORMATS)
+def test_split_blocks_give_dequantize_back_bit_for_bit(type_name):
+    rows, cols = 5, 512
+    raw = random_tensor(type_name, rows, cols, seed=len(type_name))
+    b = gguf_quants.split_blocks(raw, type_name, (rows, cols))
+    assert b.q.dtype == np.uint8 and b.q.shape == (rows, cols) and b.d.shape == b.m.shape == (rows, cols // b.group)
+    assert b.q.max() < 2 ** b.bits and b.q.max() >= 2 ** (b.bits - 1)         # the whole range is used
+    w = (b.d[:, :, None] * b.q.reshape(rows, -1, b.group) + b.m[:, :, None]).reshape(rows, cols)
+    assert np.array_equal(w, gguf_quants.dequantize(raw, type_name, (rows, cols)))
+
+
+def test_split_blocks_refuse_formats_without_blocks_and_bad_sizes():
+    with pytest.raises(ValueError, match="F16 has no integer blocks"):
+        gguf_quants.split_blocks(np.zeros(64, np.uint8), "F16", (1, 32))
+    with pytest.raises(ValueError, match="needs 34 bytes"):
+        gguf_quants.split_blocks(np.zeros(33, np.uint8), "Q8_0", (1, 32))
+
+
+@pytest.mark.parametrize("type_name", FORMATS)
+def test_each_format_lands_on_its_tile_without_loss(type_name):
+    O, D = 48, 512
+    t = info(type_name, O, D, seed=7)
+    w = gguf_quants.dequantize(t.raw, type_name, t.shape).T                        # [D, O] as the model holds it
+    q = quant.file_matrix(t, np.ascontiguousarray(w))
+    assert q.shape == (D, O) and q.mode == quant.GGUF.name
+    assert isinstance(q, quant.Q4Linear if type_name in quant.NIBBLE_FORMATS else quant.B8Linear)
+    got = q.dequantize()
+    if type_name in ("Q4_K", "Q5_K"):     # only d * sc_j and dmin * m_j are rounded: to float16, 11 bits
+        # (a scale is rounded by at most 2^-11 of itself, so a weight by 2^-11 of its block's largest term)
+        bound = 2.0 ** -11 * (np.abs(w).max() + 2 * AMPLITUDE)
+        assert np.abs(got - w).max() <= bound and not np.array_equal(got, w)
+    elif type_name in EXACT:
+        assert np.array_equal(got, w)
+    else:                                 # requantized by Q8_0's rule: within half a step of its block's scale
+        step = np.repeat(q.d, 32, axis=0)                                          # [D, O]
+        assert np.all(np.abs(got - w) <= 0.5 * step * (1 + 1e-3))
+
+
+@pytest.mark.parametrize("type_name", FORMATS)
+@pytest.mark.parametrize("T", [1, 5, 16])
+def test_the_tiles_are_bit_identical_to_the_reference_on_every_format(type_name, T):
+    O, D = 80, 512
+    q = quant.file_matrix(info(type_name, O, D, seed=3), np.zeros((D, O), np.float32)
+                          if type_name in EXACT else
+                          (np.random.default_rng(1).standard_normal((D, O)) * AMPLITUDE).astype(np.float32))
+    x = np.random.default_rng(T).standard_normal((T, D)).astype(np.float32)
+    x[:, 3] *= 40                                                                  # an outlier channel
+    pack = km.pack_w4a8 if isinstance(q, quant.Q4Linear) else km.pack_b8a8
+    xu, sx = np.empty(x.shape, np.uint8), np.empty((T, D // 32), np.float32)
+    km.quantize_rows(x, xu, sx)
+    want = quant.matmul_reference_w4a8(x, q)
+    np.testing.assert_array_equal(km.matmul_w4a8(xu, sx, pack(q.q, q.d, q.m)), want)
+    # and a nibble matrix promoted to bytes (a fused matrix of mixed formats) gives the same bits
+    np.testing.assert_array_equal(km.matmul_w4a8(xu, sx, km.pack_b8a8(q.q, q.d, q.m)), want)
+
+
+def test_the_byte_tile_takes_every_byte_value_at_the_activation_extremes():
+    """q = 0 and 255 against activations of +-127 in every position of a block: the largest sums the tile forms
+    (where avx2's 16-bit pairs would saturate without the nibble split)."""
+    D, O, T = 64, 32, 4
+    q = np.where(np.arange(D * O).reshape(D, O) % 3 == 0, 255, 0).astype(np.uint8)
+    q[:, :16] = 255
+    d = np.full((D // 32, O), 0.5, np.float32)
+    m = np.full((D // 32, O), -64.0, np.float32)
+    x = np.array([[1.0] * D, [-1.0] * D, [(-1.0) ** i for i in range(D)], np.linspace(-1, 1, D)], np.float32)
+    xu, sx = np.empty(x.shape, np.uint8), np.empty((T, D // 32), np.float32)
+    km.quantize_rows(x, xu, sx)
+    got = km.matmul_w4a8(xu, sx, km.pack_b8a8(q, d, m))
+    np.testing.assert_array_equal(got, quant.matmul_reference_w4a8(x, quant.B8Linear(q, d, m)))
+    assert got[0, 0] == 32 * (255 * 0.5 - 64) * 2                                  # 2 blocks of 32 ones
+
+
+# --- a model of every format --------------------------------------------------------------------------------------
+
+# per layer, each matrix's format: Q|K|V and gate|up mix nibbles and bytes (a fused matrix on the byte tile), `o` is
+# nibbles on every layer (the W4A8 tile), `down` floats and Q6_K (requantized)
+LAYER_FORMATS = [
+    {"wq": "Q4_0", "wk": "Q4_1", "wv": "Q4_K", "wo": "Q4_0", "w_gate": "Q5_0", "w_up": "Q5_1", "w_down": "F16"},
+    {"wq": "Q5_K", "wk": "Q8_0", "wv": "Q4_0", "wo": "Q4_K", "w_gate": "Q4_1", "w_up": "Q4_K", "w_down": "Q6_K"},
+    {"wq": "Q8_0", "wk": "Q5_0", "wv": "Q5_1", "wo": "Q4_1", "w_gate": "Q6_K", "w_up": "BF16", "w_down": "F32"},
+]
+
+
+@pytest.fixture(scope="module")
+def every_format():
+    """A tiny llama (D = 256, so that K-quant rows fit) whose matrices are LAYER_FORMATS' random blocks, its float32
+    weights their dequantized values (Q/K rows unpermuted as gguf_file does), with the tensors as a GGUF's."""
+    base = ts.tiny_model(seed=0, dim=256, intermediate_size=512, n_heads=4, n_kv_heads=2, n_layers=3)
+    cfg = base.config
+    names = {f: n for n, f in LAYER_TENSORS.items()}
+    tensors, layers = {}, []
+    for i, (w, fmts) in enumerate(zip(base.layers, LAYER_FORMATS)):
+        new = {}
+        for j, f in enumerate(quant.MATRICES):
+            D, O = getattr(w, f).shape
+            t = info(fmts[f], O, D, seed=10 * i + j, name=f"blk.{i}.{names[f]}")
+            tensors[t.name] = t
+            v = gguf_quants.dequantize(t.raw, t.type_name, t.shape)                 # [O, D]
+            if f in ("wq", "wk"):
+                v = unpermute_rope_rows(v, cfg.n_heads if f == "wq" else cfg.n_kv_heads)
+            new[f] = np.ascontiguousarray(v.T)
+        layers.append(dataclasses.replace(w, **new))
+    emb = info("Q8_0", cfg.vocab_size, cfg.dim, seed=99, name="token_embd.weight")
+    tensors[emb.name] = emb
+    embed = gguf_quants.dequantize(emb.raw, "Q8_0", emb.shape)                      # [V, D], tied: the LM head
+    return dataclasses.replace(base, layers=layers, embed=embed, gguf_tensors=tensors)
+
+
+def test_the_gguf_mode_holds_the_files_blocks(every_format):
+    qm = quant.quantize_model(every_format, quant.GGUF.name)
+    for w, qw, fmts in zip(every_format.layers, qm.layers, LAYER_FORMATS):
+        for f in quant.MATRICES:
+            q = getattr(qw, f)
+            assert isinstance(q, quant.Q4Linear if fmts[f] in quant.NIBBLE_FORMATS else quant.B8Linear), f
+            if fmts[f] in EXACT and fmts[f] not in ("Q4_K", "Q5_K"):   # Q/K: the rows unpermuted as the floats
+                assert np.array_equal(q.dequantize(), getattr(w, f)), (f, fmts[f])
+    assert isinstance(qm.lm_head_q, quant.B8Linear)
+    assert np.array_equal(qm.lm_head_q.dequantize(), every_format.embed.T)       # the Q8_0 head, exactly
+
+
+def test_each_role_packs_on_the_tile_its_formats_need(every_format):
+    m = backend.set_backend(every_format, quant.GGUF.name, "numba")
+    fw = fast.prepare(m)
+    assert isinstance(fw.layers[0].o, km.W4A8Weights)                  # nibbles on every layer
+    for role in ("qkv", "gate_up", "down"):                            # bytes somewhere: bytes on every layer
+        assert isinstance(getattr(fw.layers[0], role), km.B8A8Weights), role
+    assert isinstance(fw.lm_head, km.B8A8Weights)
+    assert fw.decode.layers.qkv.w.shape[0] == len(LAYER_FORMATS)       # stacked for the fused step
+
+
+def test_the_numba_path_computes_the_numpy_reference(every_format):
+    """Prefill and decode on the kernels (three-call layers) against model.forward on the NumPy reference of the
+    same blocks: the same logits up to attention's float order; and the fused decode step's greedy tokens."""
+    qm = quant.quantize_model(every_format, quant.GGUF.name)
+    ref, numba_model = backend.set_backend(qm, "gguf", "numpy"), backend.set_backend(qm, "gguf", "numba")
+    prompt = [5, 17, 99, 3, 42, 250, 7, 7, 128, 64, 1, 2]
+    want = naive.forward(ref, prompt)
+    with decode_step.three_call_path():
+        got = naive.forward(numba_model, prompt)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    greedy = ts.SamplingParams(temperature=0.0, ignore_eos=True, max_new_tokens=12)
+    assert kv_cache.generate(numba_model, prompt, params=greedy) == kv_cache.generate(ref, prompt, params=greedy)
+
+
+def test_auto_picks_gguf_for_a_file_and_keeps_w4a8_for_the_folder(every_format):
+    assert backend.default_quant(every_format, "numba") == quant.GGUF.name
+    assert backend.default_quant(dataclasses.replace(every_format, gguf_tensors=None), "numba") != quant.GGUF.name
+    assert backend.default_quant(every_format, "numpy") == quant.NONE.name
+    m = backend.set_backend(every_format, "auto", "numba")
+    assert m.quant == quant.GGUF.name
+    with pytest.raises(ValueError, match="cannot become"):
+        backend.set_backend(m, "w8a8-64", "numba")
+
+
+def test_a_model_without_a_file_runs_gguf_requantized():
+    """quant="gguf" on a float32 model with no file behind it: every matrix on the byte tile by Q8_0's rule."""
+    m = ts.tiny_model(seed=1)
+    qm = quant.quantize_model(m, quant.GGUF.name)
+    assert all(isinstance(getattr(w, f), quant.B8Linear) for w in qm.layers for f in quant.MATRICES)
+    ref = naive.forward(m, [3, 4, 5, 6])
+    got = naive.forward(backend.set_backend(qm, "gguf", "numba"), [3, 4, 5, 6])
+    assert np.array_equal(got.argmax(-1), ref.argmax(-1))
