@@ -103,3 +103,12 @@ def test_a_rows_logits_do_not_depend_on_its_batch(gemma_like, monkeypatch):
         rid = alone._next_id
         alone.generate([p], GREEDY)
         assert all(np.array_equal(a, b) for a, b in zip(seen[rid], batched[i])), f"prompt {i} differs"
+
+
+def test_generate_through_the_contiguous_cache_gives_the_engines_tokens(gemma_like):
+    """kv_cache.generate (what `tinyserve generate` runs) on the fast path: the windowed layers attend through the
+    numba kernel too (dense_attention.window_attention), so its greedy tokens are the paged engine's."""
+    from tinyserve.kv_cache import generate
+    fast = backend.set_backend(gemma_like, "w8a8-64", "numba")
+    for p in prompts(n=3, seed=5, lo=5, hi=30):
+        assert generate(fast, p, params=GREEDY) == Engine(fast, num_blocks=64, block_size=4).generate([p], GREEDY)[0]

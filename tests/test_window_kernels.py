@@ -80,3 +80,21 @@ def test_a_window_that_does_not_bind_changes_no_bit():
     assert np.array_equal(paged_attention_numba(*args, window=500), paged_attention_numba(*args))
     args = case(6, [100, 60], [30, 60], None)
     assert np.array_equal(paged_attention_numba(*args, window=500), paged_attention_numba(*args))
+
+
+def test_the_contiguous_cache_window_attention_is_a_paged_row():
+    """kv_cache's windowed layers on the numba backend (dense_attention.window_attention): the reference's result,
+    and the same bits as the paged kernel gives the same rows."""
+    from tinyserve.kernels.dense_attention import window_attention
+    from tinyserve.kv_cache import rectangular_attention
+    rng = np.random.default_rng(9)
+    S, m, window = 150, 20, 70
+    k, v = (rng.standard_normal((S, 1, 32)).astype(np.float32) for _ in range(2))
+    q = rng.standard_normal((m, 4, 32)).astype(np.float32)
+    got = window_attention(q, k, v, window)
+    np.testing.assert_allclose(got, rectangular_attention(q, k, v, window), rtol=1e-4, atol=1e-5)
+    table = np.arange(blocks_for(S, 2))[None]                        # the same keys as blocks of 2
+    paged = paged_attention_numba(q, k.reshape(-1, 2, 1, 32), v.reshape(-1, 2, 1, 32), table, np.array([S]),
+                                  np.array([0, m]), window=window)
+    assert np.array_equal(got, paged)
+    assert np.array_equal(window_attention(q[-1:], k, v, window), got[-1:])      # a decode row alone

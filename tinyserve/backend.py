@@ -159,6 +159,15 @@ def dense_attention(backend: str):
     return causal_attention
 
 
+def dense_window_attention(backend: str):
+    """The contiguous-cache attention of a sliding-window layer on the numba backend (kernels/dense_attention.py's
+    window_attention, key_chunks' order), or None on the numpy backend (kv_cache's rectangular_attention)."""
+    if backend != "numba":
+        return None
+    from .kernels.dense_attention import window_attention
+    return window_attention
+
+
 def step_threads(backend: str):
     """The context a step runs in: on the numba backend NumPy's BLAS is held at one thread (two thread pools on the
     same cores take turns evicting each other: kernels.single_thread_blas); on the numpy backend, nothing."""
