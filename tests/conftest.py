@@ -45,3 +45,21 @@ def smol():
 def smol_tok():
     from tinyserve.tokenizer import load_tokenizer
     return load_tokenizer(_real_weights_dir())
+
+
+def _gemma_gguf() -> Path:
+    """The Gemma 3 270M GGUF (`make weights-gemma`, or TINYSERVE_GEMMA_GGUF): fail, never skip, without it."""
+    from tinyserve.zoo import GEMMA3_270M
+    env = os.environ.get("TINYSERVE_GEMMA_GGUF")
+    for p in ([Path(env)] if env else []) + [GEMMA3_270M.path]:
+        if p.is_file():
+            return p
+    pytest.fail("this test needs the Gemma 3 270M GGUF: run `make weights-gemma` (or set TINYSERVE_GEMMA_GGUF "
+                "to its path)", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def gemma_fast():
+    """Gemma 3 270M on the fast path (quant auto, numba: kernels/block_forward.py), loaded once for every test."""
+    from tinyserve.backend import prepare
+    return prepare(ts.load_model(_gemma_gguf(), quant="auto", backend="numba"))

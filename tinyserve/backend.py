@@ -106,15 +106,23 @@ def set_backend(model: Model, quant: str = NONE.name, backend: str = "numpy", we
     return dataclasses.replace(model, backend=backend)
 
 
-def kernel_gaps(model: Model) -> list[str]:
-    """What this model's block needs that the kernels do not implement (they run LLaMA's block): [] if nothing.
-    weights.load_model runs such a model on the NumPy forward rather than let the kernels skip a step."""
+def block_switches(model: Model) -> list[str]:
+    """The switches of this model's block that the fused LLaMA kernels (kernels/forward.py) do not implement: []
+    for LLaMA's block. A model with any runs kernels/block_forward.py instead: model.forward with its matrices on
+    the kernels' tiles and attention on the strategy's kernel (masked by window)."""
     cfg = model.config
     return [what for what, needed in (
         ("Q/K/V biases", cfg.qkv_bias), ("Q/K norms", cfg.qk_norm), ("norms after attention and MLP", cfg.post_norms),
         (f"the {cfg.activation} MLP", cfg.activation != "silu"), ("a scaled embedding", cfg.embed_scale != 1.0),
-        ("sliding windows", cfg.sliding_window > 0), ("an attention scale of its own", cfg.attn_scale is not None),
-        ("a per-layer RoPE base", cfg.rope_theta_local is not None)) if needed]
+        ("sliding windows", cfg.sliding_window > 0), ("a per-layer RoPE base", cfg.rope_theta_local is not None))
+        if needed]
+
+
+def kernel_gaps(model: Model) -> list[str]:
+    """What this model's block needs that the fast path does not implement: [] if nothing (every family's switch
+    runs there: block_switches). weights.load_model runs such a model on the NumPy forward rather than let the
+    kernels skip a step. The attention kernels scale scores by 1/sqrt(H) only."""
+    return ["an attention scale of its own"] if model.config.attn_scale is not None else []
 
 
 def runs_on_kernels(model: Model) -> bool:
@@ -126,7 +134,10 @@ def runs_on_kernels(model: Model) -> bool:
 def prepare(model: Model) -> Model:
     """Pack the weights for the kernels once (model.fast), before anything is timed."""
     if runs_on_kernels(model) and model.fast is None:
-        from .kernels.forward import prepare as pack
+        if block_switches(model):
+            from .kernels.block_forward import prepare as pack
+        else:
+            from .kernels.forward import prepare as pack
         model.fast = pack(model)
     return model
 
@@ -137,8 +148,11 @@ def forward(model: Model, tokens: np.ndarray, positions: np.ndarray, attention: 
 
     `kv_layout`: where the step's K/V live, given only with the strategy's default attention; it lets the kernels
     run a decode step of up to 16 rows as one call that writes the K/V itself instead of calling `attention`
-    (kernels/decode_step.py). The reference has no use for it."""
+    (kernels/decode_step.py: LLaMA's block only). The reference has no use for it."""
     if runs_on_kernels(model):
+        if block_switches(model):                  # another family's block: the reference's steps, on the tiles
+            from .kernels.block_forward import block_forward
+            return block_forward(model, tokens, positions, attention, logit_rows)
         from .kernels.forward import fast_forward
         return fast_forward(model, tokens, positions, attention, logit_rows, kv_layout)
     return reference_forward(model, tokens, positions, attention, logit_rows)
@@ -151,6 +165,15 @@ def dense_attention(backend: str):
         return None
     from .kernels.dense_attention import causal_attention
     return causal_attention
+
+
+def dense_window_attention(backend: str):
+    """The contiguous-cache attention of a sliding-window layer on the numba backend (kernels/dense_attention.py's
+    window_attention, key_chunks' order), or None on the numpy backend (kv_cache's rectangular_attention)."""
+    if backend != "numba":
+        return None
+    from .kernels.dense_attention import window_attention
+    return window_attention
 
 
 def step_threads(backend: str):

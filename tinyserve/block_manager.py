@@ -15,7 +15,9 @@ is sized so that it can never run dry (kv_sizing.local_blocks_bound): the schedu
 """
 from __future__ import annotations
 
-from .block_hash_cache import block_hashes
+from dataclasses import dataclass, field
+
+from .block_hash_cache import block_hashes, chain_hashes
 from .cache_base import BlockCache, NoPrefixCache
 from .kv_sizing import blocks_for, first_live_block
 from .paged import BlockAllocator
@@ -44,6 +46,55 @@ def release_behind_window(local_table: list[int], num_computed: int, window: int
     return freed
 
 
+@dataclass(slots=True)
+class LocalTwins:
+    """Lesson 11's prefix cache for the local layers: the local block (the "twin") of a cached full block, kept
+    alive by one reference of the cache's own, so that a later request whose hit ends at or after it can reuse the
+    local layers' K/V of the window before its first new row. A twin is published with its global block; it is
+    keyed by the block's chain hash (the whole prefix up to it: block_hash_cache.block_hashes) and checked against
+    its tokens and its parent's hash, so it names the same K/V whatever becomes of the global block. Local blocks
+    that only the cache holds give way, least recently used first, whenever a sequence needs a local block."""
+    allocator: BlockAllocator
+    held: dict[int, tuple[int, int | None, tuple[int, ...]]] = field(default_factory=dict)  # hash -> (block,
+    #                                                             parent's hash, tokens); oldest use first
+
+    def keep(self, tokens, local_table: list[int], n_blocks: int, block_size: int) -> None:
+        """Publish the twins of a sequence's first n_blocks full blocks that it still holds (freed ones: -1)."""
+        parent = None
+        for i, (h, blk) in enumerate(chain_hashes(tokens[:n_blocks * block_size], block_size)):
+            if local_table[i] >= 0 and h not in self.held:
+                self.allocator.incref(local_table[i])
+                self.held[h] = (local_table[i], parent, blk)
+            parent = h
+
+    def lookup(self, tokens, lo: int, hi: int, block_size: int) -> list[int] | None:
+        """The twins of logical blocks lo .. hi - 1 of `tokens`, or None if any is missing (refreshed as used)."""
+        hashes = list(chain_hashes(tokens[:hi * block_size], block_size))
+        out = []
+        for i in range(lo, hi):
+            h, blk = hashes[i]
+            twin = self.held.get(h)
+            if twin is None or twin[2] != blk or twin[1] != (hashes[i - 1][0] if i else None):
+                return None
+            out.append(twin[0])
+        for i in range(lo, hi):                            # most recently used last: evicted last
+            self.held[hashes[i][0]] = self.held.pop(hashes[i][0])
+        return out
+
+    def evict(self, n: int) -> int:
+        """Free up to n local blocks that only the cache holds, least recently used first; how many were freed."""
+        freed = 0
+        for h in [h for h, (b, _, _) in self.held.items() if self.allocator.refcount[b] == 1]:
+            if freed == n:
+                break
+            self.allocator.decref(self.held.pop(h)[0])
+            freed += 1
+        return freed
+
+    def clear(self) -> int:
+        return self.evict(len(self.held))
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False, window: int | None = None,
                  num_local_blocks: int = 0):
@@ -56,11 +107,12 @@ class BlockManager:
         self.free_behind_window = True   # False keeps every local block (what the tests compare against)
         self.local_peak = 0              # the most local blocks in use at once (after a step's allocation)
         # lesson 5: computed full blocks stay in a prefix trie, so later requests with the same prefix reuse them.
-        # Lesson 11: with a window, a hit would also need the local layers' K/V of the window before the match
-        # point, and those blocks were freed as their sequence moved on: the cache then never hits (docs/
-        # sliding-window.md, "The prefix cache")
-        self.prefix_caching = prefix_caching and window is None
+        # Lesson 11: with a window, a hit also needs the local layers' K/V of the window before the match point:
+        # the cache keeps the local twins of its blocks while the local pool has room (LocalTwins), and a hit is
+        # cut back to where they are all still held (usable_hit; docs/sliding-window.md, "The prefix cache")
+        self.prefix_caching = prefix_caching
         self.cache: BlockCache = PrefixCache(self.allocator) if self.prefix_caching else NoPrefixCache(self.allocator)
+        self.twins = LocalTwins(self.local) if self.prefix_caching and self.local is not None else None
         # request id -> (prompt tokens served from the cache, prompt tokens), at its first admission only (a
         # preempted request re-matching its own blocks is not a hit): the engine's prefix-cache metrics
         self.hits: dict[int, tuple[int, int]] = {}
@@ -82,7 +134,7 @@ class BlockManager:
         if seq.status is Status.WAITING:
             # the prefix `admit` will hand it. Of those blocks, the ones only the cache holds are counted in
             # num_free, so taking them costs the pool a block: report as "held" only those a sequence already uses
-            hit = self.cache.peek(seq.token_slice(0, seq.num_tokens))
+            hit = self.usable_hit(seq.token_slice(0, seq.num_tokens), self.cache.peek(seq.token_slice(0, seq.num_tokens)))
             return SeqState(seq.num_tokens, len(hit) * self.block_size, sum(self.cache.users(b) >= 1 for b in hit))
         # preempting it gives back only the blocks no other sequence shares
         freeable = self.cache.num_freeable(seq.block_table)
@@ -105,7 +157,7 @@ class BlockManager:
                 pending.update(block_hashes(seq.token_slice(0, seq.num_tokens), bs)[seq.num_computed_tokens // bs:])
         for i, seq in enumerate(waiting):
             tokens = seq.token_slice(0, seq.num_tokens)
-            cached = len(self.cache.peek(tokens))
+            cached = len(self.usable_hit(tokens, self.cache.peek(tokens)))
             hashes = block_hashes(tokens[:-1], bs)     # the blocks a match could ever use
             if cached < len(hashes) and hashes[cached] in pending:
                 return waiting[:i]
@@ -114,6 +166,18 @@ class BlockManager:
             if token_budget <= 0:
                 return waiting[:i + 1]
         return waiting
+
+    def usable_hit(self, tokens, blocks: list[int]) -> list[int]:
+        """Lesson 11: the part of a prefix hit (`blocks`, the trie's match of `tokens`) that a model with local
+        layers can use. A hit of n blocks starts the sequence at position n * bs, whose row reads the local layers'
+        keys from n * bs - window + 1 on: the hit is cut back to the longest n whose local blocks from that key's
+        block to n - 1 still have their twins. Without local layers, the whole hit."""
+        if self.twins is None:
+            return blocks
+        n, bs = len(blocks), self.block_size
+        while n and self.twins.lookup(tokens, first_live_block(n * bs, self.window, bs), n, bs) is None:
+            n -= 1
+        return blocks[:n]
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Extra blocks `seq` needs so that its table covers num_computed_tokens + num_new_tokens positions."""
@@ -124,7 +188,17 @@ class BlockManager:
         Without a hit it starts from nothing: all its tokens (prompt + any output kept from before a preemption)
         are recomputed."""
         assert not seq.block_table, f"request {seq.request_id} is admitted while still holding blocks"
-        seq.block_table = self.cache.match(seq.token_slice(0, seq.num_tokens))
+        tokens = seq.token_slice(0, seq.num_tokens)
+        matched = self.cache.match(tokens)
+        seq.block_table = self.usable_hit(tokens, matched)
+        for block in matched[len(seq.block_table):]:     # matched, but the local layers' window is gone: let go
+            self.allocator.decref(block)
+        if self.twins is not None and seq.block_table:   # the local layers get the window's twins, shared
+            n, bs = len(seq.block_table), self.block_size
+            first = first_live_block(n * bs, self.window, bs)
+            seq.local_table = [-1] * first + self.twins.lookup(tokens, first, n, bs)
+            for block in seq.local_table[first:]:
+                self.local.incref(block)
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
         self.hits.setdefault(seq.request_id, (seq.num_computed_tokens, len(seq.prompt_ids)))  # first admission
         self._published[seq.request_id] = len(seq.block_table)
@@ -139,6 +213,9 @@ class BlockManager:
             seq.block_table.append(self.allocator.allocate())
         if self.local is not None:       # the local layers' table covers the same logical blocks
             self.release_behind_window(seq)
+            need = len(seq.block_table) - len(seq.local_table)
+            if self.twins is not None and need > self.local.num_free:
+                self.twins.evict(need - self.local.num_free)   # twins only the cache holds make room
             while len(seq.local_table) < len(seq.block_table):
                 seq.local_table.append(self.local.allocate())  # OutOfBlocks here: local_blocks_bound is wrong
             self.local_peak = max(self.local_peak, self.local.num_used)
@@ -159,7 +236,13 @@ class BlockManager:
             # publish now, not at the end: a request arriving while this one runs can share its prefix
             self.cache.insert(seq.token_slice(0, full * self.block_size), seq.block_table[:full],
                               holder_keeps_blocks=True)
+            self._keep_twins(seq, full)
             self._published[seq.request_id] = full
+
+    def _keep_twins(self, seq: Sequence, full: int) -> None:
+        """Lesson 11: publish the local twins of seq's first `full` blocks that it still holds."""
+        if self.twins is not None:
+            self.twins.keep(seq.token_slice(0, full * self.block_size), seq.local_table, full, self.block_size)
 
     def rewind(self, seq: Sequence, n: int) -> None:
         """Lesson 6: forget the K/V of seq's last n computed positions (draft tokens the target rejected). Blocks
@@ -176,6 +259,7 @@ class BlockManager:
         # its computed full blocks stay in the cache (as evictable) for whoever is next
         full = seq.num_computed_tokens // self.block_size
         self.cache.insert(seq.token_slice(0, full * self.block_size), seq.block_table[:full])
+        self._keep_twins(seq, full)
         self._published.pop(seq.request_id, None)
         for block in reversed(seq.block_table):   # reversed: the tail block, least likely to be shared, first
             self.allocator.decref(block)
@@ -199,6 +283,13 @@ class BlockManager:
                 lines.append(f"  {'':{len(str(seq.request_id)) + 1}} {'':{len(str(seq.num_computed_tokens)) + 12}}"
                              f" local  [{cells}]")
         return "\n".join(lines)
+
+    def clear_cache(self) -> int:
+        """Drop every cached block only the cache holds, in both pools (e.g. to measure a cold start, or to check
+        for leaks); returns how many global blocks were freed."""
+        if self.twins is not None:
+            self.twins.clear()
+        return self.cache.clear()
 
     def forget(self, request_id: int) -> None:
         """Drop what is kept about a finished request (its hit count), once the caller has read it."""

@@ -33,7 +33,7 @@ import numpy as np
 from .attention_backends import KVLayout, get_paged_attention
 from .block_manager import BlockManager
 from .config import check_positive_int, is_int
-from .backend import check_threading_layer, forward, runs_on_kernels, step_threads
+from .backend import check_threading_layer, forward, step_threads
 from .model import Model, check_token_ids
 from .kv_sizing import max_kv_blocks, max_kv_positions
 from .interrupts import interrupts_deferred, interrupts_held
@@ -68,7 +68,7 @@ class Engine:
         self.tokenizer = tokenizer                # only needed for stop strings and json_schema
         self._attend = get_paged_attention(self.backend, checked=False)   # each step checks its batch once
         self.kv = LayerPools.create(self.config, num_blocks, block_size, max_running, max_batch_tokens,
-                                    num_local_blocks, kernels=self.backend != "numpy" or runs_on_kernels(model))
+                                    num_local_blocks)
         self.pool, self.local_pool = self.kv.pool, self.kv.local_pool   # lesson 11: the local layers' own pool
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching, window=self.kv.window,
                                    num_local_blocks=self.kv.num_local_blocks)  # all block bookkeeping
@@ -226,7 +226,8 @@ class Engine:
 
         layout = None     # lesson 7: a few rows that all need logits (decodes, verifies) may run as one kernel
         every_row = len(batch.logit_rows) == len(batch.tokens)      # that also writes the K/V
-        if self.backend == "numba" and every_row:   # row: its sequence's block table, context up to itself
+        # (not with a window: the fused step reads one pool for all L layers, and a windowed model has two)
+        if self.backend == "numba" and every_row and self.local_pool is None:   # row: its sequence's block table
             L, nb, bs, K, H = pool.k.shape
             one_each = batch.num_decode == len(batch.tokens)      # decodes only: row b is sequence b, no copy
             row_seq = slice(None) if one_each else np.repeat(np.arange(len(batch.seqs)), batch.counts)

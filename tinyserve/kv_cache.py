@@ -21,7 +21,7 @@ from .attention_backends import KVLayout
 from .config import ModelConfig, check_positive_int, is_int
 from .gqa import grouped_attention
 from .layers import rectangular_mask, softmax
-from .backend import dense_attention, forward as model_forward   # model.forward, or the kernels for a model
+from .backend import dense_attention, dense_window_attention, forward as model_forward   # model.forward, or the kernels for a model
                                                                  # loaded for them
 from .model import AttentionFn, Model, check_token_ids
 from .kv_sizing import max_kv_positions
@@ -152,16 +152,17 @@ def attention_for(model: Model) -> AttendFn:
 
 
 def cache_attention(cache: KVCache, attend: AttendFn = grouped_attention,
-                    config: ModelConfig | None = None) -> AttentionFn:
+                    config: ModelConfig | None = None, windowed=None) -> AttentionFn:
     """The attention `model.forward` calls: store this step's k/v in the cache, attend over history + new.
 
     A sliding-window layer of `config` (Gemma 3's local layers) attends with the window through
-    rectangular_attention; the cache still keeps every position (a local layer could drop the older ones: the
-    paged engine does)."""
+    rectangular_attention (or `windowed`: the numba backend's kernel); the cache still keeps every position (a
+    local layer could drop the older ones: the paged engine does)."""
+    windowed = windowed or rectangular_attention
     def attention(layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         k_all, v_all = append_kv(cache, layer, k, v)    # [S0 + m, K, H] each
         window = None if config is None else config.layer_window(layer)
-        return attend(q, k_all, v_all) if window is None else rectangular_attention(q, k_all, v_all, window)
+        return attend(q, k_all, v_all) if window is None else windowed(q, k_all, v_all, window)
     return attention
 
 
@@ -192,7 +193,8 @@ def forward_with_cache(model: Model, cache: KVCache, tokens: Sequence[int], atte
     cache.check_room(m)  # fail before any layer has written anything
     positions = np.arange(cache.length, cache.length + m)   # RoPE positions continue from the history
     rows = None if all_logits else np.array([m - 1])
-    attention = cache_attention(cache, attend or attention_for(model), model.config)
+    attention = cache_attention(cache, attend or attention_for(model), model.config,
+                                None if attend else dense_window_attention(model.backend))
     layout = fused_step_layout(model, cache, m, all_logits, attend)
     logits = model_forward(model, tokens, positions, attention, logit_rows=rows, kv_layout=layout)
     cache.length += m  # every layer has appended its block at the same positions

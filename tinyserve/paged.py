@@ -247,17 +247,13 @@ class LayerPools:
 
     @classmethod
     def create(cls, config: ModelConfig, num_blocks: int, block_size: int, max_running: int, max_batch_tokens: int,
-               num_local_blocks: int | None = None, kernels: bool = False) -> "LayerPools":
+               num_local_blocks: int | None = None) -> "LayerPools":
         """The local pool gets num_local_blocks, by default (and at least) kv_sizing.local_blocks_bound capped at
         num_blocks: the most its layers can ever hold, so it never runs dry and the scheduler plans the global pool
-        alone. kernels: the step runs on the Numba kernels, which do not mask by window (a windowed model is
-        refused rather than answered wrong)."""
+        alone. Both attention backends mask by window (kernels/attention.py: key_chunks' rule with a window)."""
         windows = [config.layer_window(i) for i in range(config.n_layers)]
         n_local = sum(w is not None for w in windows)
         window = config.sliding_window if n_local else None
-        if window is not None and kernels:
-            raise ValueError(f"Engine: this model has sliding-window layers (window {window}) and the Numba "
-                             f"kernels do not mask by window yet: load it with backend 'numpy'")
         slot = [sum((windows[j] is None) == (w is None) for j in range(i)) for i, w in enumerate(windows)]
         pool = KVPool.create(config, num_blocks, block_size, n_layers=config.n_layers - n_local)
         local_pool = None

@@ -4,6 +4,7 @@
     PYTHONPATH=. python tools/check_invariance.py                  # default path (--quant auto, numba)
     TINYSERVE_KERNELS=avx2 PYTHONPATH=. python tools/check_invariance.py
     PYTHONPATH=. python tools/check_invariance.py --quant w8a8 --tokens 32
+    PYTHONPATH=. python tools/check_invariance.py --weights weights/gemma3-270m/gemma-3-270m-q4_k_m.gguf   # lesson 11
 
 16 chat prompts (not the tests' prompts), 48 greedy tokens each with EOS ignored, decoded alone in an Engine (the
 reference), then every other way a user can meet them: all 16 in one batch, in batches of 4, through
@@ -57,8 +58,11 @@ def main() -> int:
     wdir = args.weights or DEFAULT_WEIGHTS_DIR
     model = ts.load_model(wdir, quant=args.quant, backend="numba")
     tok = load_tokenizer(wdir)
-    prompts = [tok.encode_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
-               for q in QUESTIONS]
+    if str(wdir).endswith(".gguf") and model.config.arch == "gemma3":   # a base model: plain completion prompts
+        prompts = [tok.encode(f"{SYSTEM}\n\nQuestion: {q}\nAnswer:", add_bos=True) for q in QUESTIONS]
+    else:
+        prompts = [tok.encode_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
+                   for q in QUESTIONS]
     params = SamplingParams(temperature=0.0, max_new_tokens=args.tokens, ignore_eos=True)
 
     def engine_run(batches, **kw) -> list[list[int]]:

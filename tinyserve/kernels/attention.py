@@ -31,7 +31,7 @@ from numba import njit, prange
 
 from ..attention_backends import check_paged_inputs
 from . import check_threading_layer
-from .key_chunks import CHUNK, chunk_softmax, combine, finish, fma32, transpose16
+from .key_chunks import CHUNK, chunk_softmax, chunk_softmax_window, combine, finish, fma32, transpose16
 from .simd import make_fma_microkernel, prefetch_l2
 
 TILE = CHUNK      # positions per step inside an item: kt is K*H*TILE*4 bytes, small enough to stay in cache
@@ -108,6 +108,18 @@ def chunk_slots(block_tables, b, bs, c0, nc, slots):
                 base = block_tables[b, blk] * bs
 
 
+@njit(cache=True, inline="always")
+def window_slots(block_tables, b, bs, c0, nc, lo, slots):
+    """chunk_slots for a chunk of a sliding-window row whose keys before position lo are not seen: their slots
+    repeat lo's, so no freed block (a -1 table entry: block_manager.release_behind_window) is ever read; the keys
+    read there get weight 0 (key_chunks.chunk_softmax_window). Returns how many of the chunk's keys come before lo."""
+    skip = min(max(lo - c0, 0), nc - 1)
+    chunk_slots(block_tables, b, bs, c0 + skip, nc - skip, slots[skip:])
+    for j in range(skip):
+        slots[j] = slots[skip]
+    return skip
+
+
 @njit(cache=True)
 def _work_items(query_starts, rows_per_item):
     """The items (seq, first row, end row): every sequence's new rows cut into runs of rows_per_item."""
@@ -127,8 +139,9 @@ def _work_items(query_starts, rows_per_item):
 
 
 @njit(cache=True, parallel=True)
-def _paged_attention_kernel(q, k_cache, v_cache, block_tables, context_lens, query_starts, out):
-    # q, out: [T, N, H]; k_cache, v_cache: [num_blocks, bs, K, H]; block_tables: [B, max_blocks]
+def _paged_attention_kernel(q, k_cache, v_cache, block_tables, context_lens, query_starts, window, out):
+    # q, out: [T, N, H]; k_cache, v_cache: [num_blocks, bs, K, H]; block_tables: [B, max_blocks]; window: the
+    # layer's sliding window (0: none), row at position p seeing keys max(0, p - window + 1) .. p
     T, N, H = q.shape
     num_blocks, bs, K = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
     g = N // K
@@ -142,6 +155,7 @@ def _paged_attention_kernel(q, k_cache, v_cache, block_tables, context_lens, que
         m = query_starts[b + 1] - query_starts[b]
         first_new = context_lens[b] - m - query_starts[b]         # row t sees positions < first_new + t + 1
         hi = first_new + t1                                       # what the item's last row can see
+        lo = 0 if window == 0 else max(0, first_new + t0 + 1 - window)   # what its first row sees first
         kt = np.empty((K, H, TILE), np.float32)                   # K chunk, transposed: keys contiguous
         slots = np.empty(TILE, np.int64)                          # pool row of each position of the chunk
         s = np.empty((N, TILE), np.float32)                       # one row's scores, then exp weights
@@ -150,9 +164,9 @@ def _paged_attention_kernel(q, k_cache, v_cache, block_tables, context_lens, que
         sm = np.zeros((t1 - t0, N), np.float32)
         acc = np.zeros((t1 - t0, N, H), np.float32)
         alpha = np.empty(N, np.float32)
-        for tile_lo in range(0, hi, TILE):
+        for tile_lo in range(lo - lo % TILE, hi, TILE):          # the rule's chunks, from the one holding lo
             n = min(TILE, hi - tile_lo)
-            chunk_slots(block_tables, b, bs, tile_lo, n, slots)  # the block table walk
+            window_slots(block_tables, b, bs, tile_lo, n, lo, slots)  # the block table walk
             for kh in range(K):
                 for d in range(H):
                     for j in range(n):
@@ -160,7 +174,8 @@ def _paged_attention_kernel(q, k_cache, v_cache, block_tables, context_lens, que
             for t in range(t0, t1):
                 i = t - t0
                 nt = min(n, first_new + t + 1 - tile_lo)          # causal: row t's visible keys in this chunk
-                if nt <= 0:
+                j0 = 0 if window == 0 else max(0, first_new + t + 1 - window - tile_lo)   # behind row t's window
+                if nt <= j0:
                     continue
                 # 1. scores of every head against the chunk's keys
                 for h in range(N):
@@ -173,10 +188,13 @@ def _paged_attention_kernel(q, k_cache, v_cache, block_tables, context_lens, que
                             s[h, j] = fma32(qd, kt[kh, d, j], s[h, j])
                 # 2. the online-softmax step of the rule
                 for h in range(N):
-                    mx[i, h], alpha[h], sm[i, h] = chunk_softmax(s[h], nt, scale, mx[i, h], sm[i, h])
+                    if j0 == 0:
+                        mx[i, h], alpha[h], sm[i, h] = chunk_softmax(s[h], nt, scale, mx[i, h], sm[i, h])
+                    else:
+                        mx[i, h], alpha[h], sm[i, h] = chunk_softmax_window(s[h], j0, nt, scale, mx[i, h], sm[i, h])
                 # 3. weighted sum of V, read in place from the pool; each V row serves its g query heads
                 pv[:] = 0.0
-                for j in range(nt):
+                for j in range(j0, nt):                           # (the weights before j0 are 0: fma adds nothing)
                     for kh in range(K):
                         vrow = v_rows[slots[j], kh]               # [H]
                         for r in range(g):
@@ -192,18 +210,19 @@ def _paged_attention_kernel(q, k_cache, v_cache, block_tables, context_lens, que
 
 
 def paged_attention_numba(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
-                          context_lens: np.ndarray, query_starts: np.ndarray) -> np.ndarray:
+                          context_lens: np.ndarray, query_starts: np.ndarray, window: int | None = None) -> np.ndarray:
     """Same contract as tinyserve.paged.paged_attention: q [T, N, H], k_cache/v_cache [num_blocks, bs, K, H],
-    block_tables [B, max_blocks] (-1 padded), context_lens [B], query_starts [B+1] -> [T, N, H] float32."""
+    block_tables [B, max_blocks] (-1 padded; with a `window`, -1 also before the first row's window),
+    context_lens [B], query_starts [B+1] -> [T, N, H] float32."""
     block_tables = np.asarray(block_tables)
-    check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, query_starts)
+    check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, query_starts, window)
     # one dtype/layout per argument, so numba compiles (and caches) a single specialisation
     out = paged_attention_numba_unchecked(np.ascontiguousarray(q, dtype=np.float32),
                                           np.ascontiguousarray(k_cache, dtype=np.float32),
                                           np.ascontiguousarray(v_cache, dtype=np.float32),
                                           np.ascontiguousarray(block_tables, dtype=np.int64),
                                           np.ascontiguousarray(context_lens, dtype=np.int64),
-                                          np.ascontiguousarray(query_starts, dtype=np.int64))
+                                          np.ascontiguousarray(query_starts, dtype=np.int64), window)
     check_threading_layer()
     return out
 
@@ -233,7 +252,7 @@ def _prefetch_position(kf, vf, block_tables, bs, K, H, b, kh, j):
 
 @njit(cache=True)
 def decode_attention_heads(q, k_rows, v_rows, block_tables, bs, context_lens, b, kh, r_lo, r_hi, out, fs, ints,
-                           nb=-1, nkh=0):
+                           nb=-1, nkh=0, window=0):
     """Sequence b's one new row, query heads r_lo .. r_hi of the g that share KV head kh: out[b, heads] =
     softmax(q K^T / sqrt(H)) V over its context_lens[b] positions, in key_chunks' order. q, out: [B, N, H]; k_rows,
     v_rows: the pool as rows addressed by slot [num_blocks * bs, K, H], position j of sequence b at slot
@@ -243,7 +262,9 @@ def decode_attention_heads(q, k_rows, v_rows, block_tables, bs, context_lens, b,
     per (row, KV head) allocating its own cost ~10 % of the attention). nb, nkh: the (sequence, KV head) this
     thread attends next (nb = -1: none). Its K/V rows are asked into L2 one position per V row gathered here, so they
     arrive while this run computes; asked for all at once before the run, most of the requests stalled it or were
-    dropped (docs/performance.md, "where a batch-16 step goes")."""
+    dropped (docs/performance.md, "where a batch-16 step goes"). window > 0: a sliding-window layer's row, which
+    sees only its last `window` positions (key_chunks' rule with a window; no prefetch: the next run's older blocks
+    may be freed)."""
     N, H = q.shape[1], q.shape[2]
     K = k_rows.shape[1]
     g = N // K
@@ -271,9 +292,12 @@ def decode_attention_heads(q, k_rows, v_rows, block_tables, bs, context_lens, b,
     mx[:] = -np.inf
     sm[:] = 0.0
     acc[:] = 0.0
-    for c0 in range(0, S, CHUNK):
+    lo = 0 if window == 0 else max(0, S - window)             # the first position the row sees
+    if window > 0:
+        nb = -1
+    for c0 in range(lo - lo % CHUNK, S, CHUNK):
         nc = min(CHUNK, S - c0)
-        chunk_slots(block_tables, b, bs, c0, nc, slots)
+        skip = window_slots(block_tables, b, bs, c0, nc, lo, slots)   # keys before skip: behind the window
         if tiled:                                             # transpose: the scores then run 16 keys a vector
             for j0 in range(0, nc, 16):                       # (16 x 16 blocks in registers; a block's rows past
                 for r in range(16):                           # the context repeat its first, never read)
@@ -303,7 +327,10 @@ def decode_attention_heads(q, k_rows, v_rows, block_tables, bs, context_lens, b,
                     for j in range(nc):
                         s[r, j] = fma32(qd, kt[d, j], s[r, j])
         for r in range(n):                                    # 2. the softmax step
-            mx[r], alpha[r], sm[r] = chunk_softmax(s[r], nc, scale, mx[r], sm[r])
+            if skip == 0:
+                mx[r], alpha[r], sm[r] = chunk_softmax(s[r], nc, scale, mx[r], sm[r])
+            else:
+                mx[r], alpha[r], sm[r] = chunk_softmax_window(s[r], skip, nc, scale, mx[r], sm[r])
         if tiled:                                             # 3. P V: pv[r, d] = one fma chain over the nc keys
             for r0 in range(0, n, HEADS):
                 _weighted_values(min(HEADS, n - r0), sf, r0 * CHUNK, vtf, nc, pvf, r0 * H, H)
@@ -325,36 +352,38 @@ def decode_attention_heads(q, k_rows, v_rows, block_tables, bs, context_lens, b,
 
 
 @njit(cache=True)
-def decode_attention_item(q, k_rows, v_rows, block_tables, bs, context_lens, b, kh, out):
+def decode_attention_item(q, k_rows, v_rows, block_tables, bs, context_lens, b, kh, out, window=0):
     """decode_attention_heads for all g query heads of KV head kh: one work item of _paged_decode_kernel (each K and
     V row read once for the g heads that share it)."""
     g, H = q.shape[1] // k_rows.shape[1], q.shape[2]
     fs, ints = decode_scratch(g, H)
-    decode_attention_heads(q, k_rows, v_rows, block_tables, bs, context_lens, b, kh, 0, g, out, fs, ints)
+    decode_attention_heads(q, k_rows, v_rows, block_tables, bs, context_lens, b, kh, 0, g, out, fs, ints, -1, 0,
+                           window)
 
 
 @njit(cache=True, parallel=True)
-def _paged_decode_kernel(q, k_cache, v_cache, block_tables, context_lens, out):
+def _paged_decode_kernel(q, k_cache, v_cache, block_tables, context_lens, window, out):
     # q, out: [B, N, H] (row b is sequence b's one new row); the rest as in _paged_attention_kernel
     B = q.shape[0]
     num_blocks, bs, K, H = k_cache.shape
     k_rows = k_cache.reshape(num_blocks * bs, K, H)
     v_rows = v_cache.reshape(num_blocks * bs, K, H)
     for item in prange(B * K):
-        decode_attention_item(q, k_rows, v_rows, block_tables, bs, context_lens, item // K, item % K, out)
+        decode_attention_item(q, k_rows, v_rows, block_tables, bs, context_lens, item // K, item % K, out, window)
 
 
 def paged_attention_numba_unchecked(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
-                                    block_tables: np.ndarray, context_lens: np.ndarray, query_starts: np.ndarray
-                                    ) -> np.ndarray:
+                                    block_tables: np.ndarray, context_lens: np.ndarray, query_starts: np.ndarray,
+                                    window: int | None = None) -> np.ndarray:
     """The kernel call alone, for a batch checked once per step (the engine): no checks, no conversions.
     The caller guarantees C-contiguous float32 caches and int64 block_tables / context_lens / query_starts
     (anything else would compile a second specialisation). Only q, the one per-layer array, is made
-    contiguous here."""
+    contiguous here. window: a sliding-window layer's (None: a global layer)."""
     q = np.ascontiguousarray(q, dtype=np.float32)
     out = np.empty_like(q)                                                     # [T, N, H]
+    w = 0 if window is None else int(window)                                   # one int64 specialisation
     if q.shape[0] == context_lens.shape[0]:          # T == B: one row each (every sequence has >= 1), a decode step
-        _paged_decode_kernel(q, k_cache, v_cache, block_tables, context_lens, out)
+        _paged_decode_kernel(q, k_cache, v_cache, block_tables, context_lens, w, out)
     else:
-        _paged_attention_kernel(q, k_cache, v_cache, block_tables, context_lens, query_starts, out)
+        _paged_attention_kernel(q, k_cache, v_cache, block_tables, context_lens, query_starts, w, out)
     return out

@@ -28,7 +28,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .attention import decode_attention_heads, decode_scratch
+from .attention import decode_attention_heads, decode_scratch, paged_attention_numba_unchecked
 from .key_chunks import CHUNK, chunk_softmax, combine, finish
 from .simd import make_fma_microkernel
 
@@ -137,3 +137,14 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
     kernel = _attention if q.shape[0] >= FEW_ROWS else _few_rows_attention
     kernel(np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v), out)
     return out
+
+
+def window_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int) -> np.ndarray:
+    """A sliding-window layer's attention over a contiguous cache (Gemma 3's local layers on the numba backend):
+    q [m, N, H], k, v [S, K, H] (the last m keys are the new rows) -> [m, N, H], row i seeing only its last `window`
+    keys. The cache is one block of S positions for the paged kernels, so a row adds its terms in key_chunks' order
+    with a window: the bits of the same row in the paged engine."""
+    S, m = k.shape[0], q.shape[0]
+    return paged_attention_numba_unchecked(q, np.ascontiguousarray(k, np.float32)[None],
+                                           np.ascontiguousarray(v, np.float32)[None], np.zeros((1, 1), np.int64),
+                                           np.array([S], np.int64), np.array([0, m], np.int64), window)

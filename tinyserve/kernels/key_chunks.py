@@ -19,6 +19,13 @@ step of kernels/decode_step.py also runs) computes each (query row, head) with e
         acc'  = acc * alpha + pv                                         (a multiply, then an add)
     and out = acc * (1 / l).
 
+    With a sliding window W (lesson 11's local layers) the row sees keys lo .. p, lo = max(0, p - W + 1). The chunks
+    stay where they are ([0, 64), [64, 128), ...: aligned to absolute positions, never to lo), the chunks wholly
+    before lo are skipped, and in the chunk holding lo the keys before it get weight e_j = 0 exactly (not
+    exp32(-inf), which is ~1e-38): they add nothing to l (lane_sum adds 0) nor to pv (fma(0, v, x) = x for a finite
+    v). So a windowed row's bits do not depend on the batch either, and a window that does not bind (p < W) leaves
+    the rule above unchanged (chunk_softmax_window).
+
 Nothing in it depends on how many rows or heads a kernel computes together, which thread runs them, or whether
 the keys come from a contiguous cache, paged blocks or the prefill chunk itself. A kernel may compute scores for
 keys a row does not see (a tile of rows shares its keys), as long as the row's sums never include them; adding a
@@ -111,6 +118,19 @@ def chunk_softmax(s, n, scale, m, l):
     m_new = max(m, scale * row_max(s, n))
     alpha = exp32(m - m_new)            # inline arithmetic, not a libm call: once per (row, head, chunk) of a prefill
     for j in range(n):
+        s[j] = exp32(scale * s[j] - m_new)
+    return m_new, alpha, l * alpha + lane_sum(s, n)
+
+
+@njit(cache=True, inline="always")
+def chunk_softmax_window(s, lo, n, scale, m, l):
+    """chunk_softmax for a chunk whose first `lo` keys (0 <= lo < n) are behind the row's sliding window: their
+    weights become exactly 0 and the max runs over the rest. lo = 0 is chunk_softmax operation for operation."""
+    m_new = max(m, scale * row_max(s[lo:], n - lo))
+    alpha = exp32(m - m_new)
+    for j in range(lo):
+        s[j] = np.float32(0.0)
+    for j in range(lo, n):
         s[j] = exp32(scale * s[j] - m_new)
     return m_new, alpha, l * alpha + lane_sum(s, n)
 

@@ -1,0 +1,114 @@
+"""Lesson 11's fast path for a block that is not LLaMA's (kernels/block_forward.py), on a tiny random model with
+every Gemma 3 switch on: Q/K norms, norms after attention and MLP, GELU, a scaled embedding, sliding windows with a
+RoPE base of their own.
+
+The truth is model.forward over the NumPy reference of the same quantised weights (quant.matmul_reference): with
+the same attention the tiles must give the same bits; on the numba backend's paged attention, the same greedy
+tokens within the kernels' tolerance; and a row's logits must not depend on what shares its step.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from tinyserve import backend
+from tinyserve.engine import Engine
+from tinyserve.gqa import grouped_attention
+from tinyserve.kv_cache import KVCache, forward_with_cache
+from tinyserve.quant import quantize_model
+from tinyserve.sampling import SamplingParams
+from tinyserve.weights import tiny_model
+
+W = 8
+
+
+def tiny_gemma(seed=0):
+    """tiny_model with Gemma 3's switches and the weights they read (random norms near 1)."""
+    m = tiny_model(seed=seed, n_layers=3, intermediate_size=128, qk_norm=True, post_norms=True,
+                   activation="gelu_tanh", embed_scale=8.0, sliding_window=W, sliding_window_pattern=3,
+                   rope_theta_local=100.0)
+    rng = np.random.default_rng(seed + 100)
+    near_one = lambda n: (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)   # noqa: E731
+    cfg = m.config
+    layers = [dataclasses.replace(w, q_norm=near_one(cfg.head_dim), k_norm=near_one(cfg.head_dim),
+                                  post_attn_norm=near_one(cfg.dim), post_mlp_norm=near_one(cfg.dim))
+              for w in m.layers]
+    return dataclasses.replace(m, layers=layers)
+
+
+@pytest.fixture(scope="module")
+def gemma_like():
+    return tiny_gemma()
+
+
+def prompts(n=5, seed=0, lo=3, hi=40):
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(3, 256, size=int(m))] for m in rng.integers(lo, hi, size=n)]
+
+
+@pytest.mark.parametrize("mode", ["w8a8-64", "w4a8", "int8"])
+def test_tiles_give_the_references_bits(gemma_like, mode):
+    """The same attention (lesson 3's grouped attention, windowed on the local layers), so only the matmuls differ:
+    the tiles' logits equal the NumPy reference of the same quantised weights bit for bit with int8 activations
+    (W8A32's float32 activations sum in another order than NumPy: within 1e-4)."""
+    ref = quantize_model(gemma_like, mode)
+    fast = backend.set_backend(gemma_like, mode, "numba")
+    assert backend.runs_on_kernels(fast) and backend.block_switches(fast)
+    ids = prompts(n=1, seed=1, lo=30, hi=31)[0]
+    want = forward_with_cache(ref, KVCache.allocate(ref.config, 64), ids, grouped_attention, all_logits=True)
+    got = forward_with_cache(fast, KVCache.allocate(ref.config, 64), ids, grouped_attention, all_logits=True)
+    assert type(fast.fast.layers[0].wq).__name__ == "TileMatrix"          # the tiles ran, not the references
+    if mode == "int8":
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    else:
+        assert np.array_equal(got, want)
+
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+
+
+def test_engine_on_the_fast_path_gives_the_references_tokens(gemma_like):
+    """The paged engine on the numba backend (tiles + the windowed Numba attention), chunked prefill and a batch:
+    the greedy tokens of the NumPy reference engine of the same quantised weights."""
+    ps = prompts()
+    fast = backend.set_backend(gemma_like, "w8a8-64", "numba")
+    ref = backend.set_backend(gemma_like, "w8a8-64", "numpy")
+    got = Engine(fast, num_blocks=128, block_size=4, max_batch_tokens=7).generate(ps, GREEDY)
+    want = Engine(ref, num_blocks=128, block_size=4, max_batch_tokens=64).generate(ps, GREEDY)
+    assert got == want
+
+
+def test_a_rows_logits_do_not_depend_on_its_batch(gemma_like, monkeypatch):
+    """Batch invariance on the fast path: each prompt's sampled logits, alone and in a batch of five with chunked
+    prefill, are the same bits (attention adds in one order, every other step is per row)."""
+    from tinyserve import engine as engine_mod
+    fast = backend.set_backend(gemma_like, "w8a8-64", "numba")
+    ps = prompts(seed=3, lo=10, hi=45)
+    seen: dict[int, list] = {}
+    real = engine_mod.sample_tokens
+
+    def spy(seq, logits, *a, **kw):
+        seen.setdefault(seq.request_id, []).append(np.array(logits))
+        return real(seq, logits, *a, **kw)
+    monkeypatch.setattr(engine_mod, "sample_tokens", spy)
+    together = Engine(fast, num_blocks=256, block_size=4, max_batch_tokens=9)
+    first = together._next_id
+    together.generate(ps, GREEDY)
+    batched = [seen[first + i] for i in range(len(ps))]
+    for i, p in enumerate(ps):
+        seen.clear()
+        alone = Engine(fast, num_blocks=64, block_size=4, max_batch_tokens=64)
+        rid = alone._next_id
+        alone.generate([p], GREEDY)
+        assert all(np.array_equal(a, b) for a, b in zip(seen[rid], batched[i])), f"prompt {i} differs"
+
+
+def test_generate_through_the_contiguous_cache_gives_the_engines_tokens(gemma_like):
+    """kv_cache.generate (what `tinyserve generate` runs) on the fast path: the windowed layers attend through the
+    numba kernel too (dense_attention.window_attention), so its greedy tokens are the paged engine's."""
+    from tinyserve.kv_cache import generate
+    fast = backend.set_backend(gemma_like, "w8a8-64", "numba")
+    for p in prompts(n=3, seed=5, lo=5, hi=30):
+        assert generate(fast, p, params=GREEDY) == Engine(fast, num_blocks=64, block_size=4).generate([p], GREEDY)[0]
