@@ -71,7 +71,7 @@ def test_the_stamp_says_warm_only_for_what_was_compiled(cache):
 
 
 def test_warm_up_rejects_a_path_without_kernels():
-    with pytest.raises(ValueError, match="int8, w8a8, w8a8-64 or w4a8"):
+    with pytest.raises(ValueError, match="int8, w8a8, w8a8-64, w4a8 or gguf"):
         jit.warm_up("none")
     with pytest.raises(ValueError, match="workload"):
         jit.warm_up("int8", "paged")
