@@ -83,7 +83,7 @@ def run(n: int, paths: list[Path]) -> bool:
             print(f"   verdicts: {held} of {len(verdicts)} held; {busy} measured while other programs held the cores "
                   f"(busy_check)")
             for r in verdicts:
-                load = "" if "busy" not in r else (" [busy %.1f cores]" % r["busy_cores"] if r["busy"] else " [quiet]")
+                load = "" if "busy" not in r else (" [busy %.1f cores]" % r.get("busy_cores", 0.0) if r["busy"] else " [quiet]")
                 print(f"     {'held' if r['holds'] else 'FAILED':6s} {r.get('kind', 'prediction'):11s}"
                       f"{r['finding'].split(':')[0][:90]}{load}")
     figures = sorted(out.glob("*.png"))
