@@ -1,5 +1,6 @@
 """Lessons 1-5 as notebooks that survive a busy machine: every floor divides by the course's one bandwidth
-(course.machine()), every timed comparison is preceded by a load check (course.busy_check), and the committed notebooks carry no outputs.
+(course.machine()), every timed comparison is preceded by a load check (course.busy_check), and the committed
+notebooks carry no outputs.
 Executing them is `make lesson-N`'s job; this reads their source."""
 import ast
 import re
