@@ -401,6 +401,19 @@ def pack_b8a8(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
 
 
 @njit(cache=True, inline="always")
+def _store_tile(acc, out, accumulate, r0, nr, b0, nc):
+    """A W4A8 or byte tile's float32 results (acc [ROWS * COLS * 16]) into out's rows r0.. and blocks b0.. (or added)."""
+    CB = COLS * BLOCK
+    for r in range(nr):
+        for j in range(nc * BLOCK):
+            o = b0 * BLOCK + j
+            if accumulate:
+                out[r0 + r, o] += acc[r * CB + j]
+            else:
+                out[r0 + r, o] = acc[r * CB + j]
+
+
+@njit(cache=True, inline="always")
 def w4a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc):
     """One work item of the W4A8 matmul: rows r0 .. r0+nr (nr <= ROWS) x packed blocks b0 .. b0+nc (nc <= COLS);
     xf: the signed activation bytes (_tile_inputs), sx, xs [T, D/32]; acc: float32 scratch [ROWS * COLS * 16]."""
@@ -418,13 +431,7 @@ def w4a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc):
             for c in range(nc):
                 _q4_11(xf, (r0 + r) * D, D, wf, (b0 + c) * step, step, nb, sf, xsf, (r0 + r) * nb, nb, acc,
                        r * CB + c * BLOCK, CB)
-    for r in range(nr):
-        for j in range(nc * BLOCK):
-            o = b0 * BLOCK + j
-            if accumulate:
-                out[r0 + r, o] += acc[r * CB + j]
-            else:
-                out[r0 + r, o] = acc[r * CB + j]
+    _store_tile(acc, out, accumulate, r0, nr, b0, nc)
 
 
 @njit(cache=True, inline="always")
@@ -444,13 +451,7 @@ def b8a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc):
             for c in range(nc):
                 _b8_11(xf, (r0 + r) * D, D, wf, (b0 + c) * step, step, nb, sf, xsf, (r0 + r) * nb, nb, acc,
                        r * CB + c * BLOCK, CB)
-    for r in range(nr):
-        for j in range(nc * BLOCK):
-            o = b0 * BLOCK + j
-            if accumulate:
-                out[r0 + r, o] += acc[r * CB + j]
-            else:
-                out[r0 + r, o] = acc[r * CB + j]
+    _store_tile(acc, out, accumulate, r0, nr, b0, nc)
 
 
 def matmul_w4a8(xu: np.ndarray, sx: np.ndarray, wp: np.ndarray, out: np.ndarray | None = None,
