@@ -5,7 +5,6 @@ must match the one the fixture recorded)."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -229,13 +228,9 @@ def test_random_gguf_matches_transformers(tmp_path, key):
 
 
 def gemma_path() -> Path:
-    env = os.environ.get("TINYSERVE_GEMMA_GGUF")
-    from tinyserve.zoo import GEMMA3_270M          # where `make weights-gemma` puts it
-    for p in ([Path(env)] if env else []) + [GEMMA3_270M.path]:
-        if p.is_file():
-            return p
-    pytest.fail("this test needs the Gemma 3 270M GGUF: run `make weights-gemma` (or set TINYSERVE_GEMMA_GGUF "
-                "to its path)", pytrace=False)
+    """The Gemma 3 270M GGUF, found as every real-Gemma test finds it (tests/conftest.py)."""
+    from tests.conftest import _gemma_gguf
+    return _gemma_gguf()
 
 
 @pytest.fixture(scope="module")
