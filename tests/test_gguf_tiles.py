@@ -18,10 +18,11 @@ import numpy as np
 import pytest
 
 import tinyserve as ts
-from tinyserve import backend, gguf_quants, kv_cache, naive, quant
+from tinyserve import backend, gguf_quants, naive, quant
 from tinyserve.gguf_file import LAYER_TENSORS, TensorInfo, unpermute_rope_rows
-from tinyserve.kernels import decode_step, forward as fast
+from tinyserve.kernels import forward as fast
 from tinyserve.kernels import matmul as km
+from tests.test_w4a8 import assert_numba_path_matches_numpy
 
 # the largest integer of each format's q (as split_blocks returns it), to give random blocks weights of ~AMPLITUDE
 Q_RANGE = {"Q8_0": 128, "Q4_0": 8, "Q4_1": 15, "Q5_0": 16, "Q5_1": 31, "Q4_K": 63 * 15, "Q5_K": 63 * 31,
@@ -195,15 +196,7 @@ def test_each_role_packs_on_the_tile_its_formats_need(every_format):
 def test_the_numba_path_computes_the_numpy_reference(every_format):
     """Prefill and decode on the kernels (three-call layers) against model.forward on the NumPy reference of the
     same blocks: the same logits up to attention's float order; and the fused decode step's greedy tokens."""
-    qm = quant.quantize_model(every_format, quant.GGUF.name)
-    ref, numba_model = backend.set_backend(qm, "gguf", "numpy"), backend.set_backend(qm, "gguf", "numba")
-    prompt = [5, 17, 99, 3, 42, 250, 7, 7, 128, 64, 1, 2]
-    want = naive.forward(ref, prompt)
-    with decode_step.three_call_path():
-        got = naive.forward(numba_model, prompt)
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
-    greedy = ts.SamplingParams(temperature=0.0, ignore_eos=True, max_new_tokens=12)
-    assert kv_cache.generate(numba_model, prompt, params=greedy) == kv_cache.generate(ref, prompt, params=greedy)
+    assert_numba_path_matches_numpy(quant.quantize_model(every_format, quant.GGUF.name), "gguf")
 
 
 def test_auto_picks_gguf_for_a_file_and_keeps_w4a8_for_the_folder(every_format):

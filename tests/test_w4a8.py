@@ -116,8 +116,13 @@ def tiny_w4a8():
 def test_the_numba_path_computes_the_numpy_reference(tiny_w4a8, monkeypatch):
     """Prefill and decode on the kernels (three-call layers; SiLU's exp NumPy's, as the reference) against
     model.forward on the NumPy reference: the same logits up to attention's float order."""
-    qm = quant.quantize_model(tiny_w4a8, "w4a8")
-    ref, numba_model = backend.set_backend(qm, "w4a8", "numpy"), backend.set_backend(qm, "w4a8", "numba")
+    assert_numba_path_matches_numpy(quant.quantize_model(tiny_w4a8, "w4a8"), "w4a8")
+
+
+def assert_numba_path_matches_numpy(qm, mode: str) -> None:
+    """A quantised model on the numba backend (three-call layers, then the fused decode step's greedy tokens) against
+    the same blocks on the NumPy reference: the same logits up to attention's float order, the same tokens."""
+    ref, numba_model = backend.set_backend(qm, mode, "numpy"), backend.set_backend(qm, mode, "numba")
     prompt = [5, 17, 99, 3, 42, 250, 7, 7, 128, 64, 1, 2]
     want = naive.forward(ref, prompt)
     with decode_step.three_call_path():
