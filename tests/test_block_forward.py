@@ -83,26 +83,13 @@ def test_engine_on_the_fast_path_gives_the_references_tokens(gemma_like):
 def test_a_rows_logits_do_not_depend_on_its_batch(gemma_like, monkeypatch):
     """Batch invariance on the fast path: each prompt's sampled logits, alone and in a batch of five with chunked
     prefill, are the same bits (attention adds in one order, every other step is per row)."""
-    from tinyserve import engine as engine_mod
+    from tests.test_sliding_window import run
     fast = backend.set_backend(gemma_like, "w8a8-64", "numba")
     ps = prompts(seed=3, lo=10, hi=45)
-    seen: dict[int, list] = {}
-    real = engine_mod.sample_tokens
-
-    def spy(seq, logits, *a, **kw):
-        seen.setdefault(seq.request_id, []).append(np.array(logits))
-        return real(seq, logits, *a, **kw)
-    monkeypatch.setattr(engine_mod, "sample_tokens", spy)
-    together = Engine(fast, num_blocks=256, block_size=4, max_batch_tokens=9)
-    first = together._next_id
-    together.generate(ps, GREEDY)
-    batched = [seen[first + i] for i in range(len(ps))]
+    _, batched = run(Engine(fast, num_blocks=256, block_size=4, max_batch_tokens=9), ps, GREEDY, monkeypatch)
     for i, p in enumerate(ps):
-        seen.clear()
-        alone = Engine(fast, num_blocks=64, block_size=4, max_batch_tokens=64)
-        rid = alone._next_id
-        alone.generate([p], GREEDY)
-        assert all(np.array_equal(a, b) for a, b in zip(seen[rid], batched[i])), f"prompt {i} differs"
+        _, (alone,) = run(Engine(fast, num_blocks=64, block_size=4, max_batch_tokens=64), [p], GREEDY, monkeypatch)
+        assert np.array_equal(alone, batched[i]), f"prompt {i} differs"
 
 
 def test_generate_through_the_contiguous_cache_gives_the_engines_tokens(gemma_like):
