@@ -93,7 +93,7 @@ lessons: $(COURSE) weights
 	$(PYTHON) tools/run_lesson.py all
 
 test: $(TESTS) $(COURSE) weights weights-gemma
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q --durations=25
 	$(PYTHON) tools/check.py --stubs-must-fail all
 	$(PYTHON) tools/check.py --wrong-answers-must-fail all
 	$(PYTHON) tools/run_lesson.py all
