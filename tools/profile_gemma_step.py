@@ -55,32 +55,30 @@ class Clock:
 
 def instrument(clock: Clock, vocab: int):
     """Wrap the fast path's parts with the clock (monkeypatching: the engine itself is untouched)."""
-    from tinyserve import engine as engine_mod
-    from tinyserve.kernels import block_forward as bf
+    from tinyserve.kernels import block_forward as bf, block_layer
 
     rmatmul = bf.TileMatrix.__rmatmul__
 
-    def timed_rmatmul(self, x):
+    def timed_rmatmul(self, x):                            # the reference's steps over the tiles
         with clock.part("LM head" if self.shape[1] == vocab else "layers' matmuls"):
             return rmatmul(self, x)
     bf.TileMatrix.__rmatmul__ = timed_rmatmul
-
-    ref = bf.reference_forward
+    for name in ("pre_attention", "post_attention", "act_input", "mlp_down"):   # the fused calls
+        setattr(bf.block_layer, name, timed(clock, "layers' matmuls", getattr(block_layer, name)))
+    bf.lm_head = timed(clock, "LM head", bf.lm_head)
+    whole = bf.block_forward
 
     def timed_forward(model, tokens, positions, attention, logit_rows=None):
-        def timed_attention(*a):
-            with clock.part("attention"):
-                return attention(*a)
         with clock.part("forward"):
-            return ref(model, tokens, positions, timed_attention, logit_rows)
-    bf.reference_forward = timed_forward
-    # a fast path that does not go through reference_forward (a fused forward) is timed as a whole
-    fwd = engine_mod.forward
+            return whole(model, tokens, positions, timed(clock, "attention", attention), logit_rows)
+    bf.block_forward = timed_forward
 
-    def timed_engine_forward(*a, **k):
-        with clock.part("engine forward"):
-            return fwd(*a, **k)
-    engine_mod.forward = timed_engine_forward
+
+def timed(clock: Clock, part: str, fn):
+    def call(*a, **k):
+        with clock.part(part):
+            return fn(*a, **k)
+    return call
 
 
 def profile(model, clock: Clock, batch: int, prompt_len: int, steps: int, seed: int = 0) -> dict:
@@ -109,10 +107,10 @@ def profile(model, clock: Clock, batch: int, prompt_len: int, steps: int, seed: 
         for s in clock.steps:
             get = lambda name: s.get(name, [0.0, 0.0])     # noqa: E731
             if part == "rest of the forward":
-                f = s.get("forward") or s.get("engine forward") or [0.0, 0.0]
+                f = s.get("forward", [0.0, 0.0])
                 v = [f[i] - get("layers' matmuls")[i] - get("LM head")[i] - get("attention")[i] for i in (0, 1)]
             elif part == "outside the forward":
-                f = s.get("engine forward", [0.0, 0.0])
+                f = s.get("forward", [0.0, 0.0])
                 v = [get("whole step")[i] - f[i] for i in (0, 1)]
             else:
                 v = get(part)
@@ -128,26 +126,35 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--prompt", type=int, default=32, help="prompt tokens per sequence (32, as bench_peers)")
     ap.add_argument("--steps", type=int, default=64, help="timed decode steps per batch size")
+    ap.add_argument("--paths", nargs="+", default=["fused"], choices=["fused", "tiles"],
+                    help="fused: kernels/block_layer.py's calls; tiles: the reference's steps over the tiles")
     args = ap.parse_args(argv)
 
     import tinyserve as ts
     from tinyserve.backend import prepare
     from tinyserve.measure import cpu_info, git_commit
 
+    from tinyserve.kernels import block_forward as bf
+
     model = prepare(ts.load_model(args.model, quant=args.quant, backend="numba"))
-    print(f"{Path(args.model).name}, quant {model.quant}; {cpu_info()}; commit {git_commit()}")
+    packed = {"fused": model.fast, "tiles": bf.prepare(model, fuse=False) if "tiles" in args.paths else None}
+    cpu = cpu_info()
+    print(f"{Path(args.model).name}, quant {model.quant}; {cpu['model']} ({', '.join(cpu['flags'])}); "
+          f"commit {git_commit()}")
     clock = Clock()
     instrument(clock, model.config.vocab_size)
     for B in args.batch:
-        res = profile(model, clock, B, args.prompt, args.steps)
-        step_cpu, step_wall = res["rows"]["whole step"]
-        print(f"\nB={B}: {res['steps']} decode steps after a {args.prompt}-token prompt; median ms per step "
-              f"(CPU time of both threads | wall)")
-        print(f"| part | CPU ms | share of CPU | wall ms | share of wall |\n|---|---:|---:|---:|---:|")
-        for part in PARTS:
-            c, w = res["rows"][part]
-            print(f"| {part} | {c * 1e3:.2f} | {c / step_cpu:.0%} | {w * 1e3:.2f} | {w / step_wall:.0%} |")
-        print(f"(B={B}: {B / step_wall:.1f} tokens/s from the median step's wall time)")
+        for path in args.paths:                            # interleaved: the same load on both, as far as it goes
+            model.fast = packed[path]
+            res = profile(model, clock, B, args.prompt, args.steps)
+            step_cpu, step_wall = res["rows"]["whole step"]
+            print(f"\nB={B}, {path}: {res['steps']} decode steps after a {args.prompt}-token prompt; median ms per "
+                  f"step (CPU time of both threads | wall)")
+            print("| part | CPU ms | share of CPU | wall ms | share of wall |\n|---|---:|---:|---:|---:|")
+            for part in PARTS:
+                c, w = res["rows"][part]
+                print(f"| {part} | {c * 1e3:.2f} | {c / step_cpu:.0%} | {w * 1e3:.2f} | {w / step_wall:.0%} |")
+            print(f"(B={B}, {path}: {B / step_wall:.1f} tokens/s from the median step's wall time)")
 
 
 if __name__ == "__main__":

@@ -16,19 +16,37 @@ integer matmuls are exact, every elementwise step is the reference's float32 ope
 RMSNorm's mean of squares is NumPy's pairwise summation (layer._pairwise_sum), and the one transcendental function
 (tanh or exp) is NumPy's own, called between two kernels: a last-bit difference before an activation is rounded
 to int8 can move it a whole int8 step. Only the int8-activation kinds (W8A8, W4A8, the byte tile) run here; W8A32
-keeps kernels/block_forward.py's tiles. The row-wise steps run serially below layer.PARALLEL_ROWS rows (decode) and
-in parallel from there on (prefill).
+keeps kernels/block_forward.py's tiles.
+
+The row-wise steps run serially below ROW_LOOPS_PARALLEL_FROM rows and in parallel from there on. Every parallel loop
+is a fork and a join of the thread pool, and beside a busy neighbour a join waits until the partner thread gets a
+core again, for a time slice (docs/sliding-window.md, "Where a decode step's time goes"): so a decode step of up to
+16 rows forks only for its matmuls (4 a layer), whose weights are worth two threads, and runs the few microseconds
+of its norms, RoPE and activation on the calling thread. A prefill chunk's rows are worth both threads.
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
 
-from .layer import _pairwise_sum, _rms_norm_quant_rows
-from .matmul import PARALLEL_ROWS, _matmul_int8, _quantize_row
+from .layer import _pairwise_sum, _rms_norm_quant_row
+from .matmul import _matmul_int8, _quantize_row
+
+ROW_LOOPS_PARALLEL_FROM = 32      # rows; a decode step (B <= 16) stays below it, a prefill chunk is above
 
 GELU_C1 = np.float32(np.sqrt(2.0 / np.pi))   # layers.gelu_tanh's constants, the same float32 values
 GELU_C2 = np.float32(0.044715)
+
+
+@njit(cache=True, inline="always")
+def _rms_norm_quant_rows(x, weight, eps, xu, sx):
+    """layer._rms_norm_quant_row for every row of x [T, D] (in parallel from ROW_LOOPS_PARALLEL_FROM rows)."""
+    if x.shape[0] >= ROW_LOOPS_PARALLEL_FROM:
+        for t in prange(x.shape[0]):
+            _rms_norm_quant_row(x, t, weight, eps, xu, sx)
+    else:
+        for t in range(x.shape[0]):
+            _rms_norm_quant_row(x, t, weight, eps, xu, sx)
 
 
 @njit(cache=True, inline="always")
@@ -88,7 +106,7 @@ def pre_attention(x, norm_w, eps, wqkv, bias, q_norm, k_norm, cos, sin, q, k, v)
     _rms_norm_quant_rows(x, norm_w, eps, xu, sx)
     qkv = np.empty((T, wqkv.w.shape[0] * 16), np.float32)                  # [T, (N + 2K) H]
     _matmul_int8(wqkv, xu, sx, qkv, False)
-    if T >= PARALLEL_ROWS:
+    if T >= ROW_LOOPS_PARALLEL_FROM:
         for t in prange(T):
             _split_row(qkv, t, bias, q_norm, k_norm, eps, cos, sin, q, k, v)
     else:
@@ -115,7 +133,7 @@ def _add_residual(x, post_norm, eps, wout, au, sa):
         return
     y = np.empty(x.shape, np.float32)
     _matmul_int8(wout, au, sa, y, False)
-    if T >= PARALLEL_ROWS:
+    if T >= ROW_LOOPS_PARALLEL_FROM:
         for t in prange(T):
             _add_normed_row(x, y, t, post_norm, eps)
     else:
@@ -128,7 +146,7 @@ def post_attention(x, a, wo, post_norm, norm_w, eps, wgu, gu):
     """x += (norm of) a @ Wo (a [T, N H], the attention output); then gu [T, 2F] = RMSNorm(x) @ [Wgate | Wup]."""
     T = a.shape[0]
     au, sa = np.empty(a.shape, np.uint8), np.empty((T, wo.blocks.shape[0]), np.float32)
-    if T >= PARALLEL_ROWS:
+    if T >= ROW_LOOPS_PARALLEL_FROM:
         for t in prange(T):
             _quantize_row(a[t], au[t], sa[t])
     else:
@@ -152,7 +170,7 @@ def _act_input_row(gu, t, gelu, u):
 def act_input(gu, gelu, u):
     """u [T, F] = the argument of the activation's transcendental function, from the gate gu[:, :F]: layers.gelu_tanh's
     c1 (g + c2 g g g) (then tanh), or layers.silu's -g (then exp)."""
-    if u.shape[0] >= PARALLEL_ROWS:
+    if u.shape[0] >= ROW_LOOPS_PARALLEL_FROM:
         for t in prange(u.shape[0]):
             _act_input_row(gu, t, gelu, u)
     else:
@@ -179,7 +197,7 @@ def mlp_down(x, gu, u, gelu, wd, post_norm, eps):
     """x += (norm of) (act(gate) * up) @ Wdown; u: tanh or exp of act_input's u (NumPy's)."""
     T, F = u.shape
     au, sa = np.empty((T, F), np.uint8), np.empty((T, wd.blocks.shape[0]), np.float32)
-    if T >= PARALLEL_ROWS:
+    if T >= ROW_LOOPS_PARALLEL_FROM:
         for t in prange(T):
             _act_quant_row(gu, u, t, gelu, au, sa)
     else:
