@@ -1,18 +1,21 @@
-"""Where a decode step of a windowed model goes on the fast path (docs/sliding-window.md, "Where a decode step's time
-goes"): per part, by CPU time and wall time, median over many steps.
+"""Where a decode step of a windowed model goes on the fast path (docs/sliding-window.md, "Where a Gemma decode step's
+time goes"): per part, by CPU time and wall time, median over many steps.
 
-B prompts of `--prompt` random tokens decode `--steps` tokens together through the paged Engine (the path `generate`
-and the benchmarks run). Around every part of each step a timer reads both clocks:
-- layers' matmuls: every TileMatrix product of the 18 layers (activation quantisation + the tile);
-- LM head: the [R, D] x [D, V] product on the head's tile;
+B prompts of `--prompt` random tokens decode `--steps` tokens together through the paged Engine (what the benchmarks
+run), on each path of `--paths` in turn (fused: kernels/block_layer.py's calls, the default path; tiles: the
+reference's steps over TileMatrix). Around every part of each step a timer reads both clocks:
+- layers' matmuls: tiles, every TileMatrix product of the layers (activation quantisation + the tile); fused, the
+  three block_layer calls a layer (their norms, RoPE and activation included);
+- LM head: the final norm and the [R, D] x [D, V] product;
 - attention: the strategy's attention function (K/V write + the paged Numba kernel, masked by window);
-- the rest of the forward: everything in the forward that is neither (NumPy row-wise ops, Python);
+- the rest of the forward: what else the forward does (NumPy calls, Python);
 - outside the forward: scheduling, sampling over [B, V] logits, bookkeeping (Engine.step minus the forward).
-CPU time (time.process_time: both threads, a spinning worker included) is what a neighbour on the shared machine
-cannot steal; wall time (time.perf_counter) is what a user waits for. Each part's per-step total is kept, and the
-table prints the medians over the steps (the medians need not add up to the step's median).
+CPU time is time.process_time (every thread of the process). With two threads on a shared machine it mostly counts
+the joins' waits for a partner thread that has no core; with NUMBA_NUM_THREADS=1 it is each part's work, which a
+neighbour cannot inflate. Each part's per-step total is kept, and the table prints the medians over the steps (the
+medians need not add up to the step's median).
 
-    PYTHONPATH=. .venv/bin/python tools/profile_gemma_step.py --batch 1 16
+    NUMBA_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python tools/profile_gemma_step.py --batch 1 16 --paths fused tiles
 """
 from __future__ import annotations
 

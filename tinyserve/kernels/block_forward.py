@@ -76,9 +76,10 @@ def tile(mode: str, q) -> TileMatrix:
 
 
 def prepare(model, fuse: bool = True) -> "BlockWeights":
-    """Pack once (fuse=False: the reference's steps over the tiles for every kind, to compare and to time). W8A32: the model whose layer matrices and LM head are TileMatrix (the rest, embedding, norms,
-    RoPE tables, the switches' extra weights, is the model's own arrays, not copied). The int8-activation kinds:
-    each layer's fused tiles (FusedLayer) and the LM head, which fused_forward runs."""
+    """Pack once. W8A32 (or fuse=False: the reference's steps over the tiles for every kind, to compare and to
+    time): the model whose layer matrices and LM head are TileMatrix (the rest, embedding, norms, RoPE tables, the
+    switches' extra weights, is the model's own arrays, not copied). The int8-activation kinds: each layer's fused
+    tiles (FusedLayer) and the LM head, which fused_forward runs."""
     head = tile(model.quant, model.lm_head_q)
     if isinstance(head.w, W8A32Weights) or not fuse:
         layers = [dataclasses.replace(w, **{f: tile(model.quant, getattr(w, f)) for f in MATRICES})
