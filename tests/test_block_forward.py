@@ -56,10 +56,13 @@ def test_tiles_give_the_references_bits(gemma_like, mode):
     ref = quantize_model(gemma_like, mode)
     fast = backend.set_backend(gemma_like, mode, "numba")
     assert backend.runs_on_kernels(fast) and backend.block_switches(fast)
-    ids = prompts(n=1, seed=1, lo=30, hi=31)[0]
-    want = forward_with_cache(ref, KVCache.allocate(ref.config, 64), ids, grouped_attention, all_logits=True)
-    got = forward_with_cache(fast, KVCache.allocate(ref.config, 64), ids, grouped_attention, all_logits=True)
-    assert type(fast.fast.layers[0].wq).__name__ == "TileMatrix"          # the tiles ran, not the references
+    ids = prompts(n=1, seed=1, lo=43, hi=44)[0]
+    caches = KVCache.allocate(ref.config, 64), KVCache.allocate(ref.config, 64)
+    # 40 rows (the fused calls' row loops in parallel: block_layer.ROW_LOOPS_PARALLEL_FROM), then 3 more (serial)
+    want, got = ([forward_with_cache(m, c, part, grouped_attention, all_logits=True) for part in (ids[:40], ids[40:])]
+                 for m, c in zip((ref, fast), caches))
+    want, got = np.concatenate(want), np.concatenate(got)
+    assert (fast.fast.fused is None) == (mode == "int8")    # the fused calls ran (W8A32: the reference on the tiles)
     if mode == "int8":
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     else:
@@ -99,3 +102,26 @@ def test_generate_through_the_contiguous_cache_gives_the_engines_tokens(gemma_li
     fast = backend.set_backend(gemma_like, "w8a8-64", "numba")
     for p in prompts(n=3, seed=5, lo=5, hi=30):
         assert generate(fast, p, params=GREEDY) == Engine(fast, num_blocks=64, block_size=4).generate([p], GREEDY)[0]
+
+
+def test_the_other_switches_give_the_references_bits_too():
+    """Qwen's switches on the fused calls (kernels/block_layer.py): Q/K/V biases, Q/K norms, SiLU (NumPy's exp
+    between two calls) and no norms after attention and MLP (the residual added inside the matmul's store): the
+    same bits as the NumPy reference of the same quantised weights, prefill rows and then decode rows."""
+    m = tiny_model(seed=2, n_layers=2, intermediate_size=128, qkv_bias=True, qk_norm=True)
+    rng = np.random.default_rng(7)
+    cfg = m.config
+    small = lambda n: (0.3 * rng.standard_normal(n)).astype(np.float32)               # noqa: E731
+    near_one = lambda n: (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)         # noqa: E731
+    m = dataclasses.replace(m, layers=[dataclasses.replace(
+        w, q_bias=small(cfg.n_heads * cfg.head_dim), k_bias=small(cfg.n_kv_heads * cfg.head_dim),
+        v_bias=small(cfg.n_kv_heads * cfg.head_dim), q_norm=near_one(cfg.head_dim), k_norm=near_one(cfg.head_dim))
+        for w in m.layers])
+    ref = quantize_model(m, "w8a8-64")
+    fast = backend.set_backend(m, "w8a8-64", "numba")
+    assert backend.block_switches(fast) == ["Q/K/V biases", "Q/K norms"]
+    ids = prompts(n=1, seed=4, lo=43, hi=44)[0]
+    caches = KVCache.allocate(cfg, 64), KVCache.allocate(cfg, 64)
+    want, got = ([forward_with_cache(x, c, part, grouped_attention, all_logits=True) for part in (ids[:40], ids[40:])]
+                 for x, c in zip((ref, fast), caches))
+    assert fast.fast.fused is not None and np.array_equal(np.concatenate(got), np.concatenate(want))

@@ -358,3 +358,31 @@ def test_a_local_pool_too_small_to_never_run_dry_is_refused(swa):
         Engine(swa, num_blocks=1000, block_size=4, max_batch_tokens=32, max_running=4, num_local_blocks=23)
     assert Engine(swa, num_blocks=1000, block_size=4, max_batch_tokens=32, max_running=4,
                   num_local_blocks=30).local_pool.num_blocks == 30
+
+
+@pytest.mark.parametrize("model", ["swa", "all_local"])
+def test_a_prefill_handed_over_continues_exactly(model, request):
+    """Lesson 8's disaggregated hand-over on a windowed model: export_kv gathers each layer kind's K/V from its own
+    pool (a local layer's freed positions are zeros, never read again), add_prefilled writes each kind into its own
+    pool (a local layer only the window's blocks: the rest of its table is -1), and the decode continues with the
+    tokens of one engine that did it all. The two engines' block sizes differ, so the window's blocks do too."""
+    from tinyserve.orchestrators import adopt_prefilled, export_kv
+    m = request.getfixturevalue(model)
+    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    prompt = [int(t) for t in np.random.default_rng(0).integers(3, 256, 37)]       # 37: the last block is partial
+    expect = Engine(m, num_blocks=64).generate([prompt], params)[0]
+    pre = Engine(m, num_blocks=64, block_size=4)
+    rid = pre.add_request(prompt, params)
+    while not (outs := pre.step()):
+        pass
+    seq = pre.sequence(rid)
+    assert seq.local_table[0] == -1                          # the prefill engine freed what fell behind the window
+    k, v = export_kv(pre, seq, len(prompt))
+    assert k.shape == (m.config.n_layers, 37, m.config.n_kv_heads, m.config.head_dim)
+    dec = Engine(m, num_blocks=64, block_size=8)
+    rid2 = adopt_prefilled(dec, prompt, params, outs[0].new_tokens[0], k, v)
+    held = dec.sequence(rid2).local_table
+    assert held[:first_live_block(37, W, 8)] == [-1] * first_live_block(37, W, 8) and min(held[-1:]) >= 0
+    dec.run()
+    assert dec.finished[rid2].output_ids == expect
+    assert_no_leaks(dec)

@@ -216,8 +216,12 @@ class BlockManager:
             need = len(seq.block_table) - len(seq.local_table)
             if self.twins is not None and need > self.local.num_free:
                 self.twins.evict(need - self.local.num_free)   # twins only the cache holds make room
-            while len(seq.local_table) < len(seq.block_table):
-                seq.local_table.append(self.local.allocate())  # OutOfBlocks here: local_blocks_bound is wrong
+            # an entry behind the window gets no block (-1): only a prefill handed over has any (Engine.add_prefilled:
+            # its positions count as computed before its blocks are allocated)
+            dead = first_live_block(seq.num_computed_tokens, self.window, self.block_size) \
+                if self.free_behind_window else 0
+            while len(seq.local_table) < len(seq.block_table):   # OutOfBlocks here: local_blocks_bound is wrong
+                seq.local_table.append(-1 if len(seq.local_table) < dead else self.local.allocate())
             self.local_peak = max(self.local_peak, self.local.num_used)
 
     def release_behind_window(self, seq: Sequence) -> int:

@@ -118,8 +118,9 @@ class Engine:
         seq = self._new_sequence(prompt_ids, params)
         self._next_id += 1
         with interrupts_deferred():          # the block table and the queues change together or not at all
-            self.blocks.allocate(seq, len(seq.prompt_ids))
-            self.kv.write_prompt(seq.block_table, k, v)
+            seq.num_computed_tokens = len(seq.prompt_ids)     # computed elsewhere: a local table starts at the window
+            self.blocks.allocate(seq, 0)
+            self.kv.write_prompt(seq.block_table, k, v, seq.local_table)
             seq.resume_prefilled(first_token, first_token_time, rng_state)
             self.running.append(seq)
         return seq.request_id

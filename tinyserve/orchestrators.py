@@ -169,7 +169,7 @@ def export_kv(engine: Engine, seq: Sequence, num_positions: int) -> tuple[np.nda
     """The K/V of positions 0 .. num_positions-1 of a sequence, gathered from its blocks: two [L, P, K, H]."""
     assert seq.num_computed_tokens >= num_positions, "only computed positions have K/V"
     if engine.local_pool is not None:   # lesson 11: the local layers' K/V are in a pool of their own, partly freed
-        raise ValueError("export_kv: a model with sliding-window layers cannot hand its K/V over yet")
+        return engine.kv.read_prompt(seq.block_table, seq.local_table, num_positions)
     bs = engine.block_size
     table = np.asarray(seq.block_table[:blocks_for(num_positions, bs)], dtype=np.int64)
     L, _, _, K, H = engine.pool.k.shape

@@ -270,12 +270,42 @@ class LayerPools:
     def num_local_blocks(self) -> int:
         return self.local_pool.num_blocks if self.local_pool is not None else 0
 
-    def write_prompt(self, block_table, k: np.ndarray, v: np.ndarray) -> None:
-        """KVPool.write_prompt for all layers (lesson 8's hand-over): refused with a window (two pools)."""
-        if self.local_pool is not None:
-            raise ValueError("add_prefilled: a model with sliding-window layers keeps their K/V in a pool of its own, "
-                             "which handing over a prefill does not fill yet")
-        self.pool.write_prompt(block_table, k, v)
+    def write_prompt(self, block_table, k: np.ndarray, v: np.ndarray, local_table=None) -> None:
+        """KVPool.write_prompt for all layers (lesson 8's hand-over; k, v: [L, P, K, H]). With a window, each layer
+        kind into its own pool: a local layer only the positions whose block local_table holds (the blocks behind
+        the window are -1: no row reads them again)."""
+        if self.local_pool is None:
+            self.pool.write_prompt(block_table, k, v)
+            return
+        P, bs = k.shape[1], self.pool.block_size
+        glob = [i for i, w in enumerate(self.windows) if w is None]
+        loc = [i for i, w in enumerate(self.windows) if w is not None]
+        if glob:                                        # the global pool holds the global layers in order
+            self.pool.write_prompt(block_table, k[glob], v[glob])
+        live = np.flatnonzero(np.asarray(local_table[:blocks_for(P, bs)]) >= 0)        # [n] logical blocks held
+        start = int(live[0]) * bs if live.size else P                                   # the first held position
+        slots = slot_mapping(local_table, start, P - start, bs)                          # [P - start]
+        for layer in loc:
+            i = self.slot[layer]
+            write_kv(self.local_pool.k[i], self.local_pool.v[i], slots, k[layer, start:], v[layer, start:])
+
+    def read_prompt(self, block_table, local_table, P: int) -> tuple[np.ndarray, np.ndarray]:
+        """The K/V of positions 0 .. P-1 of one sequence, both [L, P, K, H] (lesson 8's export). A local layer's
+        positions in blocks it freed behind the window are zeros: no later row reads them."""
+        bs = self.pool.block_size
+        L = len(self.windows)
+        _, _, _, K, H = self.pool.k.shape
+        k, v = np.zeros((L, P, K, H), np.float32), np.zeros((L, P, K, H), np.float32)
+        n = blocks_for(P, bs)
+        for layer, window in enumerate(self.windows):
+            pool, table = (self.pool, block_table) if window is None else (self.local_pool, local_table)
+            i = self.slot[layer]
+            for b, block in enumerate(table[:n]):
+                if block >= 0:
+                    m = min(bs, P - b * bs)
+                    k[layer, b * bs:b * bs + m] = pool.k[i, block, :m]
+                    v[layer, b * bs:b * bs + m] = pool.v[i, block, :m]
+        return k, v
 
     def attention_fn(self, attend, batch):
         """The attention model.forward calls in one engine step (batch: a step_batch.StepBatch, checked once): each

@@ -223,7 +223,8 @@ def paged_attention_numba(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarra
                                           np.ascontiguousarray(block_tables, dtype=np.int64),
                                           np.ascontiguousarray(context_lens, dtype=np.int64),
                                           np.ascontiguousarray(query_starts, dtype=np.int64), window)
-    check_threading_layer()
+    if not _one_item(q, k_cache, context_lens):       # (the one-item kernel starts no threads to check)
+        check_threading_layer()
     return out
 
 
@@ -361,8 +362,7 @@ def decode_attention_item(q, k_rows, v_rows, block_tables, bs, context_lens, b, 
                            window)
 
 
-@njit(cache=True, parallel=True)
-def _paged_decode_kernel(q, k_cache, v_cache, block_tables, context_lens, window, out):
+def _paged_decode(q, k_cache, v_cache, block_tables, context_lens, window, out):
     # q, out: [B, N, H] (row b is sequence b's one new row); the rest as in _paged_attention_kernel
     B = q.shape[0]
     num_blocks, bs, K, H = k_cache.shape
@@ -370,6 +370,18 @@ def _paged_decode_kernel(q, k_cache, v_cache, block_tables, context_lens, window
     v_rows = v_cache.reshape(num_blocks * bs, K, H)
     for item in prange(B * K):
         decode_attention_item(q, k_rows, v_rows, block_tables, bs, context_lens, item // K, item % K, out, window)
+
+
+# One work item (B = 1 with one K/V head: Gemma 3 at batch 1) has nothing to share, and forking the thread pool for
+# it still costs a join, a time slice when a neighbour holds the other core: that one runs on the calling thread.
+# Same item function, same bits.
+_paged_decode_kernel = njit(cache=True, parallel=True)(_paged_decode)
+_paged_decode_one_item = njit(cache=True)(_paged_decode)
+
+
+def _one_item(q, k_cache, context_lens) -> bool:
+    """A decode step (T == B) of one sequence with one K/V head: _paged_decode_one_item's case."""
+    return q.shape[0] == context_lens.shape[0] and q.shape[0] * k_cache.shape[2] == 1
 
 
 def paged_attention_numba_unchecked(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
@@ -383,7 +395,8 @@ def paged_attention_numba_unchecked(q: np.ndarray, k_cache: np.ndarray, v_cache:
     out = np.empty_like(q)                                                     # [T, N, H]
     w = 0 if window is None else int(window)                                   # one int64 specialisation
     if q.shape[0] == context_lens.shape[0]:          # T == B: one row each (every sequence has >= 1), a decode step
-        _paged_decode_kernel(q, k_cache, v_cache, block_tables, context_lens, w, out)
+        kernel = _paged_decode_one_item if _one_item(q, k_cache, context_lens) else _paged_decode_kernel
+        kernel(q, k_cache, v_cache, block_tables, context_lens, w, out)
     else:
         _paged_attention_kernel(q, k_cache, v_cache, block_tables, context_lens, query_starts, w, out)
     return out

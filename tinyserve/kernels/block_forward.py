@@ -13,6 +13,13 @@ in the int8-activation kinds. The tile quantises a row as quant.quantize_blocks 
 integer dot products in the same order, so with the same attention the logits are the same bits
 (tests/test_block_forward.py). Every step is per row, so a row's logits depend on what shares its step only
 through attention, whose kernels add in one order (kernels/key_chunks.py): batch invariance holds as on LLaMA.
+
+That reference over the tiles is the readable spec, and it runs for W8A32 (`int8`). The int8-activation kinds run
+`fused_forward`, the same steps in three Numba calls per layer (kernels/block_layer.py: Q|K|V one tile and gate|up
+one tile, packed once; the norms, RoPE and activation inside the calls) around attention and one NumPy call (the
+activation's tanh or exp): at decode a layer written op by op is ~7 matmul launches and ~30 NumPy calls, whose
+overhead costs more than their arithmetic (docs/sliding-window.md, "Where a decode step's time goes"). Same bits as
+the reference over the tiles (tests/test_block_forward.py).
 """
 from __future__ import annotations
 
@@ -24,8 +31,12 @@ from numba import njit
 
 from ..model import forward as reference_forward
 from ..quant import MATRICES
+from . import block_layer
 from .forward import _pack
+from .layer import lm_head
 from .matmul import BLOCK, W8A32Weights, matmul_items, matmul_w8a32, quantize_rows
+
+NONE = np.zeros(0, np.float32)     # a switch that is off: block_layer reads an empty weight as "not there"
 
 
 @njit(cache=True, parallel=True)
@@ -64,17 +75,95 @@ def tile(mode: str, q) -> TileMatrix:
     return TileMatrix(_pack(mode, q), tuple(q.shape))
 
 
-def prepare(model):
-    """The model whose layer matrices and LM head are TileMatrix (packed once); the rest (embedding, norms, RoPE
-    tables, the switches' extra weights) is the model's own arrays, not copied."""
-    layers = [dataclasses.replace(w, **{f: tile(model.quant, getattr(w, f)) for f in MATRICES}) for w in model.layers]
-    return dataclasses.replace(model, layers=layers, lm_head_q=tile(model.quant, model.lm_head_q), backend="numpy",
-                               fast=None)
+def prepare(model, fuse: bool = True) -> "BlockWeights":
+    """Pack once. W8A32 (or fuse=False: the reference's steps over the tiles for every kind, to compare and to
+    time): the model whose layer matrices and LM head are TileMatrix (the rest, embedding, norms, RoPE tables, the
+    switches' extra weights, is the model's own arrays, not copied). The int8-activation kinds: each layer's fused
+    tiles (FusedLayer) and the LM head, which fused_forward runs."""
+    head = tile(model.quant, model.lm_head_q)
+    if isinstance(head.w, W8A32Weights) or not fuse:
+        layers = [dataclasses.replace(w, **{f: tile(model.quant, getattr(w, f)) for f in MATRICES})
+                  for w in model.layers]
+        return BlockWeights(dataclasses.replace(model, layers=layers, lm_head_q=head, backend="numpy", fast=None),
+                            None, head)
+    return BlockWeights(None, [fuse_layer(model.quant, w) for w in model.layers], head)
+
+
+@dataclass(slots=True)
+class FusedLayer:
+    """One layer for kernels/block_layer.py: Q|K|V and gate|up each one packed matrix; a switch that is off is an
+    empty weight (NONE)."""
+    attn_norm: np.ndarray        # [D]
+    qkv: tuple                   # [D, (N + 2K) H] packed
+    qkv_bias: np.ndarray         # [(N + 2K) H] or [0]
+    q_norm: np.ndarray           # [H] or [0]
+    k_norm: np.ndarray           # [H] or [0]
+    o: tuple                     # [N H, D] packed
+    post_attn_norm: np.ndarray   # [D] or [0]
+    mlp_norm: np.ndarray         # [D]
+    gate_up: tuple               # [D, 2F] packed
+    down: tuple                  # [F, D] packed
+    post_mlp_norm: np.ndarray    # [D] or [0]
+
+
+@dataclass(slots=True)
+class BlockWeights:
+    tiled: object | None                # W8A32: the model over TileMatrix, the reference's steps on the tiles
+    fused: list[FusedLayer] | None      # the int8-activation kinds: what fused_forward runs
+    head: TileMatrix                    # [D, V] the LM head
+
+
+def fuse_layer(mode: str, w) -> FusedLayer:
+    """A layer's quantised matrices -> FusedLayer, packed as kernels/forward.py packs LLaMA's (its _pack: side by
+    side on one tile kind; on the byte tile if any is bytes)."""
+    f32 = lambda a: NONE if a is None else np.ascontiguousarray(a, np.float32)      # noqa: E731
+    bias = NONE if w.q_bias is None else np.concatenate([w.q_bias, w.k_bias, w.v_bias]).astype(np.float32)
+    return FusedLayer(f32(w.attn_norm), _pack(mode, w.wq, w.wk, w.wv), bias, f32(w.q_norm), f32(w.k_norm),
+                      _pack(mode, w.wo), f32(w.post_attn_norm), f32(w.mlp_norm), _pack(mode, w.w_gate, w.w_up),
+                      _pack(mode, w.w_down), f32(w.post_mlp_norm))
+
+
+def fused_forward(model, fused: list[FusedLayer], head, tokens: np.ndarray, positions: np.ndarray, attention,
+                  logit_rows=None) -> np.ndarray:
+    """model.forward's steps with each layer as block_layer's calls; logits [len(logit_rows) or T, V] float32."""
+    cfg = model.config
+    T, N, K, H, F = len(tokens), cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate_size
+    V = head.shape[1]
+    eps = np.float32(cfg.norm_eps)
+    gelu = cfg.activation == "gelu_tanh"
+    transcendental = np.tanh if gelu else np.exp
+    (cos_g, sin_g), (cos_l, sin_l) = model.rope_at(positions)                      # [T, H/2] each
+    x = model.embed[tokens]                                                          # [T, D] (a copy: ours to update)
+    if cfg.embed_scale != 1.0:
+        x = x * np.float32(cfg.embed_scale)
+    gu, u = np.empty((T, 2 * F), np.float32), np.empty((T, F), np.float32)         # reused by every layer
+    for i, w in enumerate(fused):
+        local = cfg.layer_window(i) is not None
+        cos, sin = (cos_l, sin_l) if local else (cos_g, sin_g)
+        q, k, v = np.empty((T, N, H), np.float32), np.empty((T, K, H), np.float32), np.empty((T, K, H), np.float32)
+        block_layer.pre_attention(x, w.attn_norm, eps, w.qkv, w.qkv_bias, w.q_norm, w.k_norm, cos, sin, q, k, v)
+        a = np.ascontiguousarray(attention(i, q, k, v)).reshape(T, N * H)          # [T, N H]
+        block_layer.post_attention(x, a, w.o, w.post_attn_norm, w.mlp_norm, eps, w.gate_up, gu)
+        block_layer.act_input(gu, gelu, u)
+        transcendental(u, out=u)                                                     # NumPy's, as layers.py's
+        block_layer.mlp_down(x, gu, u, gelu, w.down, w.post_mlp_norm, eps)
+    if logit_rows is not None:
+        x = np.ascontiguousarray(x[logit_rows])                                     # [R, D]
+    if x.shape[0] == 0:                                                             # no row samples
+        return np.zeros((0, V), np.float32)
+    logits = lm_head(x, model.final_norm, eps, head.w)                              # [R, V padded to 16]
+    return logits if logits.shape[1] == V else np.ascontiguousarray(logits[:, :V])
 
 
 def block_forward(model, tokens: np.ndarray, positions: np.ndarray, attention, logit_rows=None) -> np.ndarray:
     """model.forward's contract (logits [len(logit_rows) or T, V] float32) for a quantised model whose block the
-    fused kernels lack: the reference forward over the packed matrices (model.fast, packed on first use)."""
+    fused LLaMA kernels lack: fused_forward for the int8-activation kinds, else the reference forward over the
+    packed matrices (model.fast, packed on first use)."""
     if model.fast is None:
         model.fast = prepare(model)
-    return reference_forward(model.fast, tokens, positions, attention, logit_rows)
+    bw: BlockWeights = model.fast
+    if bw.fused is None:
+        return reference_forward(bw.tiled, tokens, positions, attention, logit_rows)
+    if len(tokens) == 0:                                   # (a prefill chunk that samples no row: no logits)
+        return np.zeros((0, bw.head.shape[1]), np.float32)
+    return fused_forward(model, bw.fused, bw.head, tokens, positions, attention, logit_rows)

@@ -1,0 +1,164 @@
+"""Where a decode step of a windowed model goes on the fast path (docs/sliding-window.md, "Where a Gemma decode step's
+time goes"): per part, by CPU time and wall time, median over many steps.
+
+B prompts of `--prompt` random tokens decode `--steps` tokens together through the paged Engine (what the benchmarks
+run), on each path of `--paths` in turn (fused: kernels/block_layer.py's calls, the default path; tiles: the
+reference's steps over TileMatrix). Around every part of each step a timer reads both clocks:
+- layers' matmuls: tiles, every TileMatrix product of the layers (activation quantisation + the tile); fused, the
+  three block_layer calls a layer (their norms, RoPE and activation included);
+- LM head: the final norm and the [R, D] x [D, V] product;
+- attention: the strategy's attention function (K/V write + the paged Numba kernel, masked by window);
+- the rest of the forward: what else the forward does (NumPy calls, Python);
+- outside the forward: scheduling, sampling over [B, V] logits, bookkeeping (Engine.step minus the forward).
+CPU time is time.process_time (every thread of the process). With two threads on a shared machine it mostly counts
+the joins' waits for a partner thread that has no core; with NUMBA_NUM_THREADS=1 it is each part's work, which a
+neighbour cannot inflate. Each part's per-step total is kept, and the table prints the medians over the steps (the
+medians need not add up to the step's median).
+
+    NUMBA_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python tools/profile_gemma_step.py --batch 1 16 --paths fused tiles
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PARTS = ("layers' matmuls", "LM head", "attention", "rest of the forward", "outside the forward", "whole step")
+
+
+class Clock:
+    """Per-part totals of the current step, both clocks; `close_step` files them and starts the next step."""
+
+    def __init__(self):
+        self.cur = defaultdict(lambda: [0.0, 0.0])           # part -> [cpu s, wall s] in this step
+        self.steps: list[dict] = []
+
+    @contextmanager
+    def part(self, name):
+        c0, w0 = time.process_time(), time.perf_counter()
+        try:
+            yield
+        finally:
+            acc = self.cur[name]
+            acc[0] += time.process_time() - c0
+            acc[1] += time.perf_counter() - w0
+
+    def close_step(self):
+        self.steps.append(dict(self.cur))
+        self.cur.clear()
+
+
+def instrument(clock: Clock, vocab: int):
+    """Wrap the fast path's parts with the clock (monkeypatching: the engine itself is untouched)."""
+    from tinyserve.kernels import block_forward as bf, block_layer
+
+    rmatmul = bf.TileMatrix.__rmatmul__
+
+    def timed_rmatmul(self, x):                            # the reference's steps over the tiles
+        with clock.part("LM head" if self.shape[1] == vocab else "layers' matmuls"):
+            return rmatmul(self, x)
+    bf.TileMatrix.__rmatmul__ = timed_rmatmul
+    for name in ("pre_attention", "post_attention", "act_input", "mlp_down"):   # the fused calls
+        setattr(bf.block_layer, name, timed(clock, "layers' matmuls", getattr(block_layer, name)))
+    bf.lm_head = timed(clock, "LM head", bf.lm_head)
+    whole = bf.block_forward
+
+    def timed_forward(model, tokens, positions, attention, logit_rows=None):
+        with clock.part("forward"):
+            return whole(model, tokens, positions, timed(clock, "attention", attention), logit_rows)
+    bf.block_forward = timed_forward
+
+
+def timed(clock: Clock, part: str, fn):
+    def call(*a, **k):
+        with clock.part(part):
+            return fn(*a, **k)
+    return call
+
+
+def profile(model, clock: Clock, batch: int, prompt_len: int, steps: int, seed: int = 0) -> dict:
+    from tinyserve.engine import Engine
+    from tinyserve.sampling import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    prompts = [[int(t) for t in rng.integers(1000, 200000, prompt_len)] for _ in range(batch)]
+    bs = 16
+    engine = Engine(model, num_blocks=batch * (-(-(prompt_len + steps + 2) // bs) + 1), block_size=bs,
+                    max_batch_tokens=max(256, batch * prompt_len), max_running=batch)
+    params = SamplingParams(temperature=0.0, max_new_tokens=steps + 1, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params)
+    engine.step()                                          # the prefill step: not timed
+    engine.step()                                          # one decode step to warm up
+    clock.cur.clear()
+    clock.steps.clear()
+    while engine.has_unfinished():
+        with clock.part("whole step"):
+            engine.step()
+        clock.close_step()
+    rows = {}
+    for part in PARTS:
+        vals = []
+        for s in clock.steps:
+            get = lambda name: s.get(name, [0.0, 0.0])     # noqa: E731
+            if part == "rest of the forward":
+                f = s.get("forward", [0.0, 0.0])
+                v = [f[i] - get("layers' matmuls")[i] - get("LM head")[i] - get("attention")[i] for i in (0, 1)]
+            elif part == "outside the forward":
+                f = s.get("forward", [0.0, 0.0])
+                v = [get("whole step")[i] - f[i] for i in (0, 1)]
+            else:
+                v = get(part)
+            vals.append(v)
+        rows[part] = (statistics.median(v[0] for v in vals), statistics.median(v[1] for v in vals))
+    return {"steps": len(clock.steps), "rows": rows}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="weights/gemma3-270m/gemma-3-270m-q4_k_m.gguf")
+    ap.add_argument("--quant", default="auto")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--prompt", type=int, default=32, help="prompt tokens per sequence (32, as bench_peers)")
+    ap.add_argument("--steps", type=int, default=64, help="timed decode steps per batch size")
+    ap.add_argument("--paths", nargs="+", default=["fused"], choices=["fused", "tiles"],
+                    help="fused: kernels/block_layer.py's calls; tiles: the reference's steps over the tiles")
+    args = ap.parse_args(argv)
+
+    import tinyserve as ts
+    from tinyserve.backend import prepare
+    from tinyserve.measure import cpu_info, git_commit
+
+    from tinyserve.kernels import block_forward as bf
+
+    model = prepare(ts.load_model(args.model, quant=args.quant, backend="numba"))
+    packed = {"fused": model.fast, "tiles": bf.prepare(model, fuse=False) if "tiles" in args.paths else None}
+    cpu = cpu_info()
+    print(f"{Path(args.model).name}, quant {model.quant}; {cpu['model']} ({', '.join(cpu['flags'])}); "
+          f"commit {git_commit()}")
+    clock = Clock()
+    instrument(clock, model.config.vocab_size)
+    for B in args.batch:
+        for path in args.paths:                            # interleaved: the same load on both, as far as it goes
+            model.fast = packed[path]
+            res = profile(model, clock, B, args.prompt, args.steps)
+            step_cpu, step_wall = res["rows"]["whole step"]
+            print(f"\nB={B}, {path}: {res['steps']} decode steps after a {args.prompt}-token prompt; median ms per "
+                  f"step (CPU time of both threads | wall)")
+            print("| part | CPU ms | share of CPU | wall ms | share of wall |\n|---|---:|---:|---:|---:|")
+            for part in PARTS:
+                c, w = res["rows"][part]
+                print(f"| {part} | {c * 1e3:.2f} | {c / step_cpu:.0%} | {w * 1e3:.2f} | {w / step_wall:.0%} |")
+            print(f"(B={B}, {path}: {B / step_wall:.1f} tokens/s from the median step's wall time)")
+
+
+if __name__ == "__main__":
+    main()
