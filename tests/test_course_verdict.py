@@ -99,7 +99,8 @@ def test_nonsense_floors_are_refused(build, floor, measured, spread):
         course.check_floor("x", floor, measured, spread=spread)
 
 
-def test_explain_says_busy_instead_of_a_why_and_nothing_when_it_holds(build, capsys):
+def test_explain_says_busy_instead_of_a_why_and_nothing_when_it_holds(build, capsys, monkeypatch):
+    monkeypatch.setattr(course, "busy_check", lambda what, **kw: course.Load(what, 0.0, 2))   # quiet after, too
     failed = course.check_prediction("step", 10.0, 30.0, "ms")
     busy, quiet = course.Load("x", 1.2, 2), course.Load("x", 0.1, 2)
     assert "too busy" in course.explain(failed, busy, "the LM head")
@@ -137,3 +138,18 @@ def test_a_verdict_records_the_load_of_the_latest_busy_check(build, monkeypatch)
     course.check_floor("step", 10.0, 11.0, "ms")
     rows = [json.loads(r) for r in (build / "findings.jsonl").read_text().splitlines()]
     assert [(r["busy"], r["busy_cores"]) for r in rows] == [(True, 1.5), (True, 1.5)]
+
+
+def test_explain_samples_the_load_again_when_it_started_during_the_timing(build, monkeypatch):
+    failed = course.check_prediction("step", 10.0, 30.0, "ms")
+    monkeypatch.setattr(course, "busy_check", lambda what, **kw: course.Load(what, 1.0, 2))   # one busy loop now
+    assert "too busy" in course.explain(failed, course.Load("x", 0.1, 2), "a why that must not be printed")
+    rows = [json.loads(r) for r in (build / "findings.jsonl").read_text().splitlines()]
+    assert rows[-1]["kind"] == "too_busy" and rows[-1]["what"] == "step"
+
+
+def test_a_lesson_notes_the_bandwidth_it_used(build, tmp_path, monkeypatch):
+    m = course.Machine(30e9, 28e9, 33e9, 1e11, 9e10, 1.1e11, 2, "cpu", "run-1", 0.0, 0.0)
+    course._note_machine(m)
+    row = json.loads((build / "findings.jsonl").read_text().splitlines()[-1])
+    assert row["kind"] == "machine" and row["bandwidth"] == 30e9 and row["run"] == "run-1"

@@ -34,9 +34,13 @@ def savefig(fig, name: str, lesson: int | None = None) -> Path:
 
 def record(finding: str, lesson: int | None = None, **numbers) -> None:
     """Append one finding (a sentence plus the numbers behind it) to build/lesson-NN/findings.jsonl."""
-    with open(build_dir(lesson) / "findings.jsonl", "a") as f:
-        f.write(json.dumps({"finding": finding, **numbers}) + "\n")
+    _append(lesson, {"finding": finding, **numbers})
     print(finding)
+
+
+def _append(lesson: int | None, row: dict) -> None:
+    with open(build_dir(lesson) / "findings.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
 
 
 # --- predictions as checked claims ------------------------------------------------------------------------------
@@ -101,7 +105,7 @@ def check_prediction(what: str, predicted: float, measured: float, unit: str = "
         raise ValueError(f"{what}: a prediction needs a positive predicted and a non-negative measured number, "
                          f"got predicted={predicted!r}, measured={measured!r}")
     v = Verdict(what, float(predicted), float(measured), unit, float(tolerance), tuple(float(r) for r in rounds))
-    record(str(v), lesson, predicted=v.predicted, measured=v.measured, holds=v.holds, kind="prediction",
+    record(str(v), lesson, what=v.what, predicted=v.predicted, measured=v.measured, holds=v.holds, kind="prediction",
            **_load_fields())
     return v
 
@@ -166,6 +170,7 @@ def machine(refresh: bool = False, rounds: int = 5) -> Machine:
             fresh = (m.run == run) if run else (time.time() - m.measured_at < MACHINE_MAX_AGE)
             if fresh and m.cpu == cpu:
                 print(m.describe() + " (the course's probe, cached for this run)")
+                _note_machine(m)
                 return m
         except (OSError, ValueError, TypeError):
             pass
@@ -176,7 +181,17 @@ def machine(refresh: bool = False, rounds: int = 5) -> Machine:
                 cpu, run, time.time(), load.other_cores)
     path.write_text(json.dumps(dataclasses.asdict(m)))
     print(m.describe())
+    _note_machine(m)
     return m
+
+
+def _note_machine(m: Machine) -> None:
+    """Write the bandwidth this lesson divides by into its findings (kind "machine", not a verdict): the runner
+    compares every lesson's with the one the run measured (tools/run_lesson.py)."""
+    if os.environ.get("TINYSERVE_BUILD"):
+        _append(None, {"finding": f"bandwidth used: {m.bandwidth / 1e9:.1f} GB/s", "kind": "machine",
+                       "bandwidth": m.bandwidth, "bandwidth_lo": m.bandwidth_lo, "bandwidth_hi": m.bandwidth_hi,
+                       "run": m.run, "measured_at": m.measured_at})
 
 
 # --- is the machine busy? ----------------------------------------------------------------------------------------
@@ -515,7 +530,7 @@ def check_floor(what: str, floor: float, measured: float, unit: str = "", *, bou
         raise ValueError(f"{what}: a floor needs a positive floor, a non-negative measurement and a spread >= 1, "
                          f"got floor={floor!r}, measured={measured!r}, spread={spread!r}")
     f = Floor(what, float(floor), float(measured), unit, bound, float(spread))
-    record(str(f), lesson, floor=f.floor, measured=f.measured, ratio=f.ratio, holds=f.holds, kind="floor",
+    record(str(f), lesson, what=f.what, floor=f.floor, measured=f.measured, ratio=f.ratio, holds=f.holds, kind="floor",
            **_load_fields())
     return f
 
@@ -525,21 +540,38 @@ def bandwidth_spread(m: "Machine") -> float:
     return max(1.0, m.bandwidth_hi / m.bandwidth)
 
 
-def explain(verdict: "Verdict | Floor", load: "Load | None", why: str | Callable[[], str] = "") -> str:
-    """The text after a verdict, printed and returned. It holds: nothing to add (''). It fails while other programs
-    held the machine (load.busy): say that this comparison could not be judged here, never explain it away.
-    It fails on a quiet machine: `why`, which the caller builds from the measured numbers (a callable is only
-    evaluated then)."""
+def explain(verdict: "Verdict | Floor", load: "Load | None", why: str | Callable[[], str] = "",
+            lesson: int | None = None) -> str:
+    """The text after a verdict, printed and returned: the course's one way to read a verdict.
+
+    It holds: nothing to add (''). It fails while other programs held the machine: say that this comparison could
+    not be judged here, never explain it away. "Held" is the busy_check taken before the timing (`load`) or, since
+    load can start mid-way, a second sample taken now, after it. The ledger then marks the verdict "too busy"
+    (tools/run_lesson.py). It fails on a quiet machine: `why`, which the caller builds from the measured numbers
+    (a callable is only evaluated then)."""
     if verdict.holds:
         return ""
-    if load is not None and load.busy:
+    if load is None or not load.busy:
+        after = busy_check(load.what if load is not None else verdict.what, quiet=True)
+        load = after if after.busy or load is None else load
+    if load.busy:
         text = (f"  the machine was too busy for this comparison: other programs held {load.other_cores:.1f} of "
                 f"{load.cores} cores while it ran, so this failure says nothing about the model; run it again on a "
                 f"quiet machine")
+        _append(lesson, {"finding": f"{verdict.what}: too busy to judge", "kind": "too_busy", "what": verdict.what,
+                         "busy_cores": round(load.other_cores, 2)})
     else:
         text = "  why: " + (why() if callable(why) else why) if why else "  why: (no reason computed)"
     print(text)
     return text
+
+
+def too_busy(what: str, load: "Load", reason: str, lesson: int | None = None) -> None:
+    """A prediction the lesson could not measure because the machine was too slow for its time cap (e.g. a serving
+    run cut short): recorded as a verdict that did not hold, marked too busy, with the reason printed."""
+    text = f"{what}: not measured: the machine was too busy ({reason})"
+    record(text, lesson, what=what, holds=False, kind="prediction", busy=True, too_busy=True,
+           busy_cores=round(load.other_cores, 2))
 
 
 def theil_sen(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
