@@ -231,7 +231,8 @@ def _cpu_ticks() -> tuple[int, int] | None:
 
 
 def busy_check(what: str = "this comparison", seconds: float = 0.5, quiet: bool = False) -> Load:
-    """How many cores other programs use right now (we sleep while it samples), printed unless quiet."""
+    """How many cores other programs use right now (we sleep while it samples), printed unless quiet. Unless quiet,
+    it also opens the window that the next verdicts are judged over (window_load)."""
     cores = os.cpu_count() or 1
     before = _cpu_ticks()
     if before is None:
@@ -243,19 +244,56 @@ def busy_check(what: str = "this comparison", seconds: float = 0.5, quiet: bool 
         load = Load(what, cores * busy / total if total else 0.0, cores)
     if not quiet:
         print(load)
-        global _last_load
+        global _last_load, _window
         _last_load = load
+        _window = (_cpu_ticks(), _own_seconds())
     return load
 
 
 _last_load: Load | None = None     # the lesson's latest busy_check: each verdict records the load it ran under
+_window: tuple | None = None       # (/proc/stat ticks, this process's CPU seconds) when that busy_check ended
+
+_HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _own_seconds() -> float:
+    """CPU seconds this process and its finished children used (every thread: BLAS's, Numba's)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def window_load() -> Load | None:
+    """The cores other programs used between the latest busy_check and now: the whole timed window, not the half
+    second before it (a burst of load that starts mid-measurement shows here). Our own CPU time is subtracted from the
+    machine's busy time. None off Linux or before any busy_check."""
+    if _window is None or _window[0] is None or _last_load is None:
+        return None
+    now = _cpu_ticks()
+    if now is None:
+        return None
+    (busy0, total0), own0 = _window
+    total = now[1] - total0
+    if total <= 0:
+        return None
+    cores = _last_load.cores
+    others = (now[0] - busy0) / _HZ - (_own_seconds() - own0)
+    return Load(_last_load.what, max(0.0, cores * others / (total / _HZ)), cores)
+
+
+def current_load() -> Load | None:
+    """The load a verdict is judged under: the busier of the busy_check before its timing and the whole window since."""
+    during = window_load()
+    if _last_load is None or (during is not None and during.other_cores > _last_load.other_cores):
+        return during
+    return _last_load
 
 
 def _load_fields() -> dict:
-    """{"busy_cores": ..., "busy": ...} of the latest busy_check in this process, or {} if there was none."""
-    if _last_load is None:
+    """{"busy_cores": ..., "busy": ...}: current_load() when a verdict is recorded, or {} if there was no busy_check."""
+    load = current_load()
+    if load is None:
         return {}
-    return {"busy_cores": round(_last_load.other_cores, 2), "busy": _last_load.busy}
+    return {"busy_cores": round(load.other_cores, 2), "busy": load.busy}
 
 
 # --- the learner switch: your exercise functions inside the engine ---------------------------------------------
@@ -545,12 +583,16 @@ def explain(verdict: "Verdict | Floor", load: "Load | None", why: str | Callable
     """The text after a verdict, printed and returned: the course's one way to read a verdict.
 
     It holds: nothing to add (''). It fails while other programs held the machine: say that this comparison could
-    not be judged here, never explain it away. "Held" is the busy_check taken before the timing (`load`) or, since
-    load can start mid-way, a second sample taken now, after it. The ledger then marks the verdict "too busy"
+    not be judged here, never explain it away. "Held" is the busy_check taken before the timing (`load`), or the
+    whole window since it (window_load: load can start mid-way), or a second sample taken now, after it. The ledger then marks the verdict "too busy"
     (tools/run_lesson.py). It fails on a quiet machine: `why`, which the caller builds from the measured numbers
     (a callable is only evaluated then)."""
     if verdict.holds:
         return ""
+    if load is None or not load.busy:
+        during = window_load()
+        if during is not None and during.busy:
+            load = during
     if load is None or not load.busy:
         after = busy_check(load.what if load is not None else verdict.what, quiet=True)
         load = after if after.busy or load is None else load
