@@ -69,3 +69,12 @@ def test_a_lesson_that_used_another_bandwidth_is_named(runner):
     run_bw = {"bandwidth": 30e9, "bandwidth_lo": 28e9, "bandwidth_hi": 33e9}
     assert "DIFFERENT" in runner.check_bandwidth(2, [20e9], run_bw)
     assert "within its spread" in runner.check_bandwidth(2, [30e9, 29e9], run_bw)
+
+
+def test_a_verdict_that_held_only_in_the_busy_run_is_marked_busy_not_same(runner):
+    quiet = runner.ledger_rows(9, [{"finding": "x", "what": "naive", "holds": False, "busy": False}])
+    busy = runner.ledger_rows(9, [{"finding": "x", "what": "naive", "holds": True, "busy": True}])
+    table, differ = runner.compare(quiet, busy)
+    assert "said busy (held anyway)" in table and differ == 0
+    busy[0]["busy"] = False                            # the same flip on a machine that looked quiet is a difference
+    assert runner.compare(quiet, busy)[1] == 1
