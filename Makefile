@@ -89,8 +89,10 @@ test-fast: $(TESTS) weights
 check-stubs: $(TESTS) weights
 	$(PYTHON) tools/check.py --stubs-must-fail all
 
+# LEDGER=build/quiet.json writes every verdict (lesson, held, busy) to JSON; compare two runs with
+# tools/run_lesson.py --compare build/quiet.json build/busy.json
 lessons: $(COURSE) weights
-	$(PYTHON) tools/run_lesson.py all
+	$(PYTHON) tools/run_lesson.py all $(if $(LEDGER),--ledger $(LEDGER))
 
 test: $(TESTS) $(COURSE) weights weights-gemma
 	$(PYTHON) -m pytest -q --durations=25

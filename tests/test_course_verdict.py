@@ -8,6 +8,13 @@ import pytest
 from tinyserve import course
 
 
+@pytest.fixture(autouse=True)
+def no_earlier_load(monkeypatch):
+    """Each test starts with no busy_check behind it (the window is process state)."""
+    monkeypatch.setattr(course, "_last_load", None)
+    monkeypatch.setattr(course, "_window", None)
+
+
 @pytest.fixture
 def build(tmp_path, monkeypatch):
     monkeypatch.setenv("TINYSERVE_BUILD", str(tmp_path))
@@ -99,7 +106,8 @@ def test_nonsense_floors_are_refused(build, floor, measured, spread):
         course.check_floor("x", floor, measured, spread=spread)
 
 
-def test_explain_says_busy_instead_of_a_why_and_nothing_when_it_holds(build, capsys):
+def test_explain_says_busy_instead_of_a_why_and_nothing_when_it_holds(build, capsys, monkeypatch):
+    monkeypatch.setattr(course, "busy_check", lambda what, **kw: course.Load(what, 0.0, 2))   # quiet after, too
     failed = course.check_prediction("step", 10.0, 30.0, "ms")
     busy, quiet = course.Load("x", 1.2, 2), course.Load("x", 0.1, 2)
     assert "too busy" in course.explain(failed, busy, "the LM head")
@@ -137,3 +145,44 @@ def test_a_verdict_records_the_load_of_the_latest_busy_check(build, monkeypatch)
     course.check_floor("step", 10.0, 11.0, "ms")
     rows = [json.loads(r) for r in (build / "findings.jsonl").read_text().splitlines()]
     assert [(r["busy"], r["busy_cores"]) for r in rows] == [(True, 1.5), (True, 1.5)]
+
+
+def test_explain_samples_the_load_again_when_it_started_during_the_timing(build, monkeypatch):
+    failed = course.check_prediction("step", 10.0, 30.0, "ms")
+    monkeypatch.setattr(course, "busy_check", lambda what, **kw: course.Load(what, 1.0, 2))   # one busy loop now
+    assert "too busy" in course.explain(failed, course.Load("x", 0.1, 2), "a why that must not be printed")
+    rows = [json.loads(r) for r in (build / "findings.jsonl").read_text().splitlines()]
+    assert rows[-1]["kind"] == "too_busy" and rows[-1]["what"] == "step"
+
+
+def test_a_lesson_notes_the_bandwidth_it_used(build, tmp_path, monkeypatch):
+    m = course.Machine(30e9, 28e9, 33e9, 1e11, 9e10, 1.1e11, 2, "cpu", "run-1", 0.0, 0.0)
+    course._note_machine(m)
+    row = json.loads((build / "findings.jsonl").read_text().splitlines()[-1])
+    assert row["kind"] == "machine" and row["bandwidth"] == 30e9 and row["run"] == "run-1"
+
+
+def test_load_that_starts_after_the_busy_check_is_seen_over_the_window(build, monkeypatch):
+    """busy_check sees a quiet machine; then another program takes a core for the rest of the timing: the verdict
+    is recorded busy (the window from the busy_check to the verdict), and a failure says too busy."""
+    ticks = iter([(0, 0), (10, 200), (10, 200), (110, 400)])        # busy_check: 5 % busy; window: 1 core busy
+    monkeypatch.setattr(course, "_cpu_ticks", lambda: next(ticks))
+    monkeypatch.setattr(course, "_own_seconds", lambda: 0.0)         # none of it was ours
+    monkeypatch.setattr(course.time, "sleep", lambda s: None)
+    monkeypatch.setattr(course.os, "cpu_count", lambda: 2)
+    assert not course.busy_check("x").busy
+    v = course.check_prediction("step", 10.0, 30.0, "ms")
+    row = json.loads((build / "findings.jsonl").read_text().splitlines()[-1])
+    assert row["busy"] is True and row["busy_cores"] == 1.0
+
+
+def test_our_own_threads_are_not_other_programs(build, monkeypatch):
+    ticks = iter([(0, 0), (0, 200), (0, 200), (200, 400)])          # the window: both cores busy...
+    monkeypatch.setattr(course, "_cpu_ticks", lambda: next(ticks))
+    own = iter([0.0, 2.0])                                          # ...all of it our own 2 CPU seconds
+    monkeypatch.setattr(course, "_own_seconds", lambda: next(own))
+    monkeypatch.setattr(course.time, "sleep", lambda s: None)
+    monkeypatch.setattr(course.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(course, "_HZ", 100)
+    course.busy_check("x")
+    assert course.window_load().other_cores == 0.0

@@ -34,9 +34,13 @@ def savefig(fig, name: str, lesson: int | None = None) -> Path:
 
 def record(finding: str, lesson: int | None = None, **numbers) -> None:
     """Append one finding (a sentence plus the numbers behind it) to build/lesson-NN/findings.jsonl."""
-    with open(build_dir(lesson) / "findings.jsonl", "a") as f:
-        f.write(json.dumps({"finding": finding, **numbers}) + "\n")
+    _append(lesson, {"finding": finding, **numbers})
     print(finding)
+
+
+def _append(lesson: int | None, row: dict) -> None:
+    with open(build_dir(lesson) / "findings.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
 
 
 # --- predictions as checked claims ------------------------------------------------------------------------------
@@ -101,7 +105,7 @@ def check_prediction(what: str, predicted: float, measured: float, unit: str = "
         raise ValueError(f"{what}: a prediction needs a positive predicted and a non-negative measured number, "
                          f"got predicted={predicted!r}, measured={measured!r}")
     v = Verdict(what, float(predicted), float(measured), unit, float(tolerance), tuple(float(r) for r in rounds))
-    record(str(v), lesson, predicted=v.predicted, measured=v.measured, holds=v.holds, kind="prediction",
+    record(str(v), lesson, what=v.what, predicted=v.predicted, measured=v.measured, holds=v.holds, kind="prediction",
            **_load_fields())
     return v
 
@@ -166,6 +170,7 @@ def machine(refresh: bool = False, rounds: int = 5) -> Machine:
             fresh = (m.run == run) if run else (time.time() - m.measured_at < MACHINE_MAX_AGE)
             if fresh and m.cpu == cpu:
                 print(m.describe() + " (the course's probe, cached for this run)")
+                _note_machine(m)
                 return m
         except (OSError, ValueError, TypeError):
             pass
@@ -176,7 +181,17 @@ def machine(refresh: bool = False, rounds: int = 5) -> Machine:
                 cpu, run, time.time(), load.other_cores)
     path.write_text(json.dumps(dataclasses.asdict(m)))
     print(m.describe())
+    _note_machine(m)
     return m
+
+
+def _note_machine(m: Machine) -> None:
+    """Write the bandwidth this lesson divides by into its findings (kind "machine", not a verdict): the runner
+    compares every lesson's with the one the run measured (tools/run_lesson.py)."""
+    if os.environ.get("TINYSERVE_BUILD"):
+        _append(None, {"finding": f"bandwidth used: {m.bandwidth / 1e9:.1f} GB/s", "kind": "machine",
+                       "bandwidth": m.bandwidth, "bandwidth_lo": m.bandwidth_lo, "bandwidth_hi": m.bandwidth_hi,
+                       "run": m.run, "measured_at": m.measured_at})
 
 
 # --- is the machine busy? ----------------------------------------------------------------------------------------
@@ -216,7 +231,8 @@ def _cpu_ticks() -> tuple[int, int] | None:
 
 
 def busy_check(what: str = "this comparison", seconds: float = 0.5, quiet: bool = False) -> Load:
-    """How many cores other programs use right now (we sleep while it samples), printed unless quiet."""
+    """How many cores other programs use right now (we sleep while it samples), printed unless quiet. Unless quiet,
+    it also opens the window that the next verdicts are judged over (window_load)."""
     cores = os.cpu_count() or 1
     before = _cpu_ticks()
     if before is None:
@@ -228,19 +244,56 @@ def busy_check(what: str = "this comparison", seconds: float = 0.5, quiet: bool 
         load = Load(what, cores * busy / total if total else 0.0, cores)
     if not quiet:
         print(load)
-        global _last_load
+        global _last_load, _window
         _last_load = load
+        _window = (_cpu_ticks(), _own_seconds())
     return load
 
 
 _last_load: Load | None = None     # the lesson's latest busy_check: each verdict records the load it ran under
+_window: tuple | None = None       # (/proc/stat ticks, this process's CPU seconds) when that busy_check ended
+
+_HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _own_seconds() -> float:
+    """CPU seconds this process and its finished children used (every thread: BLAS's, Numba's)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def window_load() -> Load | None:
+    """The cores other programs used between the latest busy_check and now: the whole timed window, not the half
+    second before it (a burst of load that starts mid-measurement shows here). Our own CPU time is subtracted from the
+    machine's busy time. None off Linux or before any busy_check."""
+    if _window is None or _window[0] is None or _last_load is None:
+        return None
+    now = _cpu_ticks()
+    if now is None:
+        return None
+    (busy0, total0), own0 = _window
+    total = now[1] - total0
+    if total <= 0:
+        return None
+    cores = _last_load.cores
+    others = (now[0] - busy0) / _HZ - (_own_seconds() - own0)
+    return Load(_last_load.what, max(0.0, cores * others / (total / _HZ)), cores)
+
+
+def current_load() -> Load | None:
+    """The load a verdict is judged under: the busier of the busy_check before its timing and the whole window since."""
+    during = window_load()
+    if _last_load is None or (during is not None and during.other_cores > _last_load.other_cores):
+        return during
+    return _last_load
 
 
 def _load_fields() -> dict:
-    """{"busy_cores": ..., "busy": ...} of the latest busy_check in this process, or {} if there was none."""
-    if _last_load is None:
+    """{"busy_cores": ..., "busy": ...}: current_load() when a verdict is recorded, or {} if there was no busy_check."""
+    load = current_load()
+    if load is None:
         return {}
-    return {"busy_cores": round(_last_load.other_cores, 2), "busy": _last_load.busy}
+    return {"busy_cores": round(load.other_cores, 2), "busy": load.busy}
 
 
 # --- the learner switch: your exercise functions inside the engine ---------------------------------------------
@@ -515,7 +568,7 @@ def check_floor(what: str, floor: float, measured: float, unit: str = "", *, bou
         raise ValueError(f"{what}: a floor needs a positive floor, a non-negative measurement and a spread >= 1, "
                          f"got floor={floor!r}, measured={measured!r}, spread={spread!r}")
     f = Floor(what, float(floor), float(measured), unit, bound, float(spread))
-    record(str(f), lesson, floor=f.floor, measured=f.measured, ratio=f.ratio, holds=f.holds, kind="floor",
+    record(str(f), lesson, what=f.what, floor=f.floor, measured=f.measured, ratio=f.ratio, holds=f.holds, kind="floor",
            **_load_fields())
     return f
 
@@ -525,21 +578,42 @@ def bandwidth_spread(m: "Machine") -> float:
     return max(1.0, m.bandwidth_hi / m.bandwidth)
 
 
-def explain(verdict: "Verdict | Floor", load: "Load | None", why: str | Callable[[], str] = "") -> str:
-    """The text after a verdict, printed and returned. It holds: nothing to add (''). It fails while other programs
-    held the machine (load.busy): say that this comparison could not be judged here, never explain it away.
-    It fails on a quiet machine: `why`, which the caller builds from the measured numbers (a callable is only
-    evaluated then)."""
+def explain(verdict: "Verdict | Floor", load: "Load | None", why: str | Callable[[], str] = "",
+            lesson: int | None = None) -> str:
+    """The text after a verdict, printed and returned: the course's one way to read a verdict.
+
+    It holds: nothing to add (''). It fails while other programs held the machine: say that this comparison could
+    not be judged here, never explain it away. "Held" is the busy_check taken before the timing (`load`), or the
+    whole window since it (window_load: load can start mid-way), or a second sample taken now, after it. The ledger then marks the verdict "too busy"
+    (tools/run_lesson.py). It fails on a quiet machine: `why`, which the caller builds from the measured numbers
+    (a callable is only evaluated then)."""
     if verdict.holds:
         return ""
-    if load is not None and load.busy:
+    if load is None or not load.busy:
+        during = window_load()
+        if during is not None and during.busy:
+            load = during
+    if load is None or not load.busy:
+        after = busy_check(load.what if load is not None else verdict.what, quiet=True)
+        load = after if after.busy or load is None else load
+    if load.busy:
         text = (f"  the machine was too busy for this comparison: other programs held {load.other_cores:.1f} of "
                 f"{load.cores} cores while it ran, so this failure says nothing about the model; run it again on a "
                 f"quiet machine")
+        _append(lesson, {"finding": f"{verdict.what}: too busy to judge", "kind": "too_busy", "what": verdict.what,
+                         "busy_cores": round(load.other_cores, 2)})
     else:
         text = "  why: " + (why() if callable(why) else why) if why else "  why: (no reason computed)"
     print(text)
     return text
+
+
+def too_busy(what: str, load: "Load", reason: str, lesson: int | None = None) -> None:
+    """A prediction the lesson could not measure because the machine was too slow for its time cap (e.g. a serving
+    run cut short): recorded as a verdict that did not hold, marked too busy, with the reason printed."""
+    text = f"{what}: not measured: the machine was too busy ({reason})"
+    record(text, lesson, what=what, holds=False, kind="prediction", busy=True, too_busy=True,
+           busy_cores=round(load.other_cores, 2))
 
 
 def theil_sen(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:

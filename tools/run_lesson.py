@@ -64,7 +64,87 @@ class ProgressClient(NotebookClient):
               f"cell {cell_index:>2}: {first_line(cell.source)}", flush=True)
 
 
-def run(n: int, paths: list[Path]) -> bool:
+# --- the verdict ledger: one row per verdict, so a quiet run and a busy run can be set side by side -------------------
+
+def claim(row: dict) -> str:
+    """A verdict's name without its numbers (a rate or a batch the run computed), so two runs' rows pair up."""
+    what = row.get("what") or row["finding"].split(": predicted")[0].split(": floor")[0].split(":")[0]
+    return re.sub(r"\d+(?:\.\d+)?", "#", what).strip()
+
+
+def ledger_rows(n: int, rows: list[dict]) -> list[dict]:
+    """The verdicts of one lesson's findings: {lesson, what, key, kind, held, busy, too_busy}. A verdict is too busy
+    when its timing ran busy (busy_check before it) and it failed, or when course.explain found load after it."""
+    flagged = {r["what"] for r in rows if r.get("kind") == "too_busy"}
+    out, seen = [], {}
+    for r in rows:
+        if "holds" not in r:
+            continue
+        key = claim(r)
+        seen[key] = seen.get(key, 0) + 1
+        busy = bool(r.get("busy"))
+        out.append({"lesson": n, "what": r.get("what") or key, "key": f"{key} #{seen[key]}" if seen[key] > 1 else key,
+                    "kind": r.get("kind", "prediction"), "held": bool(r["holds"]), "busy": busy,
+                    "too_busy": not r["holds"] and (busy or r.get("too_busy", False) or r.get("what") in flagged)})
+    return out
+
+
+def bandwidths_used(rows: list[dict]) -> list[float]:
+    return [r["bandwidth"] for r in rows if r.get("kind") == "machine"]
+
+
+def check_bandwidth(n: int, used: list[float], run_bw: dict | None) -> str:
+    """One line: did lesson n divide by the run's one bandwidth (within its printed spread)?"""
+    if not used:
+        return f"   bandwidth: lesson {n} divides by no bandwidth"
+    if run_bw is None:
+        return f"   bandwidth: {used[0] / 1e9:.1f} GB/s"
+    lo, hi = run_bw["bandwidth_lo"], run_bw["bandwidth_hi"]
+    off = [b for b in used if not lo <= b <= hi]
+    if off:
+        return (f"   bandwidth: DIFFERENT from the run's {run_bw['bandwidth'] / 1e9:.1f} GB/s "
+                f"({lo / 1e9:.1f}-{hi / 1e9:.1f}): this lesson used {', '.join(f'{b / 1e9:.1f}' for b in off)} GB/s")
+    return f"   bandwidth: the run's {run_bw['bandwidth'] / 1e9:.1f} GB/s (within its spread {lo / 1e9:.1f}-{hi / 1e9:.1f})"
+
+
+def cell_of(row: dict | None) -> str:
+    if row is None:
+        return "-"
+    return "held" if row["held"] else ("too busy" if row["too_busy"] else "FAILED")
+
+
+def compare(a: list[dict], b: list[dict]) -> tuple[str, int]:
+    """The side-by-side table of two ledgers (quiet, busy) and how many verdicts differ without saying too busy.
+    A verdict counts as the same when both runs reached it, or the busy run said it was too busy to judge."""
+    index = lambda ledger: {(r["lesson"], r["key"]): r for r in ledger}     # noqa: E731
+    qa, qb = index(a), index(b)
+    keys = list(qa) + [k for k in qb if k not in qa]
+    width = max([len(k[1]) for k in keys] + [10])
+    width = min(width, 80)
+    lines = [f"{'lesson':>6}  {'verdict':{width}s}  {'quiet':8s}  {'busy':8s}  same?"]
+    differ = 0
+    for k in keys:
+        ra, rb = qa.get(k), qb.get(k)
+        if ra is None or rb is None:
+            same = "only in one run"
+            differ += 1
+        elif ra["held"] == rb["held"]:
+            same = "same"
+        elif rb["too_busy"]:
+            same = "said too busy"
+        elif rb["busy"]:             # held only in the busy run: its load check printed that the timings shared the cores
+            same = "said busy (held anyway)"
+        elif ra["too_busy"]:
+            same = "said too busy (quiet run)"
+        else:
+            same = "DIFFERS"
+            differ += 1
+        lines.append(f"{k[0]:>6}  {k[1][:width]:{width}s}  {cell_of(ra):8s}  {cell_of(rb):8s}  {same}")
+    lines.append(f"{len(keys)} verdicts; {differ} differ without saying the machine was too busy")
+    return "\n".join(lines), differ
+
+
+def run(n: int, paths: list[Path], run_bw: dict | None = None, ledger: list | None = None) -> bool:
     out = ROOT / "build" / f"lesson-{n:02d}"
     out.mkdir(parents=True, exist_ok=True)
     (out / "findings.jsonl").unlink(missing_ok=True)
@@ -82,10 +162,12 @@ def run(n: int, paths: list[Path]) -> bool:
             busy = sum(1 for r in verdicts if r.get("busy"))
             print(f"   verdicts: {held} of {len(verdicts)} held; {busy} measured while other programs held the cores "
                   f"(busy_check)")
-            for r in verdicts:
+            for r, led in zip(verdicts, ledger_rows(n, rows)):
                 load = "" if "busy" not in r else (" [busy %.1f cores]" % r.get("busy_cores", 0.0) if r["busy"] else " [quiet]")
-                print(f"     {'held' if r['holds'] else 'FAILED':6s} {r.get('kind', 'prediction'):11s}"
-                      f"{r['finding'].split(':')[0][:90]}{load}")
+                print(f"     {cell_of(led):8s} {led['kind']:11s}{led['what'][:90]}{load}")
+            if ledger is not None:
+                ledger.extend(ledger_rows(n, rows))
+        print(check_bandwidth(n, bandwidths_used(rows), run_bw))
     figures = sorted(out.glob("*.png"))
     if figures:
         print("   figures:", ", ".join(str(f.relative_to(ROOT)) for f in figures))
@@ -123,19 +205,61 @@ def run_notebook(n: int, path: Path, out: Path) -> bool:
     return ok
 
 
-def main() -> int:
+USAGE = """usage: run_lesson.py [N | all] [--ledger FILE.json]
+       run_lesson.py --compare QUIET.json BUSY.json"""
+
+
+def main(argv: list[str] | None = None) -> int:
     # a SIGTERM (timeout, kill) becomes SystemExit, so nbclient shuts the kernel down instead of orphaning it
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    which = sys.argv[1] if len(sys.argv) > 1 else "all"
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["--compare"]:
+        if len(args) != 3:
+            print(USAGE)
+            return 2
+        ledgers = []
+        for path in args[1:]:
+            try:
+                ledgers.append(json.loads(Path(path).read_text())["verdicts"])
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                print(f"--compare: {path} is not a ledger written by --ledger ({type(e).__name__}: {e})")
+                return 2
+        table, differ = compare(*ledgers)
+        print(table)
+        return 1 if differ else 0
+    ledger_path = None
+    if "--ledger" in args:
+        i = args.index("--ledger")
+        if i + 1 >= len(args):
+            print(USAGE)
+            return 2
+        ledger_path = Path(args[i + 1])
+        del args[i:i + 2]
+    which = args[0] if args else "all"
     books = notebooks()
+    if which != "all" and not which.isdigit():
+        print(USAGE)
+        return 2
     chosen = books if which == "all" else {int(which): books.get(int(which))}
-    if which == "all":        # one run of the course: every lesson divides by the same probe (course.machine)
-        os.environ.setdefault("TINYSERVE_COURSE_RUN", f"{os.getpid()}-{time.time():.0f}")
     if None in chosen.values():
         print(f"no notebook for lesson {which}; have {sorted(books)}")
         return 1
-    results = {n: run(n, p) for n, p in chosen.items()}
+    run_bw = None
+    if which == "all":        # one run of the course: every lesson divides by the same probe (course.machine)
+        os.environ.setdefault("TINYSERVE_COURSE_RUN", f"{os.getpid()}-{time.time():.0f}")
+        sys.path.insert(0, str(ROOT))
+        from tinyserve import course
+        m = course.machine()
+        run_bw = {"bandwidth": m.bandwidth, "bandwidth_lo": m.bandwidth_lo, "bandwidth_hi": m.bandwidth_hi}
+        print(f"== the course's one bandwidth for this run: {m.bandwidth / 1e9:.1f} GB/s "
+              f"({m.bandwidth_lo / 1e9:.1f}-{m.bandwidth_hi / 1e9:.1f}); every lesson below divides by it", flush=True)
+    ledger: list[dict] = []
+    results = {n: run(n, p, run_bw, ledger) for n, p in chosen.items()}
     failed = [n for n, ok in results.items() if not ok]
+    if ledger_path is not None:
+        ledger_path.parent.mkdir(parents=True, exist_ok=True)
+        ledger_path.write_text(json.dumps({"bandwidth": run_bw, "verdicts": ledger}, indent=1))
+        print(f"ledger: {len(ledger)} verdicts -> {ledger_path}")
     print(f"{len(results) - len(failed)} passed, {len(failed)} failed" + (f" (lessons {failed})" if failed else ""))
     return 1 if failed else 0
 

@@ -11,6 +11,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BOOKS = {n: next((ROOT / "lessons").glob(f"{n:02d}_*/lesson.ipynb")) for n in range(1, 6)}
+# lessons 6-10 (lesson 7 is two notebooks): the same bandwidth rule; lesson 11 is checked with its own tests
+LATER = {f"{p.parent.name[:2]}{p.stem[-1] if p.stem[-1] in 'ab' else ''}": p
+         for n in range(6, 11) for p in sorted((ROOT / "lessons").glob(f"{n:02d}_*/lesson*.ipynb"))}
 # a lesson may name another bound than the course's bandwidth when its path cannot reach it; it says why in the text
 OTHER_BOUND = {3: "one core"}
 
@@ -52,3 +55,17 @@ def test_every_timed_verdict_follows_a_load_check(n):
     if n != 4:   # lesson 4's first verdicts are allocator counts, not timings
         assert checks[0] < verdicts[0], f"lesson {n}: its first verdict comes before any load check"
     assert "course.explain(" in src, f"lesson {n}: a failed verdict needs course.explain (busy, or a computed why)"
+
+
+@pytest.mark.parametrize("name", sorted(LATER))
+def test_later_lessons_take_the_course_bandwidth_and_judge_one_way(name):
+    nb = nbformat.read(LATER[name], as_version=4)
+    src = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    assert not re.findall(r"\b(?:roofline|rl|rf)\.measure_bandwidth\(", src), \
+        f"lesson {name} measures a bandwidth of its own: divide by course.machine().bandwidth"
+    if ".bandwidth" in src or "check_floor(" in src:
+        assert "machine()" in src, f"lesson {name} does not take the course's one bandwidth (course.machine())"
+    for helper in ("def judged(", "def floor_verdict("):
+        assert helper not in src, f"lesson {name} judges with its own {helper[4:-1]}: use course.explain / check_floor"
+    if "check_prediction(" in src and "busy_check(" in src:
+        assert re.search(r"\bexplain\(", src), f"lesson {name}: a failed timed verdict needs course.explain"
