@@ -133,6 +133,15 @@ def test_a_llama_3_2_1b_shape_packs_the_same_bytes(tmp_path, qtype):
     assert_blocks_route_is_the_old_route(path)
 
 
+def test_bytes_per_decode_step_are_the_packed_tiles(every_format_file):
+    """quant.bytes_per_decode_step counts what the fused decode step reads: its packed weights (a fused role with
+    any byte part all on the byte tile), the norms aside."""
+    m = ts.load_model(every_format_file, quant="gguf", backend="numba")
+    d = fast.prepare(m).decode
+    packed = sum(r.w.nbytes for r in (d.layers.qkv, d.layers.o, d.layers.gate_up, d.layers.down, d.lm_head))
+    assert quant.bytes_per_decode_step(m) == packed
+
+
 def test_auto_on_numba_takes_the_blocks_route_and_numpy_keeps_float32(every_format_file):
     m = ts.load_model(every_format_file, quant="auto", backend="numba")
     assert m.quant == quant.GGUF.name and isinstance(m.embed, TensorRows)

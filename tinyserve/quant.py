@@ -417,9 +417,20 @@ def with_mode(model: Model, mode: str) -> Model:
                                quant=mode, fast=None)
 
 
+# the matrices the fast path fuses into one (kernels/forward.py), each stacked over the layers for the decode step
+FUSED_ROLES = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))
+
+
 def bytes_per_decode_step(model: Model) -> int:
-    """Weight bytes one decode step reads: every matmul weight once (the LM head included), norms aside."""
-    total = sum(getattr(w, f).nbytes for w in model.layers for f in MATRICES)
+    """Weight bytes one decode step reads: every matmul weight once (the LM head included), norms aside. In the gguf
+    mode a fused role (FUSED_ROLES) with a part of bytes in any layer runs every part of every layer on the byte
+    tile (kernels/forward.py: a nibble is a byte), so its nibble parts count as bytes too."""
+    total = 0
+    for role in FUSED_ROLES:
+        mats = [getattr(w, f) for w in model.layers for f in role]
+        if any(isinstance(q, BlockLinear) and not isinstance(q, Q4Linear) for q in mats):
+            mats = [B8Linear(q.q, q.d, q.m) if isinstance(q, BlockLinear) else q for q in mats]
+        total += sum(q.nbytes for q in mats)
     return total + (model.lm_head_q.nbytes if model.lm_head_q is not None else model.head.nbytes)
 
 
