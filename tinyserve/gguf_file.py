@@ -292,7 +292,43 @@ def load_gguf_model(path: str | Path) -> Model:
     return model_from_gguf(read_gguf(path))
 
 
-def model_from_gguf(g: GGUFFile) -> Model:
+@dataclass(slots=True)
+class TensorRows:
+    """A [V, D] table left in the file's format, read a row at a time: `rows[tokens]` dequantizes only those rows
+    ([*tokens.shape, D] float32, the values dequantize gives the whole table). The embedding of a model loaded
+    from its blocks: a lookup reads T rows, and a float32 copy of a 128k-token table is a gigabyte."""
+    info: TensorInfo
+    dtype = np.dtype(np.float32)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.info.shape
+
+    @property
+    def size(self) -> int:
+        return self.info.shape[0] * self.info.shape[1]
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    def __getitem__(self, rows) -> np.ndarray:   # rows: ids [*S] (or a slice) -> [*S, D] float32
+        V, D = self.info.shape
+        ids = np.asarray(rows)
+        if not np.issubdtype(ids.dtype, np.integer):   # a slice or a mask: the ids it picks
+            ids = np.arange(V)[rows]
+        per_block, nbytes = BLOCKS[self.info.type_name]
+        raw = self.info.raw.reshape(V, D // per_block * nbytes)[ids.reshape(-1)]     # [n, row bytes]: a copy
+        return dequantize(raw, self.info.type_name, (ids.size, D)).reshape(*ids.shape, D)
+
+
+def model_from_gguf(g: GGUFFile, matrix=None) -> Model:
+    """The Model of a parsed GGUF, every tensor checked (present, of the shape the metadata implies, none unused).
+
+    matrix None: the float32 reference, every tensor dequantized. matrix(info, unpermute_heads) -> a [D_in, O]
+    weight object: every layer matrix is what it returns for the file's tensor (quant.load_gguf_blocks passes
+    quant.file_matrix, the file's own blocks), the embedding (and an untied output) stays in the file
+    (TensorRows), and only the norms and rope_freqs are dequantized: the model never exists in float32."""
     cfg, path = g.config, g.path
     D, F, H, N, K = cfg.dim, cfg.intermediate_size, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
     shapes = {"attn_norm": (D,), "mlp_norm": (D,), "wq": (N * H, D), "wk": (K * H, D), "wv": (K * H, D),
@@ -304,33 +340,51 @@ def model_from_gguf(g: GGUFFile) -> Model:
     names = {f: n for n, f in LAYER_TENSORS.items()}
     used: set[str] = set()
 
-    def tensor(name: str, shape: tuple) -> np.ndarray:   # [shape] float32, checked
+    def checked(name: str, shape: tuple) -> TensorInfo:
         info = g.tensors.get(name)
         if info is None:
             raise GGUFError(f"{path}: tensor {name} is missing (a {g.arch} model of {cfg.n_layers} layers needs it)")
         if info.shape != shape:
             raise GGUFError(f"{path}: tensor {name} has shape {info.shape}, the metadata implies {shape}")
+        used.add(name)
+        return info
+
+    def tensor(name: str, shape: tuple) -> np.ndarray:   # [shape] float32, checked
+        info = checked(name, shape)
         try:
             w = dequantize(info.raw, info.type_name, info.shape)
         except ValueError as e:
             raise GGUFError(f"{path}: tensor {name}: {e}") from None
         if not np.isfinite(w).all():
             raise GGUFError(f"{path}: tensor {name} ({info.type_name}) holds NaN or inf values: corrupt file")
-        used.add(name)
         return w
+
+    def blocks(name: str, shape: tuple, heads: int | None):   # [D_in, O] from the file's blocks, checked
+        info = checked(name, shape)
+        try:
+            return matrix(info, heads)
+        except ValueError as e:
+            raise GGUFError(f"{path}: tensor {name} ({info.type_name}): {e}") from None
+
+    rope_heads = {"wq": N, "wk": K} if cfg.arch == "llama" else {}   # llama.cpp's converter interleaves the Q/K
+    #                                          rows of llama files only (NEOX RoPE families keep Hugging Face's order)
 
     layers = []
     for i in range(cfg.n_layers):
-        w = {f: tensor(f"blk.{i}.{names[f]}", shapes[f]) for f in wanted}
-        if cfg.arch == "llama":   # llama.cpp's converter interleaves the Q/K rows of llama files only (NEOX RoPE
-            w["wq"] = unpermute_rope_rows(w["wq"], N)   # families keep Hugging Face's order)
-            w["wk"] = unpermute_rope_rows(w["wk"], K)
-        for f in MATRICES:
-            w[f] = np.ascontiguousarray(w[f].T)    # [out, in] -> [in, out]: y = x @ W
+        if matrix is not None:
+            w = {f: (blocks(f"blk.{i}.{names[f]}", shapes[f], rope_heads.get(f)) if f in MATRICES else
+                     tensor(f"blk.{i}.{names[f]}", shapes[f])) for f in wanted}
+        else:
+            w = {f: tensor(f"blk.{i}.{names[f]}", shapes[f]) for f in wanted}
+            for f, heads in rope_heads.items():
+                w[f] = unpermute_rope_rows(w[f], heads)
+            for f in MATRICES:
+                w[f] = np.ascontiguousarray(w[f].T)    # [out, in] -> [in, out]: y = x @ W
         layers.append(LayerWeights(**w))
-    embed = tensor("token_embd.weight", (cfg.vocab_size, D))
+    table = tensor if matrix is None else lambda name, shape: TensorRows(checked(name, shape))
+    embed = table("token_embd.weight", (cfg.vocab_size, D))
     final_norm = tensor("output_norm.weight", (D,))
-    output = None if cfg.tied_embeddings else tensor("output.weight", (cfg.vocab_size, D))
+    output = None if cfg.tied_embeddings else table("output.weight", (cfg.vocab_size, D))
     factors = tensor("rope_freqs.weight", (H // 2,)) if "rope_freqs.weight" in g.tensors else None
     extra = sorted(set(g.tensors) - used)
     if extra:   # a tensor the forward would silently skip: a switch this file needs that we do not know

@@ -107,8 +107,8 @@ def dequantize_blocks(raw: np.ndarray, type_name: str) -> np.ndarray:
     raise ValueError(f"no dequantizer for GGML type {type_name}")
 
 
-def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.ndarray:
-    """A tensor's bytes -> float32 array of `shape` (NumPy order: the last axis is GGUF's ne[0], the row)."""
+def check_size(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> None:
+    """ValueError unless `raw` holds exactly a tensor of `shape` in whole blocks of the format."""
     n_per_block, n_bytes = BLOCKS[type_name]
     n = int(np.prod(shape))
     if shape[-1] % n_per_block:
@@ -116,6 +116,11 @@ def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.nd
     if raw.size != n // n_per_block * n_bytes:
         raise ValueError(f"{type_name} tensor of shape {tuple(shape)} needs {n // n_per_block * n_bytes} bytes, "
                          f"got {raw.size}")
+
+
+def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """A tensor's bytes -> float32 array of `shape` (NumPy order: the last axis is GGUF's ne[0], the row)."""
+    check_size(raw, type_name, shape)
     return dequantize_blocks(raw, type_name).reshape(shape)
 
 
@@ -140,7 +145,7 @@ def split_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Blo
     if type_name not in BLOCK_FORMATS:
         raise ValueError(f"{type_name} has no integer blocks (formats with blocks: {', '.join(BLOCK_FORMATS)})")
     rows, n = shape
-    dequantize(raw, type_name, shape)[:0]                  # the same checks of shape and size, one message each
+    check_size(raw, type_name, shape)
     b = _blocks(np.ascontiguousarray(raw).view(np.uint8).reshape(-1), type_name)
     group, bits = 32, {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q4_K": 4, "Q5_K": 5,
                        "Q6_K": 6}[type_name]

@@ -293,35 +293,82 @@ def tile_of(type_name: str) -> str:
     return "nibble" if type_name in NIBBLE_FORMATS else "byte" if type_name in BYTE_FORMATS else "byte (requantized)"
 
 
-def file_matrix(info, w: np.ndarray, unpermute_heads: int | None = None) -> BlockLinear:
+ROWS_PER_CHUNK = 4096   # a tensor's rows split (or requantized) at a time: the temporaries of a 128k-row embedding
+#                        stay a few tens of MB, and every result is per row, so the chunks change no bit
+
+
+def file_matrix(info, unpermute_heads: int | None = None) -> BlockLinear:
     """One GGUF tensor (gguf_file.TensorInfo, [O, D_in] in the file) -> the block matrix [D_in, O] the gguf mode
-    multiplies; w [D_in, O] float32 is the model's dequantized copy (requantized where the format has no exact tile).
-    unpermute_heads: the file's Q/K rows are llama.cpp's interleaved order (gguf_file.unpermute_rope_rows)."""
+    multiplies, made from the file's bytes a chunk of rows at a time: a requantized tensor is dequantized only
+    chunk by chunk, never whole. unpermute_heads: the file's Q/K rows are llama.cpp's interleaved order
+    (gguf_file.unpermute_rope_rows). ValueError on blocks that hold NaN or inf."""
     from .gguf_file import unpermute_rope_rows
-    from .gguf_quants import split_blocks
-    if info is None or tile_of(info.type_name).startswith("byte ("):
-        return quantize_q8_blocks(w)
-    b = split_blocks(info.raw, info.type_name, info.shape)                             # [O, D_in], [O, D_in/32]
-    q, d, m = b.q, _f16(b.d), _f16(b.m)
-    if unpermute_heads:
-        q, d, m = (unpermute_rope_rows(a, unpermute_heads) for a in (q, d, m))
-    kind = Q4Linear if info.type_name in NIBBLE_FORMATS else B8Linear
-    return kind(np.ascontiguousarray(q.T), np.ascontiguousarray(d.T), np.ascontiguousarray(m.T), GGUF.name)
+    from .gguf_quants import BLOCKS, dequantize, split_blocks
+    O, D = info.shape
+    if D % Q4_GROUP:
+        raise ValueError(f"rows of {D} values do not split into blocks of {Q4_GROUP}")
+    per_block, nbytes = BLOCKS[info.type_name]
+    raw = info.raw.reshape(O, D // per_block * nbytes)                                 # [O, row bytes]
+    head = O // unpermute_heads if unpermute_heads else 1                              # rows of one head
+    step = max(1, ROWS_PER_CHUNK // head) * head                                       # whole heads per chunk
+    requantize = tile_of(info.type_name).startswith("byte (")
+    q, d, m = np.empty((D, O), np.uint8), np.empty((D // Q4_GROUP, O), np.float32), np.empty((D // Q4_GROUP, O),
+                                                                                              np.float32)
+    for r0 in range(0, O, step):
+        r1 = min(O, r0 + step)
+        if requantize:
+            w = dequantize(raw[r0:r1].reshape(-1), info.type_name, (r1 - r0, D))      # [rows, D] float32
+            if unpermute_heads:
+                w = unpermute_rope_rows(w, (r1 - r0) // head)
+            if not np.isfinite(w).all():
+                raise ValueError("holds NaN or inf values: corrupt file")
+            b = quantize_q8_blocks(np.ascontiguousarray(w.T))                          # [D, rows]
+            q[:, r0:r1], d[:, r0:r1], m[:, r0:r1] = b.q, b.d, b.m
+            continue
+        b = split_blocks(raw[r0:r1].reshape(-1), info.type_name, (r1 - r0, D))        # [rows, D], [rows, D/32]
+        bq, bd, bm = b.q, _f16(b.d), _f16(b.m)
+        if unpermute_heads:
+            bq, bd, bm = (unpermute_rope_rows(a, (r1 - r0) // head) for a in (bq, bd, bm))
+        if not (np.isfinite(bd).all() and np.isfinite(bm).all()):
+            raise ValueError("holds NaN or inf values: corrupt file")
+        q[:, r0:r1], d[:, r0:r1], m[:, r0:r1] = bq.T, bd.T, bm.T
+    kind = B8Linear if requantize or info.type_name not in NIBBLE_FORMATS else Q4Linear
+    return kind(q, d, m, GGUF.name)
+
+
+def gguf_fits(config) -> bool:
+    """Do the matrices' inputs (D, N H, F) split into the gguf mode's blocks of 32?"""
+    return all(n % Q4_GROUP == 0 for n in (config.dim, config.n_heads * config.head_dim, config.intermediate_size))
 
 
 def quantize_gguf(model: Model) -> Model:
-    """The "gguf" mode: every matmul weight (the LM head too) as its file's own blocks (see above)."""
+    """The "gguf" mode of a float32 model: every matmul weight (the LM head too) as its file's own blocks (see
+    above), or requantized from the floats where no file is behind it (Model.gguf_tensors None)."""
     from .gguf_file import LAYER_TENSORS
     tensors = model.gguf_tensors or {}
     names = {f: n for n, f in LAYER_TENSORS.items()}
     cfg = model.config
     heads = {"wq": cfg.n_heads, "wk": cfg.n_kv_heads} if cfg.arch == "llama" else {}   # as gguf_file unpermutes
-    layers = [dataclasses.replace(w, **{f: file_matrix(tensors.get(f"blk.{i}.{names[f]}"), getattr(w, f),
-                                                       heads.get(f)) for f in MATRICES})
+
+    def matrix(name: str, w, heads: int | None = None) -> BlockLinear:
+        info = tensors.get(name)
+        return quantize_q8_blocks(w) if info is None else file_matrix(info, heads)
+    layers = [dataclasses.replace(w, **{f: matrix(f"blk.{i}.{names[f]}", getattr(w, f), heads.get(f))
+                                        for f in MATRICES})
               for i, w in enumerate(model.layers)]
-    head = tensors.get("token_embd.weight" if model.output is None else "output.weight")
-    return dataclasses.replace(model, layers=layers, lm_head_q=file_matrix(head, model.head.T), quant=GGUF.name,
-                               fast=None)
+    head = matrix("token_embd.weight" if model.output is None else "output.weight", model.head.T)
+    return dataclasses.replace(model, layers=layers, lm_head_q=head, quant=GGUF.name, fast=None)
+
+
+def load_gguf_blocks(g) -> Model:
+    """The "gguf" mode straight from a parsed GGUF (gguf_file.GGUFFile), without the float32 model: each matrix
+    from its blocks (file_matrix), the embedding read a row at a time (gguf_file.TensorRows), only the norms
+    dequantized. The same weights, bit for bit, as quantize_gguf(gguf_file.model_from_gguf(g)), in about the
+    memory of the packed weights instead of 4 bytes a parameter first."""
+    from .gguf_file import model_from_gguf
+    model = model_from_gguf(g, matrix=file_matrix)
+    head = file_matrix(g.tensors["token_embd.weight" if model.output is None else "output.weight"])
+    return dataclasses.replace(model, lm_head_q=head, quant=GGUF.name, fast=None)
 
 
 def quantize_model(model: Model, mode: str) -> Model:
@@ -370,9 +417,20 @@ def with_mode(model: Model, mode: str) -> Model:
                                quant=mode, fast=None)
 
 
+# the matrices the fast path fuses into one (kernels/forward.py), each stacked over the layers for the decode step
+FUSED_ROLES = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))
+
+
 def bytes_per_decode_step(model: Model) -> int:
-    """Weight bytes one decode step reads: every matmul weight once (the LM head included), norms aside."""
-    total = sum(getattr(w, f).nbytes for w in model.layers for f in MATRICES)
+    """Weight bytes one decode step reads: every matmul weight once (the LM head included), norms aside. In the gguf
+    mode a fused role (FUSED_ROLES) with a part of bytes in any layer runs every part of every layer on the byte
+    tile (kernels/forward.py: a nibble is a byte), so its nibble parts count as bytes too."""
+    total = 0
+    for role in FUSED_ROLES:
+        mats = [getattr(w, f) for w in model.layers for f in role]
+        if any(isinstance(q, BlockLinear) and not isinstance(q, Q4Linear) for q in mats):
+            mats = [B8Linear(q.q, q.d, q.m) if isinstance(q, BlockLinear) else q for q in mats]
+        total += sum(q.nbytes for q in mats)
     return total + (model.lm_head_q.nbytes if model.lm_head_q is not None else model.head.nbytes)
 
 

@@ -282,11 +282,18 @@ def load_model(weights_dir: str | Path = DEFAULT_WEIGHTS_DIR, quant: str = FLOAT
     float32 ones of a folder) and backend="numba" runs them with the fused Numba kernels ("auto": the fastest
     accurate mode on this CPU, backend.default_quant); the defaults give the float32 NumPy reference. A model whose
     block the kernels do not implement (backend.kernel_gaps: Qwen2's biases, Q/K norms, Gemma 3's block) runs the
-    NumPy forward instead, and `log` (stderr by default) says so."""
+    NumPy forward instead, and `log` (stderr by default) says so. A GGUF file in the gguf mode (quant="gguf", or
+    "auto" on numba) is never float32: each matrix comes from its blocks, the embedding is read a row at a time
+    (quant.load_gguf_blocks)."""
     from .backend import kernel_gaps, set_backend
+    from .quant import AUTO, GGUF, gguf_fits, load_gguf_blocks
     if is_gguf_path(weights_dir):
-        from .gguf_file import load_gguf_model
-        model, cache_dir = load_gguf_model(weights_dir), None      # no int8 cache beside a file the user owns
+        from .gguf_file import model_from_gguf, read_gguf
+        g, cache_dir = read_gguf(weights_dir), None                # no int8 cache beside a file the user owns
+        # the gguf mode (what auto picks for a file on the kernels) packs each matrix from the file's blocks: a
+        # float32 copy first would take 4 bytes a parameter (gigabytes for a 1B model) for nothing
+        blocks = quant == GGUF.name or (quant == AUTO and backend == "numba" and gguf_fits(g.config))
+        model = load_gguf_blocks(g) if blocks else model_from_gguf(g)
     else:
         model, cache_dir = _load_float32(weights_dir), weights_dir
     if backend == "numba":
@@ -296,6 +303,8 @@ def load_model(weights_dir: str | Path = DEFAULT_WEIGHTS_DIR, quant: str = FLOAT
                 f"note: the numba kernels do not implement {', '.join(gaps)} ({model.config.arch}): "
                 f"this model runs the NumPy forward")
             backend = "numpy"
+            if quant == AUTO and model.quant != FLOAT32:   # auto on NumPy is float32: the file's floats after all
+                model = model_from_gguf(g)
     return set_backend(model, quant, backend, cache_dir)
 
 

@@ -89,42 +89,59 @@ def permute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def random_tensors(shape: Shape, seed: int = 0, rope_freqs: bool = False) -> dict[str, np.ndarray]:
-    """llama.cpp tensor names -> float32 arrays [out, in], Hugging Face row order; weights scaled so activations
-    stay O(1) through the layers and the logits are peaked (a random model's next-token guesses are not flat)."""
+ROWS_PER_DRAW = 4096   # rows of a matrix drawn at a time: the same numbers as one draw (the generator fills values in
+#                        order), without a float64 copy of a 128k-row embedding (2 GB) at once
+
+
+def tensor_specs(shape: Shape, seed: int = 0, rope_freqs: bool = False):
+    """(llama.cpp tensor name, [out, in] shape, make) per tensor, in the file's order; make() -> the float32 array,
+    Hugging Face row order (Q/K permuted for llama files). The makes draw from one generator and must be called in
+    order, once each: a writer holds one tensor at a time. Weights scaled so activations stay O(1) through the
+    layers and the logits are peaked (a random model's next-token guesses are not flat)."""
     rng = np.random.default_rng(seed)
     D, F, H, N, K, V = shape.dim, shape.ffn, shape.head_dim, shape.n_heads, shape.n_kv_heads, shape.vocab
 
-    def mat(n_out, n_in, gain=1.0):
-        return (rng.standard_normal((n_out, n_in)) * (gain / np.sqrt(n_in))).astype(np.float32)
+    def mat(n_out, n_in, gain=1.0, heads=None):
+        def make():
+            out = np.empty((n_out, n_in), np.float32)
+            for r0 in range(0, n_out, ROWS_PER_DRAW):
+                r1 = min(n_out, r0 + ROWS_PER_DRAW)
+                out[r0:r1] = rng.standard_normal((r1 - r0, n_in)) * (gain / np.sqrt(n_in))
+            return out if heads is None else permute_rope_rows(out, heads)
+        return (n_out, n_in), make
 
     def norm(n):   # Gemma's files store 1 + w (llama.cpp's converter adds the 1): either way a weight near 1
-        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+        return (n,), lambda: (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
     # embedding rows of norm ~3: logits O(10), as a trained model's (Gemma scales them by sqrt(D) itself)
     t = {"token_embd.weight": mat(V, D, 3.0), "output_norm.weight": norm(D)}
     if not shape.tied:
         t["output.weight"] = mat(V, D, 4.0)
     if rope_freqs:
-        t["rope_freqs.weight"] = llama3_rope_factors(H, shape.rope_theta)
+        t["rope_freqs.weight"] = (H // 2,), lambda: llama3_rope_factors(H, shape.rope_theta)
+    rope = shape.arch == "llama"
     for i in range(shape.n_layers):
         p = f"blk.{i}."
         t[p + "attn_norm.weight"], t[p + "ffn_norm.weight"] = norm(D), norm(D)
-        t[p + "attn_q.weight"], t[p + "attn_k.weight"] = mat(N * H, D, 2.0), mat(K * H, D, 2.0)
+        t[p + "attn_q.weight"] = mat(N * H, D, 2.0, N if rope else None)
+        t[p + "attn_k.weight"] = mat(K * H, D, 2.0, K if rope else None)
         t[p + "attn_v.weight"], t[p + "attn_output.weight"] = mat(K * H, D), mat(D, N * H, 4.0)
         t[p + "ffn_gate.weight"], t[p + "ffn_up.weight"] = mat(F, D), mat(F, D)
         t[p + "ffn_down.weight"] = mat(D, F, 4.0)
         if shape.arch == "qwen2":
             for n, rows in (("q", N * H), ("k", K * H), ("v", K * H)):
-                t[p + f"attn_{n}.bias"] = (0.5 * rng.standard_normal(rows)).astype(np.float32)
+                t[p + f"attn_{n}.bias"] = (rows,), (lambda rows=rows: (0.5 * rng.standard_normal(rows))
+                                                    .astype(np.float32))
         if shape.arch in ("qwen3", "gemma3"):
             t[p + "attn_q_norm.weight"], t[p + "attn_k_norm.weight"] = norm(H), norm(H)
         if shape.arch == "gemma3":
             t[p + "post_attention_norm.weight"], t[p + "post_ffw_norm.weight"] = norm(D), norm(D)
-        if shape.arch == "llama":
-            t[p + "attn_q.weight"] = permute_rope_rows(t[p + "attn_q.weight"], N)
-            t[p + "attn_k.weight"] = permute_rope_rows(t[p + "attn_k.weight"], K)
-    return t
+    return [(name, dims, make) for name, (dims, make) in t.items()]
+
+
+def random_tensors(shape: Shape, seed: int = 0, rope_freqs: bool = False) -> dict[str, np.ndarray]:
+    """llama.cpp tensor names -> float32 arrays [out, in], every tensor of tensor_specs made (a shrunk shape's)."""
+    return {name: make() for name, _, make in tensor_specs(shape, seed, rope_freqs)}
 
 
 def answering_tensors(t: dict[str, np.ndarray], answer: int) -> dict[str, np.ndarray]:
@@ -200,19 +217,29 @@ def write_gguf(path: str | Path, shape: Shape, qtype: str = "F16", seed: int = 0
     _add_vocab(w, shape, vocab_dir, skip=("tokenizer.chat_template",) if chat_template is not None else ())
     if chat_template is not None:
         w.add_chat_template(chat_template)
-    tensors = random_tensors(shape, seed, rope_freqs)
+    specs = tensor_specs(shape, seed, rope_freqs)
     if answer is not None:
-        tensors = answering_tensors(tensors, answer)
-    for name, a in tensors.items():
-        if a.ndim == 1 or kind == gguf.GGMLQuantizationType.F32:
-            w.add_tensor(name, a)
-        elif kind == gguf.GGMLQuantizationType.F16:
-            w.add_tensor(name, a.astype(np.float16))
-        else:
-            w.add_tensor(name, quantize(a, kind), raw_dtype=kind)
+        specs = [(n, a.shape, lambda a=a: a) for n, a in answering_tensors(random_tensors(shape, seed, rope_freqs),
+                                                                           answer).items()]
+
+    def stored(dims: tuple, a: np.ndarray | None = None):   # -> (dtype, byte shape, the array as written)
+        if len(dims) == 1 or kind == gguf.GGMLQuantizationType.F32:
+            return np.float32, dims, a
+        if kind == gguf.GGMLQuantizationType.F16:
+            return np.float16, dims, None if a is None else a.astype(np.float16)
+        per, nbytes = gguf.GGML_QUANT_SIZES[kind]
+        return np.uint8, (dims[0], dims[1] // per * nbytes), None if a is None else quantize(a, kind)
+    # the tensor table first (shapes and types only), then each tensor made, written and dropped in turn: the
+    # writer never holds more than one (a full shape's would be gigabytes in float32)
+    for name, dims, _ in specs:
+        dtype, byte_dims, _ = stored(dims)
+        w.add_tensor_info(name, byte_dims, np.dtype(dtype), int(np.prod(byte_dims)) * np.dtype(dtype).itemsize,
+                          raw_dtype=None if dtype is not np.uint8 else kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
-    w.write_tensors_to_file()
+    w.write_ti_data_to_file()
+    for _, dims, make in specs:
+        w.write_tensor_data(stored(dims, make())[2])
     w.close()
     return sha256(path)
 
