@@ -98,7 +98,7 @@ test: $(TESTS) $(COURSE) weights weights-gemma
 	$(PYTHON) -m pytest -q --durations=25
 	$(PYTHON) tools/check.py --stubs-must-fail all
 	$(PYTHON) tools/check.py --wrong-answers-must-fail all
-	$(PYTHON) tools/run_lesson.py all
+	$(PYTHON) tools/run_lesson.py all --ledger build/lessons-ledger.json
 
 # LEARNER=1: the notebook runs on your implemented exercise functions (TINYSERVE_SOLUTION=learner)
 lesson-%: $(COURSE) weights
