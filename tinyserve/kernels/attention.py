@@ -381,7 +381,7 @@ _paged_decode_one_item = njit(cache=True)(_paged_decode)
 
 def _one_item(q, k_cache, context_lens) -> bool:
     """A decode step (T == B) of one sequence with one K/V head: _paged_decode_one_item's case."""
-    return q.shape[0] == context_lens.shape[0] and q.shape[0] * k_cache.shape[2] == 1
+    return q.shape[0] == len(context_lens) and q.shape[0] * k_cache.shape[2] == 1
 
 
 def paged_attention_numba_unchecked(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
