@@ -5,12 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import tinyserve as ts
 from tinyserve.engine import Engine
-from tinyserve.orchestrators import (ModelSpec, adopt_prefilled, export_kv, greedy_params, poisson_trace,
+from tinyserve.orchestrators import (ModelSpec, adopt_prefilled, greedy_params, poisson_trace,
                                      run_batched, run_disaggregated, run_interleaved)
 from tinyserve.roofline import kv_bytes_per_token
 from tinyserve.sampling import SamplingParams
+
+from .handover import prefill_and_export
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -45,18 +46,12 @@ def test_the_trace_is_the_same_requests_at_every_rate():
                          ids=["greedy", "seeded"])
 def test_kv_handover_continues_exactly_where_prefill_stopped(tiny, params):
     prompt = [int(t) for t in np.random.default_rng(0).integers(3, 256, 37)]   # 37: the last block is partial
-    expect = Engine(tiny, num_blocks=64).generate([prompt], params)[0]
-    pre = Engine(tiny, num_blocks=64, block_size=8)
-    rid = pre.add_request(prompt, params)
-    while not (outs := pre.step()):
-        pass
-    seq = pre.sequence(rid)
-    k, v = export_kv(pre, seq, len(prompt))
-    assert k.shape == (tiny.config.n_layers, 37, tiny.config.n_kv_heads, tiny.config.head_dim)
+    got = prefill_and_export(tiny, prompt, params, block_size=8)
+    k, v = got.k, got.v
     dec = Engine(tiny, num_blocks=64, block_size=16)          # another block size: the hand-over re-blocks
-    rid2 = adopt_prefilled(dec, prompt, params, outs[0].new_tokens[0], k, v, seq.rng.bit_generator.state)
+    rid2 = adopt_prefilled(dec, prompt, params, got.first, k, v, got.seq.rng.bit_generator.state)
     dec.run()
-    assert dec.finished[rid2].output_ids == expect
+    assert dec.finished[rid2].output_ids == got.expect
     with pytest.raises(ValueError, match="prompt positions"):
         adopt_prefilled(dec, prompt, params, 5, k[:, :3], v[:, :3])
 

@@ -20,6 +20,8 @@ from tinyserve.paged import paged_attention
 from tinyserve.sampling import SamplingParams
 from tinyserve.weights import tiny_model
 
+from .handover import prefill_and_export
+
 W = 8                  # the window: a few blocks of 4, so that blocks fall behind it within a short prompt
 
 
@@ -366,21 +368,15 @@ def test_a_prefill_handed_over_continues_exactly(model, request):
     pool (a local layer's freed positions are zeros, never read again), add_prefilled writes each kind into its own
     pool (a local layer only the window's blocks: the rest of its table is -1), and the decode continues with the
     tokens of one engine that did it all. The two engines' block sizes differ, so the window's blocks do too."""
-    from tinyserve.orchestrators import adopt_prefilled, export_kv
+    from tinyserve.orchestrators import adopt_prefilled
     m = request.getfixturevalue(model)
     params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
     prompt = [int(t) for t in np.random.default_rng(0).integers(3, 256, 37)]       # 37: the last block is partial
-    expect = Engine(m, num_blocks=64).generate([prompt], params)[0]
-    pre = Engine(m, num_blocks=64, block_size=4)
-    rid = pre.add_request(prompt, params)
-    while not (outs := pre.step()):
-        pass
-    seq = pre.sequence(rid)
-    assert seq.local_table[0] == -1                          # the prefill engine freed what fell behind the window
-    k, v = export_kv(pre, seq, len(prompt))
-    assert k.shape == (m.config.n_layers, 37, m.config.n_kv_heads, m.config.head_dim)
+    got = prefill_and_export(m, prompt, params, block_size=4)
+    k, v, expect = got.k, got.v, got.expect
+    assert got.seq.local_table[0] == -1                      # the prefill engine freed what fell behind the window
     dec = Engine(m, num_blocks=64, block_size=8)
-    rid2 = adopt_prefilled(dec, prompt, params, outs[0].new_tokens[0], k, v)
+    rid2 = adopt_prefilled(dec, prompt, params, got.first, k, v)
     held = dec.sequence(rid2).local_table
     assert held[:first_live_block(37, W, 8)] == [-1] * first_live_block(37, W, 8) and min(held[-1:]) >= 0
     dec.run()
