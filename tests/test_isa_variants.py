@@ -21,6 +21,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -93,34 +94,58 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+# variant -> its process and its results' file. All start at once: each compiles every kernel in a single thread (a
+# variant's first run takes minutes), so side by side they take the time of the slowest on a machine of 2+ cores.
+_runs: dict[str, tuple[subprocess.Popen, Path]] = {}
 _results: dict[str, dict] = {}       # variant -> its results: the CPU's own variant is compared against and tested,
                                      # but run once
 
 
-def run_variant(variant: str, path: Path) -> dict:
-    if variant in _results:
-        return _results[variant]
-    env = {**os.environ, "TINYSERVE_KERNELS": variant}
-    env.pop("TINYSERVE_PORTABLE_KERNELS", None)
-    r = subprocess.run([sys.executable, "-c", SCRIPT, str(path)], env=env, capture_output=True, text=True,
-                       timeout=1200, cwd=Path(__file__).resolve().parent.parent)
-    assert r.returncode == 0 and "done" in r.stdout, r.stderr[-3000:]
-    _results[variant] = dict(np.load(path))
+def start_variants(folder: Path) -> None:
+    """Start a process for every variant this CPU runs that has not been started yet."""
+    for variant in isa.supported():
+        if variant in _runs:
+            continue
+        env = {**os.environ, "TINYSERVE_KERNELS": variant}
+        env.pop("TINYSERVE_PORTABLE_KERNELS", None)
+        path = folder / f"{variant}.npz"
+        # its output into files, not pipes: a full pipe would stall a variant nobody reads yet
+        with open(path.with_suffix(".out"), "w") as out, open(path.with_suffix(".err"), "w") as err:
+            _runs[variant] = subprocess.Popen([sys.executable, "-c", SCRIPT, str(path)], env=env, stdout=out,
+                                              stderr=err, cwd=Path(__file__).resolve().parent.parent), path
+
+
+def run_variant(variant: str) -> dict:
+    """The variant's results, waiting for its process (started by `start_variants`)."""
+    if variant not in _results:
+        process, path = _runs[variant]
+        try:
+            process.wait(timeout=1200)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            pytest.fail(f"{variant}: the kernels did not compile and run in 1200 s")
+        stdout, stderr = path.with_suffix(".out").read_text(), path.with_suffix(".err").read_text()
+        assert process.returncode == 0 and "done" in stdout, stderr[-3000:]
+        _results[variant] = dict(np.load(path))
     return _results[variant]
 
 
 @pytest.fixture(scope="module")
-def native(tmp_path_factory) -> dict:
-    """The results of this CPU's own variant (the fastest it runs), computed the same way."""
-    return run_variant(isa.supported()[0], tmp_path_factory.mktemp("native") / "out.npz")
+def native(tmp_path_factory) -> Iterator[dict]:
+    """The results of this CPU's own variant (the fastest it runs), computed the same way; every other variant's
+    process starts beside it."""
+    start_variants(tmp_path_factory.mktemp("variants"))
+    yield run_variant(isa.supported()[0])
+    for process, _ in _runs.values():        # a variant left running (its test deselected, or the run stopped early)
+        process.kill()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", isa.ORDER)
-def test_variant_is_exact_and_agrees_with_this_cpus_own(variant, native, tmp_path):
+def test_variant_is_exact_and_agrees_with_this_cpus_own(variant, native):
     if variant not in isa.supported():
         pytest.skip(f"this CPU cannot run {variant} (it runs {', '.join(isa.supported())})")
-    got = run_variant(variant, tmp_path / "out.npz")
+    got = run_variant(variant)
     assert str(got["variant"]) == variant
     expected = {"avx512vnni": {"vpdpbusd", "zmm"}, "avxvnni": {"vpdpbusd"}, "avx2": {"vpmaddubsw"}, "neon": {"sdot"}}
     if variant in expected:       # the instructions the variant is about, and no 512-bit register below AVX-512
