@@ -162,12 +162,13 @@ def _machine_path() -> Path:
 
 def machine(refresh: bool = False, rounds: int = 5) -> Machine:
     """The course's one measurement of this machine (cached per run of the course; see above), on the threads
-    fit_threads() chose, so every floor matches the threads the lesson runs on. Prints it."""
+    fit_threads() chose (each notebook calls it first), so every floor matches the threads the lesson runs on.
+    Prints it."""
     from . import roofline
     from .measure import cpu_name
 
     run, cpu, path = os.environ.get(RUN_ENV, ""), cpu_name(), _machine_path()
-    threads = fit_threads(quiet=_fitted is not None).threads
+    threads = _probe_threads()
     if not refresh:
         try:
             m = Machine(**json.loads(path.read_text()))
@@ -189,6 +190,15 @@ def machine(refresh: bool = False, rounds: int = 5) -> Machine:
     print(m.describe())
     _note_machine(m)
     return m
+
+
+def _probe_threads() -> int:
+    """The threads the probe runs on: fit_threads()'s count once a notebook has called it, else BLAS's own."""
+    if _fitted is not None:
+        return _fitted.threads
+    from threadpoolctl import threadpool_info
+    counts = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+    return max(counts) if counts else (os.cpu_count() or 1)
 
 
 def _note_machine(m: Machine) -> None:
