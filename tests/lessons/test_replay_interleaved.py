@@ -40,3 +40,38 @@ def test_refuses_a_trace_it_cannot_replay():
         queueing.replay_interleaved([0.0, 1.0], [10], [3, 3], lambda B: STEP, PER_TOKEN)
     with pytest.raises(ValueError, match="replay_interleaved"):
         queueing.replay_interleaved([1.0, 0.0], [10, 10], [3, 3], lambda B: STEP, PER_TOKEN)
+
+
+def test_the_replay_schedules_as_the_engine_does():
+    """The real Engine (tiny model) on a virtual clock that charges each step what the replay charges it: every
+    request's first token must come at the time the replay says. A replay whose schedule drifts from the engine's
+    scheduler (admission, chunking, slots) fails here whatever the step costs."""
+    import numpy as np
+    import tinyserve as ts
+    from tinyserve import orchestrators as orch
+    from tinyserve.engine import Engine
+
+    model = ts.tiny_model(seed=0)
+    trace = orch.poisson_trace(8.0, 16, (16, 96), (4, 10), model.config.vocab_size, seed=3)
+    step = lambda B: 0.02 + 0.01 * B                                                      # noqa: E731
+    engine = Engine(model, num_blocks=256, block_size=16, max_batch_tokens=64, max_running=4)
+    t, nxt, first, ids = 0.0, 0, {}, {}
+    while nxt < len(trace) or engine.has_unfinished():
+        while nxt < len(trace) and trace[nxt].arrival <= t:
+            ids[engine.add_request(trace[nxt].prompt, orch.greedy_params(trace[nxt]))] = nxt
+            nxt += 1
+        if not engine.has_unfinished():
+            t = trace[nxt].arrival
+            continue
+        outputs = engine.step()
+        s = engine.stats[-1]
+        t += (step(s.num_decode) if s.num_decode else 0.0) + PER_TOKEN * (s.num_tokens - s.num_decode)
+        for out in outputs:
+            if out.new_tokens and ids[out.request_id] not in first:
+                first[ids[out.request_id]] = t - trace[ids[out.request_id]].arrival
+            if out.finished:
+                engine.pop_finished(out.request_id)
+    got = queueing.replay_interleaved([r.arrival for r in trace], [len(r.prompt) for r in trace],
+                                      [r.max_tokens for r in trace], step, PER_TOKEN, token_budget=64, max_running=4)
+    assert np.allclose(got, [first[i] for i in range(len(trace))], atol=1e-9)
+    assert max(got) > 2 * min(got), "the trace must make some requests queue, or the check proves little"
