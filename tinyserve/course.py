@@ -232,11 +232,11 @@ class Threads:
 
     def describe(self) -> str:
         noun = "thread" if self.threads == 1 else "threads"
-        why = (f"{self.busy} busy with other programs" if self.source == "load"
-               else f"the count this run of the course chose ({THREADS_ENV})")
+        why = (f"{self.busy} busy with other programs ({self.other_cores:.1f} cores' load)" if self.source == "load"
+               else f"the count this run of the course chose from the load at its start ({THREADS_ENV})")
         least = " (at least one)" if self.busy >= self.cores else ""
-        return (f"{self.cores} cores, {why} ({self.other_cores:.1f} cores' load): BLAS and Numba use "
-                f"{self.threads} {noun}{least}; the course's bandwidth and matmul probe runs on {self.threads} too")
+        return (f"{self.cores} cores, {why}: BLAS and Numba use {self.threads} {noun}{least}; the course's "
+                f"bandwidth and matmul probe runs on {self.threads} too")
 
 
 def choose_threads(other_cores: float, cores: int) -> int:
