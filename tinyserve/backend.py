@@ -176,12 +176,20 @@ def dense_window_attention(backend: str):
     return window_attention
 
 
+NUMBA_THREADS: int | None = None    # set by course.fit_threads: the Numba threads a step starts (None: Numba's own)
+
+
 def step_threads(backend: str):
     """The context a step runs in: on the numba backend NumPy's BLAS is held at one thread (two thread pools on the
-    same cores take turns evicting each other: kernels.single_thread_blas); on the numpy backend, nothing."""
+    same cores take turns evicting each other: kernels.single_thread_blas) and Numba starts NUMBA_THREADS (its
+    count is per Python thread, and a server runs its steps on a thread of its own); on the numpy backend, nothing."""
     if backend != "numba":
         return contextlib.nullcontext()
     from .kernels import single_thread_blas
+    if NUMBA_THREADS is not None:
+        import numba
+        if numba.get_num_threads() != NUMBA_THREADS:
+            numba.set_num_threads(NUMBA_THREADS)
     return single_thread_blas()
 
 

@@ -120,7 +120,9 @@ def median_time(fn: Callable[[], object], repeat: int = 5, warmup: int = 1) -> f
 # Every lesson's floor divides bytes by the same bandwidth: `machine()` measures it once per run of the course (the
 # same buffer, the same threads, the same probe: roofline.measure_bandwidth's float32 matrix-vector product on BLAS's
 # threads), with its spread over rounds, and caches it in build/machine.json. `make lessons` starts a run
-# (TINYSERVE_COURSE_RUN); a lesson run on its own reuses a probe younger than MACHINE_MAX_AGE on this CPU.
+# (TINYSERVE_COURSE_RUN); a lesson run on its own reuses a probe younger than MACHINE_MAX_AGE on this CPU. The probe
+# runs on the thread count fit_threads() chose (below), and a probe taken on another count is measured again: a
+# floor divides by the bandwidth of the threads the lesson's own timings run on.
 # A path that cannot reach this bound (one thread, a Python loop) names the bound it uses instead.
 
 MACHINE_FILE = "machine.json"
@@ -159,30 +161,44 @@ def _machine_path() -> Path:
 
 
 def machine(refresh: bool = False, rounds: int = 5) -> Machine:
-    """The course's one measurement of this machine (cached per run of the course; see above). Prints it."""
+    """The course's one measurement of this machine (cached per run of the course; see above), on the threads
+    fit_threads() chose (each notebook calls it first), so every floor matches the threads the lesson runs on.
+    Prints it."""
     from . import roofline
     from .measure import cpu_name
 
     run, cpu, path = os.environ.get(RUN_ENV, ""), cpu_name(), _machine_path()
+    threads = _probe_threads()
     if not refresh:
         try:
             m = Machine(**json.loads(path.read_text()))
             fresh = (m.run == run) if run else (time.time() - m.measured_at < MACHINE_MAX_AGE)
-            if fresh and m.cpu == cpu:
+            if fresh and m.cpu == cpu and m.threads == threads:
                 print(m.describe() + " (the course's probe, cached for this run)")
                 _note_machine(m)
                 return m
         except (OSError, ValueError, TypeError):
             pass
     load = busy_check("the machine probe", quiet=True)
-    bw = [roofline.measure_bandwidth(repeat=3) for _ in range(rounds)]
-    fl = [roofline.measure_flops(repeat=3) for _ in range(max(1, rounds // 2))]
-    m = Machine(float(np.median(bw)), min(bw), max(bw), float(np.median(fl)), min(fl), max(fl), os.cpu_count() or 1,
+    from threadpoolctl import threadpool_limits
+    with threadpool_limits(limits=threads, user_api="blas"):     # the probe runs on the threads the lessons run on
+        bw = [roofline.measure_bandwidth(repeat=3) for _ in range(rounds)]
+        fl = [roofline.measure_flops(repeat=3) for _ in range(max(1, rounds // 2))]
+    m = Machine(float(np.median(bw)), min(bw), max(bw), float(np.median(fl)), min(fl), max(fl), threads,
                 cpu, run, time.time(), load.other_cores)
     path.write_text(json.dumps(dataclasses.asdict(m)))
     print(m.describe())
     _note_machine(m)
     return m
+
+
+def _probe_threads() -> int:
+    """The threads the probe runs on: fit_threads()'s count once a notebook has called it, else BLAS's own."""
+    if _fitted is not None:
+        return _fitted.threads
+    from threadpoolctl import threadpool_info
+    counts = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+    return max(counts) if counts else (os.cpu_count() or 1)
 
 
 def _note_machine(m: Machine) -> None:
@@ -192,6 +208,107 @@ def _note_machine(m: Machine) -> None:
         _append(None, {"finding": f"bandwidth used: {m.bandwidth / 1e9:.1f} GB/s", "kind": "machine",
                        "bandwidth": m.bandwidth, "bandwidth_lo": m.bandwidth_lo, "bandwidth_hi": m.bandwidth_hi,
                        "run": m.run, "measured_at": m.measured_at})
+
+
+# --- threads fitted to the free cores ---------------------------------------------------------------------------
+# BLAS's and Numba's thread pools meet at a barrier after every parallel loop: each thread waits for the slowest.
+# A core that another program keeps busy gives our thread there a time slice now and then, so every barrier waits
+# for it, and on a 2-core machine beside one busy program two threads run a matmul slower than one thread does
+# (docs/performance.md, "traps"). So each notebook starts by counting the cores other programs hold and runs BLAS and
+# Numba on the rest (at least one). A run of the course (tools/run_lesson.py all) decides once and passes the count
+# to every lesson in THREADS_ENV, so every lesson of the run runs, and divides by a probe taken, on one count.
+
+THREADS_ENV = "TINYSERVE_THREADS"
+
+
+@dataclass(frozen=True, slots=True)
+class Threads:
+    """The thread count a notebook runs BLAS and Numba on, and why."""
+    threads: int
+    cores: int
+    busy: int                    # cores other programs hold (each held at least BUSY_CORES of the time)
+    other_cores: float           # the load behind it: cores' worth of other programs' CPU time
+    source: str                  # "load" (sampled now) or THREADS_ENV (set by the run of the course)
+
+    def describe(self) -> str:
+        noun = "thread" if self.threads == 1 else "threads"
+        why = (f"{self.busy} busy with other programs ({self.other_cores:.1f} cores' load)" if self.source == "load"
+               else f"the count this run of the course chose from the load at its start ({THREADS_ENV})")
+        least = " (at least one)" if self.busy >= self.cores else ""
+        return (f"{self.cores} cores, {why}: BLAS and Numba use {self.threads} {noun}{least}; the course's "
+                f"bandwidth and matmul probe runs on {self.threads} too")
+
+
+def choose_threads(other_cores: float, cores: int) -> int:
+    """The threads to run on: the cores other programs leave free, at least 1. A core counts as held when another
+    program keeps it busy at least BUSY_CORES of the time (one busy loop: 1.0; a browser's flicker: 0.1)."""
+    if cores < 1 or not np.isfinite(other_cores) or other_cores < 0:
+        raise ValueError(f"choose_threads: needs cores >= 1 and a non-negative load, got cores={cores!r}, "
+                         f"other_cores={other_cores!r}")
+    return max(1, cores - held_cores(other_cores, cores))
+
+
+def held_cores(other_cores: float, cores: int) -> int:
+    """How many cores other programs hold: their load rounded at BUSY_CORES (0.5 -> 1, 1.4 -> 1, 1.5 -> 2)."""
+    return min(cores, int(np.floor(other_cores + 1 - BUSY_CORES)))
+
+
+_fitted: Threads | None = None
+
+
+def other_load(seconds: float = 0.5) -> float:
+    """Cores' worth of CPU time other programs used over `seconds` (/proc/stat, steal counted as busy; our own
+    process's CPU time, spinning pool threads included, is subtracted). The load average minus one elsewhere."""
+    cores = os.cpu_count() or 1
+    before, own0 = _cpu_ticks(), _own_seconds()
+    if before is None:
+        return max(0.0, os.getloadavg()[0] - 1)
+    time.sleep(seconds)
+    after, own1 = _cpu_ticks(), _own_seconds()
+    total = (after[1] - before[1]) / _HZ
+    if total <= 0:
+        return 0.0
+    others = (after[0] - before[0]) / _HZ - (own1 - own0)
+    return max(0.0, cores * others / total)
+
+
+def fit_threads(quiet: bool = False, refresh: bool = False) -> Threads:
+    """Set BLAS's and Numba's threads to the cores other programs leave free (see above) and print one line saying
+    so. Decided once per notebook (refresh=True decides again); THREADS_ENV, when set, is taken as it is."""
+    global _fitted
+    if _fitted is None or refresh:
+        cores = os.cpu_count() or 1
+        forced = os.environ.get(THREADS_ENV, "").strip()
+        if forced:
+            if not forced.isdigit() or int(forced) < 1:
+                raise ValueError(f"{THREADS_ENV} must be a positive whole number of threads, got {forced!r}")
+            n = min(int(forced), cores)
+            _fitted = Threads(n, cores, cores - n, float(cores - n), THREADS_ENV)
+        else:
+            load = other_load()
+            _fitted = Threads(choose_threads(load, cores), cores, held_cores(load, cores), load, "load")
+        _apply_threads(_fitted.threads)
+        if not quiet:
+            print(_fitted.describe())
+    return _fitted
+
+
+def _apply_threads(n: int) -> None:
+    """BLAS (every library NumPy loaded, through threadpoolctl) and Numba (this thread now; every engine step on
+    the Numba path through backend.step_threads, whichever thread runs it) run on n threads."""
+    from threadpoolctl import threadpool_limits
+    from . import backend
+    import sys
+    threadpool_limits(limits=n, user_api="blas")
+    if "numba" not in sys.modules:
+        # not loaded yet (a NumPy-only lesson may never load it): its pool will start with n threads
+        os.environ["NUMBA_NUM_THREADS"] = str(n)
+        backend.NUMBA_THREADS = n
+        return
+    import numba
+    backend.NUMBA_THREADS = n = min(n, numba.config.NUMBA_NUM_THREADS)
+    if numba.get_num_threads() != n:
+        numba.set_num_threads(n)
 
 
 # --- is the machine busy? ----------------------------------------------------------------------------------------

@@ -100,3 +100,64 @@ def predict_load(rate: float, prompt_tokens: float, output_tokens: float, step_s
         b = 0.5 * (b + nb)
     step = step_seconds(b)
     return LoadPrediction(rate, b, step, step / 2 + step + prompt_tokens * prefill_per_token, step, True)
+
+
+def replay_interleaved(arrivals: Sequence[float], prompt_tokens: Sequence[int], output_tokens: Sequence[int],
+                       step_seconds: Callable[[float], float], prefill_per_token: float, token_budget: int = 64,
+                       max_running: int = 8, block_size: int = 16) -> list[float]:
+    """Each request's TTFT (s) on the interleaved design, predicted by replaying a known trace on paper: the engine's
+    own scheduler (scheduler.plan_step: decodes first, prompts oldest first in the rest of the token budget, at
+    most max_running admitted) decides every step, and a step lasts step_seconds(its decodes) + prefill_per_token x
+    its prompt tokens (a step with no decode: the prompt tokens alone). A request's first token comes at the end of
+    the step that runs its prompt's last chunk.
+
+    Little's law (predict_load) sees the mean batch; this sees what a mean hides near capacity: prompts that arrive
+    together queue for the budget (one waits for the chunks of the prompts ahead of it) and newcomers wait for a
+    slot while max_running are running. KV blocks are taken as plentiful (the designs never preempt)."""
+    from .scheduler import plan_step
+
+    n = len(arrivals)
+    if not (len(prompt_tokens) == len(output_tokens) == n) or n == 0:
+        raise ValueError(f"replay_interleaved: needs as many prompt and output lengths as arrivals (>= 1), got "
+                         f"{n}, {len(prompt_tokens)}, {len(output_tokens)}")
+    if any(b < a for a, b in zip(arrivals, arrivals[1:])) or min(prompt_tokens) < 1 or min(output_tokens) < 1:
+        raise ValueError("replay_interleaved: arrivals must be in order, prompts and outputs at least 1 token")
+    seqs = [[p, 0, 0] for p in prompt_tokens]          # per request: [tokens so far, tokens computed, generated]
+    first = [float("nan")] * n
+    running: list[int] = []
+    waiting: list[int] = []
+    t, nxt, done = 0.0, 0, 0
+    while done < n:
+        while nxt < n and arrivals[nxt] <= t:           # arrivals join between steps, as the engine's loop admits
+            waiting.append(nxt)
+            nxt += 1
+        if not running and not waiting:
+            t = float(arrivals[nxt])                    # idle until the next arrival
+            continue
+        plan = plan_step([_state(seqs[i], block_size) for i in running], [_state(seqs[i], block_size) for i in waiting],
+                         1 << 30, token_budget, block_size, max_running)
+        work = [(running[j], k) for j, k in plan.run] + [(waiting[w], k) for w, k in plan.admit]
+        admitted = [waiting[w] for w, _ in plan.admit]
+        waiting = [i for i in waiting if i not in admitted]
+        running += admitted
+        decodes = sum(1 for i, _ in work if seqs[i][2] > 0)          # a request that has sampled runs one token
+        prompt = sum(k for i, k in work if seqs[i][2] == 0)         # the rest are prompt chunks
+        t += (step_seconds(decodes) if decodes else 0.0) + prefill_per_token * prompt
+        for i, k in work:
+            s = seqs[i]
+            s[1] += k
+            if s[1] == s[0]:                            # the step reached the last token: it samples the next one
+                s[0] += 1
+                s[2] += 1
+                if s[2] == 1:
+                    first[i] = t - float(arrivals[i])
+                if s[2] == output_tokens[i]:
+                    running.remove(i)
+                    done += 1
+    return first
+
+
+def _state(seq: list[int], block_size: int):
+    """replay_interleaved's [tokens, computed, generated] as the scheduler's SeqState."""
+    from .scheduler import SeqState, blocks_for
+    return SeqState(seq[0], seq[1], blocks_for(seq[1], block_size))

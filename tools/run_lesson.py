@@ -217,14 +217,18 @@ def main(argv: list[str] | None = None) -> int:
         if len(args) != 3:
             print(USAGE)
             return 2
-        ledgers = []
+        ledgers, threads = [], []
         for path in args[1:]:
             try:
-                ledgers.append(json.loads(Path(path).read_text())["verdicts"])
+                data = json.loads(Path(path).read_text())
+                ledgers.append(data["verdicts"])
+                threads.append(data.get("threads"))
             except (OSError, ValueError, KeyError, TypeError) as e:
                 print(f"--compare: {path} is not a ledger written by --ledger ({type(e).__name__}: {e})")
                 return 2
         table, differ = compare(*ledgers)
+        if all(threads):         # each run's floors divide by a probe on its own thread count (course.fit_threads)
+            print(f"threads: {threads[0]} in {args[1]}, {threads[1]} in {args[2]}")
         print(table)
         return 1 if differ else 0
     ledger_path = None
@@ -249,16 +253,21 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TINYSERVE_COURSE_RUN", f"{os.getpid()}-{time.time():.0f}")
         sys.path.insert(0, str(ROOT))
         from tinyserve import course
+        # one thread count for the whole run (the cores other programs leave free now): every lesson runs on it and
+        # divides by a probe taken on it, so the ledger compares like with like
+        os.environ.setdefault(course.THREADS_ENV, str(course.fit_threads().threads))
         m = course.machine()
         run_bw = {"bandwidth": m.bandwidth, "bandwidth_lo": m.bandwidth_lo, "bandwidth_hi": m.bandwidth_hi}
         print(f"== the course's one bandwidth for this run: {m.bandwidth / 1e9:.1f} GB/s "
-              f"({m.bandwidth_lo / 1e9:.1f}-{m.bandwidth_hi / 1e9:.1f}); every lesson below divides by it", flush=True)
+              f"({m.bandwidth_lo / 1e9:.1f}-{m.bandwidth_hi / 1e9:.1f}) on {m.threads} thread(s); every lesson below "
+              f"runs on {m.threads} and divides by it", flush=True)
     ledger: list[dict] = []
     results = {n: run(n, p, run_bw, ledger) for n, p in chosen.items()}
     failed = [n for n, ok in results.items() if not ok]
     if ledger_path is not None:
         ledger_path.parent.mkdir(parents=True, exist_ok=True)
-        ledger_path.write_text(json.dumps({"bandwidth": run_bw, "verdicts": ledger}, indent=1))
+        ledger_path.write_text(json.dumps({"bandwidth": run_bw, "threads": os.environ.get("TINYSERVE_THREADS"),
+                                           "verdicts": ledger}, indent=1))
         print(f"ledger: {len(ledger)} verdicts -> {ledger_path}")
     print(f"{len(results) - len(failed)} passed, {len(failed)} failed" + (f" (lessons {failed})" if failed else ""))
     return 1 if failed else 0
