@@ -19,7 +19,9 @@ That reference over the tiles is the readable spec, and it runs for W8A32 (`int8
 one tile, packed once; the norms, RoPE and activation inside the calls) around attention and one NumPy call (the
 activation's tanh or exp): at decode a layer written op by op is ~7 matmul launches and ~30 NumPy calls, whose
 overhead costs more than their arithmetic (docs/sliding-window.md, "Where a decode step's time goes"). Same bits as
-the reference over the tiles (tests/test_block_forward.py).
+the reference over the tiles (tests/test_block_forward.py). A decode step's few rows run those steps as
+kernels/block_decode.py's two parallel regions a layer instead (threads meeting at spin barriers, not a fork and a
+join for every matmul): same bits again.
 """
 from __future__ import annotations
 
