@@ -125,3 +125,55 @@ def test_the_other_switches_give_the_references_bits_too():
     want, got = ([forward_with_cache(x, c, part, grouped_attention, all_logits=True) for part in (ids[:40], ids[40:])]
                  for x, c in zip((ref, fast), caches))
     assert fast.fast.fused is not None and np.array_equal(np.concatenate(got), np.concatenate(want))
+
+
+def _decode_one_by_one(model, ids, n_prompt):
+    """Logits of a prefill of ids[:n_prompt] (block_layer's calls: 40 rows), then of each later token alone (decode
+    steps of one row: kernels/block_decode.py's regions), then of the last 3 at once: [len(ids), V]."""
+    cache = KVCache.allocate(model.config, 64)
+    out = [forward_with_cache(model, cache, ids[:n_prompt], grouped_attention, all_logits=True)]
+    out += [forward_with_cache(model, cache, [t], grouped_attention, all_logits=True) for t in ids[n_prompt:-3]]
+    out.append(forward_with_cache(model, cache, ids[-3:], grouped_attention, all_logits=True))
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("mode", ["w8a8-64", "w4a8"])
+def test_decode_regions_give_the_references_bits(gemma_like, mode, monkeypatch):
+    """Decode steps run as two parallel regions a layer whose threads meet at barriers (kernels/block_decode.py):
+    one row and three rows a step give the NumPy reference's bits, and the regions did run."""
+    from tinyserve.kernels import block_decode
+    ref = quantize_model(gemma_like, mode)
+    fast = backend.set_backend(gemma_like, mode, "numba")
+    calls = []
+    region_b = block_decode.region_b
+    monkeypatch.setattr(block_decode, "region_b", lambda *a: (calls.append(a[3].shape[0]), region_b(*a)))
+    ids = prompts(n=1, seed=2, lo=50, hi=51)[0]
+    want, got = _decode_one_by_one(ref, ids, 40), _decode_one_by_one(fast, ids, 40)
+    assert np.array_equal(got, want)
+    assert sorted(set(calls)) == [1, 3], f"region calls by rows: {sorted(set(calls))}"
+
+
+def test_regions_whose_threads_do_not_meet_fall_back_to_the_calls(gemma_like, monkeypatch):
+    """A region told of 2 threads while Numba runs 1 times out at a barrier: the step runs again on block_layer's
+    calls (same logits), one warning says why, and later steps do not try again."""
+    from tinyserve.kernels import block_forward as bf
+    fast = backend.set_backend(gemma_like, "w8a8-64", "numba")
+    ref = quantize_model(gemma_like, "w8a8-64")
+    ids = prompts(n=1, seed=6, lo=12, hi=13)[0]
+    caches = KVCache.allocate(ref.config, 64), KVCache.allocate(ref.config, 64)
+    for m, c in zip((ref, fast), caches):
+        forward_with_cache(m, c, ids, grouped_attention)
+    want = forward_with_cache(ref, caches[0], [7], grouped_attention)
+    monkeypatch.setattr(bf, "threads", lambda: 2)
+    monkeypatch.setattr(bf, "TIMEOUT_CYCLES", 2_000_000)
+    monkeypatch.setattr(bf, "_regions_disabled", None)
+    import numba
+    old = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        with pytest.warns(RuntimeWarning, match="did not meet"):
+            got = forward_with_cache(fast, caches[1], [7], grouped_attention)
+    finally:
+        numba.set_num_threads(old)
+    assert np.array_equal(got, want)
+    assert bf._regions_disabled is not None and not bf.block_decode_usable(1, None)

@@ -98,7 +98,8 @@ LAYERS = (
     ("kernels", "kernels.simd", "kernels.fast_exp", "kernels.int8_dot", "kernels.int4_dot", "kernels.matmul",
      "kernels.layer", "kernels.spin", "kernels.key_chunks", "kernels.attention", "kernels.dense_attention",
      "kernels.decode_step",
-     "kernels.forward", "kernels.block_layer", "kernels.block_forward"),
+     "kernels.forward", "kernels.block_layer", "kernels.block_decode",
+     "kernels.block_forward"),
     # 4. which path runs for a model (mode, backend, kernel variant): the one door into the kernels
     ("backend",),
     # 5. the strategies and the engine (lessons 1-9), the weights and the tokenizer

@@ -57,14 +57,24 @@ def test_windowed_kernel_at_gemma_shapes_and_untiled_heads(H, K, N):
                                rtol=1e-4, atol=1e-5)
 
 
-def test_a_row_has_the_same_bits_as_prefill_or_decode_alone_or_batched():
+@pytest.mark.parametrize("K, N, H", [(1, 4, 32), (1, 4, 256), (2, 8, 48), (1, 2, 24)])
+def test_a_row_has_the_same_bits_as_prefill_or_decode_alone_or_batched(K, N, H):
     """key_chunks' rule with a window: one sequence's last row, computed as the last row of a prefill chunk, as a
-    decode row alone, and as a decode row beside two other sequences, gives the same bits."""
+    decode row alone, and as a decode row beside two other sequences, gives the same bits; and so does every row of
+    the prefill chunk against a decode row at its position (prefill rows on the decode rows' microkernels; H = 24:
+    the untiled loops)."""
     window, ctx, m = 70, 200, 37
-    q, kc, vc, table, lens, starts = case(3, [ctx], [m], window, bs=4)
-    prefill = paged_attention_numba(q, kc, vc, table, lens, starts, window=window)[-1]
+    q, kc, vc, table, lens, starts = case(3, [ctx], [m], window, bs=4, K=K, N=N, H=H)
+    rows = paged_attention_numba(q, kc, vc, table, lens, starts, window=window)
+    prefill = rows[-1]
     alone = paged_attention_numba(q[-1:], kc, vc, table, lens, np.array([0, 1]), window=window)[0]
     assert np.array_equal(prefill, alone)
+    for i in range(0, m, 6):                         # row i sits at position ctx - m + i: a decode row there
+        tb = table.copy()
+        tb[0, :first_live_block(ctx - m + i, window, 4)] = -1
+        one = paged_attention_numba(q[i:i + 1], kc, vc, tb, np.array([ctx - m + i + 1]), np.array([0, 1]),
+                                    window=window)[0]
+        assert np.array_equal(rows[i], one), f"prefill row {i} differs from the decode row at its position"
     # two more sequences share the pool's blocks (read-only: any blocks serve), before and after this one
     others = np.random.default_rng(4).standard_normal((2,) + q.shape[1:]).astype(np.float32)
     qb = np.stack([others[0], q[-1], others[1]])

@@ -5,8 +5,9 @@ B prompts of `--prompt` random tokens decode `--steps` tokens together through t
 run), on each path of `--paths` in turn (fused: kernels/block_layer.py's calls, the default path; tiles: the
 reference's steps over TileMatrix). Around every part of each step a timer reads both clocks:
 - layers' matmuls: tiles, every TileMatrix product of the layers (activation quantisation + the tile); fused, the
-  three block_layer calls a layer (their norms, RoPE and activation included);
-- LM head: the final norm and the [R, D] x [D, V] product;
+  four block_layer calls a layer (their norms, RoPE and activation included); regions, block_decode's two regions
+  a layer (the same, plus the last layer's down matmul, which shares the head's region);
+- LM head: the final norm and the [R, D] x [D, V] product (regions: with the last layer's MLP down half);
 - attention: the strategy's attention function (K/V write + the paged Numba kernel, masked by window);
 - the rest of the forward: what else the forward does (NumPy calls, Python);
 - outside the forward: scheduling, sampling over [B, V] logits, bookkeeping (Engine.step minus the forward).
@@ -69,6 +70,14 @@ def instrument(clock: Clock, vocab: int):
     for name in ("pre_attention", "post_attention", "act_input", "mlp_down"):   # the fused calls
         setattr(bf.block_layer, name, timed(clock, "layers' matmuls", getattr(block_layer, name)))
     bf.lm_head = timed(clock, "LM head", bf.lm_head)
+    from tinyserve.kernels import block_decode                  # the regions (B below 32 rows, the default path)
+    region_a = block_decode.region_a
+
+    def timed_region_a(*a):                                    # split False: the last layer's tail and the head
+        with clock.part("layers' matmuls" if a[14] else "LM head"):
+            return region_a(*a)
+    block_decode.region_a = timed_region_a
+    block_decode.region_b = timed(clock, "layers' matmuls", block_decode.region_b)
     whole = bf.block_forward
 
     def timed_forward(model, tokens, positions, attention, logit_rows=None):
@@ -104,6 +113,31 @@ def profile(model, clock: Clock, batch: int, prompt_len: int, steps: int, seed: 
         with clock.part("whole step"):
             engine.step()
         clock.close_step()
+    return {"steps": len(clock.steps), "rows": medians(clock)}
+
+
+def profile_prefill(model, clock: Clock, prompt_len: int, rounds: int, seed: int = 0) -> dict:
+    """One prompt of prompt_len tokens prefilled in one step (one chunk, as bench_peers' prefill), `rounds` times,
+    each on a fresh engine; the first is a warm-up."""
+    from tinyserve.engine import Engine
+    from tinyserve.sampling import SamplingParams
+
+    prompt = [int(t) for t in np.random.default_rng(seed).integers(1000, 200000, prompt_len)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)
+    clock.cur.clear()
+    clock.steps.clear()
+    for _ in range(rounds + 1):
+        engine = Engine(model, num_blocks=-(-prompt_len // 16) + 2, block_size=16, max_batch_tokens=prompt_len,
+                        max_running=1)
+        engine.add_request(prompt, params)
+        with clock.part("whole step"):
+            engine.step()
+        clock.close_step()
+    clock.steps.pop(0)
+    return {"steps": len(clock.steps), "rows": medians(clock)}
+
+
+def medians(clock: Clock) -> dict:
     rows = {}
     for part in PARTS:
         vals = []
@@ -119,7 +153,7 @@ def profile(model, clock: Clock, batch: int, prompt_len: int, steps: int, seed: 
                 v = get(part)
             vals.append(v)
         rows[part] = (statistics.median(v[0] for v in vals), statistics.median(v[1] for v in vals))
-    return {"steps": len(clock.steps), "rows": rows}
+    return rows
 
 
 def main(argv=None) -> None:
@@ -129,8 +163,11 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--prompt", type=int, default=32, help="prompt tokens per sequence (32, as bench_peers)")
     ap.add_argument("--steps", type=int, default=64, help="timed decode steps per batch size")
-    ap.add_argument("--paths", nargs="+", default=["fused"], choices=["fused", "tiles"],
-                    help="fused: kernels/block_layer.py's calls; tiles: the reference's steps over the tiles")
+    ap.add_argument("--paths", nargs="+", default=["regions"], choices=["regions", "fused", "tiles"],
+                    help="regions: kernels/block_decode.py's two parallel regions a layer (the default below 32 "
+                         "rows); fused: kernels/block_layer.py's calls; tiles: the reference's steps over the tiles")
+    ap.add_argument("--prefill", type=int, default=0,
+                    help="profile a prefill of this many tokens instead (one chunk; --steps rounds)")
     args = ap.parse_args(argv)
 
     import tinyserve as ts
@@ -140,15 +177,30 @@ def main(argv=None) -> None:
     from tinyserve.kernels import block_forward as bf
 
     model = prepare(ts.load_model(args.model, quant=args.quant, backend="numba"))
-    packed = {"fused": model.fast, "tiles": bf.prepare(model, fuse=False) if "tiles" in args.paths else None}
+    tiles = bf.prepare(model, fuse=False) if "tiles" in args.paths else None
+    packed = {"regions": model.fast, "fused": model.fast, "tiles": tiles}
     cpu = cpu_info()
     print(f"{Path(args.model).name}, quant {model.quant}; {cpu['model']} ({', '.join(cpu['flags'])}); "
           f"commit {git_commit()}")
     clock = Clock()
     instrument(clock, model.config.vocab_size)
+    if args.prefill:
+        for path in args.paths:
+            model.fast = packed[path]
+            res = profile_prefill(model, clock, args.prefill, args.steps)
+            step_cpu, step_wall = res["rows"]["whole step"]
+            print(f"\nprefill {args.prefill}, {path}: median ms of {res['steps']} rounds (CPU time of both threads "
+                  "| wall)")
+            print("| part | CPU ms | share of CPU | wall ms | share of wall |\n|---|---:|---:|---:|---:|")
+            for part in PARTS:
+                c, w = res["rows"][part]
+                print(f"| {part} | {c * 1e3:.2f} | {c / step_cpu:.0%} | {w * 1e3:.2f} | {w / step_wall:.0%} |")
+            print(f"(prefill {args.prefill}, {path}: {args.prefill / step_wall:.1f} tokens/s from the median wall)")
+        return
     for B in args.batch:
         for path in args.paths:                            # interleaved: the same load on both, as far as it goes
             model.fast = packed[path]
+            bf._regions_disabled = None if path == "regions" else f"the {path} path is being profiled"
             res = profile(model, clock, B, args.prompt, args.steps)
             step_cpu, step_wall = res["rows"]["whole step"]
             print(f"\nB={B}, {path}: {res['steps']} decode steps after a {args.prompt}-token prompt; median ms per "

@@ -149,6 +149,8 @@ def _paged_attention_kernel(q, k_cache, v_cache, block_tables, context_lens, que
     k_rows = k_cache.reshape(num_blocks * bs, K, H)               # the pool as rows addressed by slot
     v_rows = v_cache.reshape(num_blocks * bs, K, H)
     items = _work_items(query_starts, ROWS)
+    tiled = H % 16 == 0                                           # the microkernels' 16-lane blocks
+    qf = q.reshape(-1)
 
     for it in prange(items.shape[0]):
         b, t0, t1 = items[it, 0], items[it, 1], items[it, 2]
@@ -156,10 +158,14 @@ def _paged_attention_kernel(q, k_cache, v_cache, block_tables, context_lens, que
         first_new = context_lens[b] - m - query_starts[b]         # row t sees positions < first_new + t + 1
         hi = first_new + t1                                       # what the item's last row can see
         lo = 0 if window == 0 else max(0, first_new + t0 + 1 - window)   # what its first row sees first
-        kt = np.empty((K, H, TILE), np.float32)                   # K chunk, transposed: keys contiguous
+        # (zeroed: the microkernels compute a whole chunk's 64 scores, and columns past the chunk's keys are then
+        # computed from these, never read)
+        kt = np.zeros((K, H, TILE), np.float32)                   # K chunk, transposed: keys contiguous
+        vt = np.zeros((K, TILE, H), np.float32)                   # V chunk, gathered (tiled: the microkernels')
         slots = np.empty(TILE, np.int64)                          # pool row of each position of the chunk
-        s = np.empty((N, TILE), np.float32)                       # one row's scores, then exp weights
+        s = np.zeros((N, TILE), np.float32)                       # one row's scores, then exp weights
         pv = np.empty((N, H), np.float32)                         # one row's chunk sum of weights * V
+        sf, pvf = s.reshape(-1), pv.reshape(-1)
         mx = np.full((t1 - t0, N), -np.inf, np.float32)           # the rule's m, l, acc per (row, head)
         sm = np.zeros((t1 - t0, N), np.float32)
         acc = np.zeros((t1 - t0, N, H), np.float32)
@@ -171,37 +177,56 @@ def _paged_attention_kernel(q, k_cache, v_cache, block_tables, context_lens, que
                 for d in range(H):
                     for j in range(n):
                         kt[kh, d, j] = k_rows[slots[j], kh, d]
+                if tiled:
+                    for j in range(n):
+                        vrow = v_rows[slots[j], kh]
+                        for d in range(H):
+                            vt[kh, j, d] = vrow[d]
             for t in range(t0, t1):
                 i = t - t0
                 nt = min(n, first_new + t + 1 - tile_lo)          # causal: row t's visible keys in this chunk
                 j0 = 0 if window == 0 else max(0, first_new + t + 1 - window - tile_lo)   # behind row t's window
                 if nt <= j0:
                     continue
-                # 1. scores of every head against the chunk's keys
-                for h in range(N):
-                    kh = h // g
-                    for j in range(nt):
-                        s[h, j] = 0.0
-                    for d in range(H):
-                        qd = q[t, h, d]
-                        for j in range(nt):                       # elementwise over keys: SIMD, chains in order
-                            s[h, j] = fma32(qd, kt[kh, d, j], s[h, j])
+                # 1. scores of every head against the chunk's keys: on the decode rows' register-tiled microkernels
+                # when H allows (each score one fma chain over d from 0, as below: the same bits)
+                if tiled:
+                    for kh in range(K):
+                        for r0 in range(0, g, HEADS):
+                            _scores(min(HEADS, g - r0), qf, (t * N + kh * g + r0) * H, kt[kh].reshape(-1), sf,
+                                    (kh * g + r0) * CHUNK)
+                else:
+                    for h in range(N):
+                        kh = h // g
+                        for j in range(nt):
+                            s[h, j] = 0.0
+                        for d in range(H):
+                            qd = q[t, h, d]
+                            for j in range(nt):                   # elementwise over keys: SIMD, chains in order
+                                s[h, j] = fma32(qd, kt[kh, d, j], s[h, j])
                 # 2. the online-softmax step of the rule
                 for h in range(N):
                     if j0 == 0:
                         mx[i, h], alpha[h], sm[i, h] = chunk_softmax(s[h], nt, scale, mx[i, h], sm[i, h])
                     else:
                         mx[i, h], alpha[h], sm[i, h] = chunk_softmax_window(s[h], j0, nt, scale, mx[i, h], sm[i, h])
-                # 3. weighted sum of V, read in place from the pool; each V row serves its g query heads
-                pv[:] = 0.0
-                for j in range(j0, nt):                           # (the weights before j0 are 0: fma adds nothing)
+                # 3. weighted sum of V; each V row serves its g query heads (the weights before j0 are 0: fma adds
+                # nothing, so the microkernels' chains over all nt keys give the same bits as from j0)
+                if tiled:
                     for kh in range(K):
-                        vrow = v_rows[slots[j], kh]               # [H]
-                        for r in range(g):
-                            h = kh * g + r
-                            w = s[h, j]
-                            for d in range(H):
-                                pv[h, d] = fma32(w, vrow[d], pv[h, d])
+                        for r0 in range(0, g, HEADS):
+                            _weighted_values(min(HEADS, g - r0), sf, (kh * g + r0) * CHUNK, vt[kh].reshape(-1), nt,
+                                             pvf, (kh * g + r0) * H, H)
+                else:
+                    pv[:] = 0.0
+                    for j in range(j0, nt):
+                        for kh in range(K):
+                            vrow = v_rows[slots[j], kh]           # [H], read in place from the pool
+                            for r in range(g):
+                                h = kh * g + r
+                                w = s[h, j]
+                                for d in range(H):
+                                    pv[h, d] = fma32(w, vrow[d], pv[h, d])
                 for h in range(N):
                     combine(acc[i, h], alpha[h], pv[h])
         for t in range(t0, t1):

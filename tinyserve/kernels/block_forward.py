@@ -19,22 +19,28 @@ That reference over the tiles is the readable spec, and it runs for W8A32 (`int8
 one tile, packed once; the norms, RoPE and activation inside the calls) around attention and one NumPy call (the
 activation's tanh or exp): at decode a layer written op by op is ~7 matmul launches and ~30 NumPy calls, whose
 overhead costs more than their arithmetic (docs/sliding-window.md, "Where a decode step's time goes"). Same bits as
-the reference over the tiles (tests/test_block_forward.py).
+the reference over the tiles (tests/test_block_forward.py). A decode step's few rows run those steps as
+kernels/block_decode.py's two parallel regions a layer instead (threads meeting at spin barriers, not a fork and a
+join for every matmul): same bits again.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
+import warnings
+
+import numba
 import numpy as np
 from numba import njit
 
 from ..model import forward as reference_forward
 from ..quant import MATRICES
-from . import block_layer
+from . import block_decode, block_layer
 from .forward import _pack
 from .layer import lm_head
 from .matmul import BLOCK, W8A32Weights, matmul_items, matmul_w8a32, quantize_rows
+from .spin import FAILED, HAS_CLOCK, SYNC_SIZE, TIMEOUT_CYCLES
 
 NONE = np.zeros(0, np.float32)     # a switch that is off: block_layer reads an empty weight as "not there"
 
@@ -137,6 +143,10 @@ def fused_forward(model, fused: list[FusedLayer], head, tokens: np.ndarray, posi
     if cfg.embed_scale != 1.0:
         x = x * np.float32(cfg.embed_scale)
     gu, u = np.empty((T, 2 * F), np.float32), np.empty((T, F), np.float32)         # reused by every layer
+    if block_decode_usable(T, logit_rows):
+        logits = _decode_regions(model, fused, head, x.copy(), cos_g, sin_g, cos_l, sin_l, gu, u, attention)
+        if logits is not None:
+            return logits if logits.shape[1] == V else np.ascontiguousarray(logits[:, :V])
     for i, w in enumerate(fused):
         local = cfg.layer_window(i) is not None
         cos, sin = (cos_l, sin_l) if local else (cos_g, sin_g)
@@ -153,6 +163,64 @@ def fused_forward(model, fused: list[FusedLayer], head, tokens: np.ndarray, posi
         return np.zeros((0, V), np.float32)
     logits = lm_head(x, model.final_norm, eps, head.w)                              # [R, V padded to 16]
     return logits if logits.shape[1] == V else np.ascontiguousarray(logits[:, :V])
+
+
+_regions_disabled: str | None = None     # why decode steps stopped taking block_decode's regions (a barrier timed out)
+threads = numba.get_num_threads          # how many threads a region starts (a test makes it lie)
+
+
+def block_decode_usable(T: int, logit_rows) -> bool:
+    """Can these T rows run as kernels/block_decode.py's regions? Few rows that all need logits (a decode step),
+    on the `omp` threading layer (the only one whose threads of a parallel loop run at once, as a barrier needs)."""
+    if _regions_disabled is not None or not HAS_CLOCK or not 1 <= T < block_layer.ROW_LOOPS_PARALLEL_FROM:
+        return False
+    if logit_rows is not None and (len(logit_rows) != T or np.any(np.asarray(logit_rows) != np.arange(T))):
+        return False
+    try:
+        return numba.threading_layer() == "omp"
+    except ValueError:                     # no parallel kernel has run yet: the layer is not chosen
+        return False
+
+
+def _decode_regions(model, fused: list[FusedLayer], head, x, cos_g, sin_g, cos_l, sin_l, gu, u, attention):
+    """fused_forward's steps as block_decode's two regions a layer (the head's matmul in the last layer's second
+    region): logits [T, V padded to 16], or None if the threads failed to meet (x is then half-updated: the caller
+    runs the step again from the embedding, and every later step the three-call way)."""
+    global _regions_disabled
+    cfg = model.config
+    T, N, K, H = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    eps = np.float32(cfg.norm_eps)
+    gelu = cfg.activation == "gelu_tanh"
+    transcendental = np.tanh if gelu else np.exp
+    n = threads()
+    sync = np.zeros(SYNC_SIZE, np.int64)
+    qkv = np.empty((T, fused[0].qkv.w.shape[0] * BLOCK), np.float32)                 # [T, (N + 2K) H]
+    prev = fused[0]                                                                  # (layer 0 has no tail)
+    for i, w in enumerate(fused):
+        local = cfg.layer_window(i) is not None
+        cos, sin = (cos_l, sin_l) if local else (cos_g, sin_g)
+        q, k, v = np.empty((T, N, H), np.float32), np.empty((T, K, H), np.float32), np.empty((T, K, H), np.float32)
+        block_decode.region_a(n, sync, TIMEOUT_CYCLES, x, i > 0, gu, u, gelu, prev.down, prev.post_mlp_norm, eps,
+                              w.attn_norm, w.qkv, qkv, True, w.qkv_bias, w.q_norm, w.k_norm, cos, sin, q, k, v)
+        if sync[FAILED]:
+            break
+        a = np.ascontiguousarray(attention(i, q, k, v)).reshape(T, N * H)          # [T, N H]
+        block_decode.region_b(n, sync, TIMEOUT_CYCLES, x, a, w.o, w.post_attn_norm, eps, w.mlp_norm, w.gate_up,
+                              gu, gelu, u)
+        if sync[FAILED]:
+            break
+        transcendental(u, out=u)                                                     # NumPy's, as layers.py's
+        prev = w
+    else:
+        logits = np.empty((T, head.w.w.shape[0] * BLOCK), np.float32)              # [T, V padded to 16]
+        block_decode.region_a(n, sync, TIMEOUT_CYCLES, x, True, gu, u, gelu, prev.down, prev.post_mlp_norm, eps,
+                              model.final_norm, head.w, logits, False, NONE, NONE, NONE, cos_g, sin_g, q, k, v)
+        if not sync[FAILED]:
+            return logits
+    _regions_disabled = f"the {n} threads of a decode step's region did not meet within {TIMEOUT_CYCLES:.0e} cycles"
+    warnings.warn(f"tinyserve: {_regions_disabled}; decode steps take block_layer's calls from now on",
+                  RuntimeWarning, stacklevel=3)
+    return None
 
 
 def block_forward(model, tokens: np.ndarray, positions: np.ndarray, attention, logit_rows=None) -> np.ndarray:

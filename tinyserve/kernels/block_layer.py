@@ -29,24 +29,13 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .layer import _pairwise_sum, _rms_norm_quant_row
+from .layer import _pairwise_sum, _rms_norm_quant_rows
 from .matmul import _matmul_int8, _quantize_row
 
 ROW_LOOPS_PARALLEL_FROM = 32      # rows; a decode step (B <= 16) stays below it, a prefill chunk is above
 
 GELU_C1 = np.float32(np.sqrt(2.0 / np.pi))   # layers.gelu_tanh's constants, the same float32 values
 GELU_C2 = np.float32(0.044715)
-
-
-@njit(cache=True, inline="always")
-def _rms_norm_quant_rows(x, weight, eps, xu, sx):
-    """layer._rms_norm_quant_row for every row of x [T, D] (in parallel from ROW_LOOPS_PARALLEL_FROM rows)."""
-    if x.shape[0] >= ROW_LOOPS_PARALLEL_FROM:
-        for t in prange(x.shape[0]):
-            _rms_norm_quant_row(x, t, weight, eps, xu, sx)
-    else:
-        for t in range(x.shape[0]):
-            _rms_norm_quant_row(x, t, weight, eps, xu, sx)
 
 
 @njit(cache=True, inline="always")
@@ -103,7 +92,7 @@ def pre_attention(x, norm_w, eps, wqkv, bias, q_norm, k_norm, cos, sin, q, k, v)
     q_norm, k_norm [H] or [0] (the switch off); cos, sin [T, H/2] of this layer's kind."""
     T, D = x.shape
     xu, sx = np.empty((T, D), np.uint8), np.empty((T, wqkv.blocks.shape[0]), np.float32)
-    _rms_norm_quant_rows(x, norm_w, eps, xu, sx)
+    _rms_norm_quant_rows(x, norm_w, eps, xu, sx, ROW_LOOPS_PARALLEL_FROM)
     qkv = np.empty((T, wqkv.w.shape[0] * 16), np.float32)                  # [T, (N + 2K) H]
     _matmul_int8(wqkv, xu, sx, qkv, False)
     if T >= ROW_LOOPS_PARALLEL_FROM:
@@ -154,7 +143,7 @@ def post_attention(x, a, wo, post_norm, norm_w, eps, wgu, gu):
             _quantize_row(a[t], au[t], sa[t])
     _add_residual(x, post_norm, eps, wo, au, sa)
     xu, sx = np.empty(x.shape, np.uint8), np.empty((T, wgu.blocks.shape[0]), np.float32)
-    _rms_norm_quant_rows(x, norm_w, eps, xu, sx)
+    _rms_norm_quant_rows(x, norm_w, eps, xu, sx, ROW_LOOPS_PARALLEL_FROM)
     _matmul_int8(wgu, xu, sx, gu, False)
 
 

@@ -113,8 +113,10 @@ def _swiglu_quant_row(gu, e, t, au, sa):
 # parallel from PARALLEL_ROWS rows on (prefill: ~15 % of a layer's time when serial).
 
 @njit(cache=True, inline="always")
-def _rms_norm_quant_rows(x, weight, eps, xu, sx):
-    if x.shape[0] >= PARALLEL_ROWS:
+def _rms_norm_quant_rows(x, weight, eps, xu, sx, parallel_from):
+    """_rms_norm_quant_row for every row of x [T, D]: in a parallel loop from parallel_from rows on, else on the
+    calling thread (this module passes PARALLEL_ROWS, block_layer.py its ROW_LOOPS_PARALLEL_FROM)."""
+    if x.shape[0] >= parallel_from:
         for t in prange(x.shape[0]):
             _rms_norm_quant_row(x, t, weight, eps, xu, sx)
     else:
@@ -128,7 +130,7 @@ def pre_attention(x, norm_w, eps, wqkv, cos, sin, n_heads, n_kv_heads, q, k, v):
     scales per row (matmul.W8A8Weights)."""
     T, D = x.shape
     xu, sx = np.empty((T, D), np.uint8), np.empty((T, wqkv.blocks.shape[0]), np.float32)
-    _rms_norm_quant_rows(x, norm_w, eps, xu, sx)
+    _rms_norm_quant_rows(x, norm_w, eps, xu, sx, PARALLEL_ROWS)
     qkv = np.empty((T, wqkv.w.shape[0] * 16), np.float32)                  # [T, (N + 2K) H]
     _matmul_int8(wqkv, xu, sx, qkv, False)
     if T >= PARALLEL_ROWS:
@@ -152,7 +154,7 @@ def post_attention(x, a, wo, norm_w, eps, wgu, gu):
             _quantize_row(a[t], au[t], sa[t])
     _matmul_int8(wo, au, sa, x, True)
     xu, sx = np.empty(x.shape, np.uint8), np.empty((T, wgu.blocks.shape[0]), np.float32)
-    _rms_norm_quant_rows(x, norm_w, eps, xu, sx)
+    _rms_norm_quant_rows(x, norm_w, eps, xu, sx, PARALLEL_ROWS)
     _matmul_int8(wgu, xu, sx, gu, False)
 
 
@@ -194,7 +196,7 @@ def mlp_down(x, gu, e, exp_here, wd):
 def lm_head(x, norm_w, eps, w):
     """logits [R, V] = RMSNorm(x) @ W_head for the R rows that sample."""
     xu, sx = np.empty(x.shape, np.uint8), np.empty((x.shape[0], w.blocks.shape[0]), np.float32)
-    _rms_norm_quant_rows(x, norm_w, eps, xu, sx)
+    _rms_norm_quant_rows(x, norm_w, eps, xu, sx, PARALLEL_ROWS)
     out = np.empty((x.shape[0], w.w.shape[0] * 16), np.float32)
     _matmul_int8(w, xu, sx, out, False)
     return out

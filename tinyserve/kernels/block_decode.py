@@ -1,0 +1,169 @@
+"""A decode step of a block that is not LLaMA's (Gemma 3, Qwen2, Qwen3) in two parallel regions a layer.
+
+kernels/block_layer.py runs a layer as four Numba calls, and each call's matmul forks and joins the thread pool:
+4 forks a layer, 73 a Gemma 3 step at batch 1 (docs/sliding-window.md, "Where a Gemma decode step's time goes").
+A join waits for the slower thread, and beside a busy neighbour for a whole time slice. Here the threads start once
+per region and meet at spin barriers (kernels/spin.py) where the next step needs every thread's results, as
+kernels/decode_step.py does for LLaMA's whole step. A layer's work is cut where something outside Numba runs:
+
+    region A (layer i)   [x += (norm of) act(i-1) @ Wdown(i-1)]  -> RMSNorm -> [Q|K|V] matmul -> Q/K norms, RoPE
+    (attention: the strategy's function, masked by the layer's window)
+    region B (layer i)   x += (norm of) a @ Wo -> RMSNorm -> [gate|up] matmul -> the activation's argument u
+    (NumPy: np.tanh(u) or np.exp(u), in place: NumPy's own bits, as block_layer's)
+    region A (head)      x += (norm of) act(L-1) @ Wdown(L-1) -> final RMSNorm -> the LM head's matmul
+
+So a step forks 2 L + 1 times (37 for Gemma 3), and each layer's last matmul shares its fork with the next layer's
+first. Inside a region:
+
+    every thread                         for itself, all rows: quantise the matmul's input (cheaper than a barrier)
+    thread i                             output blocks [i/n, (i+1)/n) of the matmul (each column one writer)
+    --- barrier ---
+    every thread                         the residual row x + norm(y) into its own buffer, normed, quantised
+    thread i                             its blocks of the next matmul
+    --- barrier ---
+    thread 0 / rows or columns dealt     x written back (no thread reads x after the barrier), Q/K norms, RoPE, u
+
+Same bits as block_layer's calls (and so as the NumPy reference over the same tiles): every row-wise step is the
+same function on the same row, the matmuls' output blocks are computed by matmul_blocks' tiles, whose every column
+is the same integer dot and float scale as matmul_items' (tests/test_block_forward.py compares the two paths).
+
+A step runs here only if its rows are few (decode: below block_layer.ROW_LOOPS_PARALLEL_FROM) and the threading
+layer is `omp` (the only one that runs a parallel loop's iterations at the same time, which a barrier needs). A
+barrier that times out marks the step failed; block_forward then runs the whole step again on block_layer's calls
+(the K/V it wrote are rewritten with the same values) and stays there.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from .block_layer import GELU_C1, GELU_C2, _rms_norm_into, _split_row
+from .layer import _rms_norm_quant_row
+from .matmul import BLOCK, COLS, ROWS, _quantize_row, matmul_blocks, thread_share
+from .spin import barrier
+
+NO_FLOATS = np.zeros((0, 0), np.float32)     # matmul_blocks' float32 input, which the int8 kinds never read
+
+
+@njit(cache=True, inline="always")
+def _quantize_rows_here(a, nb):
+    """a [T, X] -> (uint8 + 128, scales [T, nb]) on the calling thread: this thread's copy of a matmul's input."""
+    au, sa = np.empty(a.shape, np.uint8), np.empty((a.shape[0], nb), np.float32)
+    for t in range(a.shape[0]):
+        _quantize_row(a[t], au[t], sa[t])
+    return au, sa
+
+
+@njit(cache=True)
+def _residual_then_matmul(tid, n, sync, timeout, x, y, post_norm, norm_w, eps, w_next, out, xn, acc):
+    """After a barrier that completes y = f @ Wout (or x += f @ Wout when there is no post-norm): xn = x +
+    rms_norm(y) (or x), then thread tid's blocks of out = quantise(rms_norm(xn, norm_w)) @ w_next, then a barrier.
+    Returns False if a barrier failed. xn [T, D]: this thread's residual rows (written back to x by the caller)."""
+    T, D = x.shape
+    for t in range(T):
+        if post_norm.shape[0]:
+            _rms_norm_into(y[t], 0, D, post_norm, eps, xn[t], 0)      # tmp, then x + tmp: _add_normed_row's order
+            for i in range(D):
+                xn[t, i] = x[t, i] + xn[t, i]
+        else:
+            for i in range(D):
+                xn[t, i] = x[t, i]
+    xu, sx = np.empty((T, D), np.uint8), np.empty((T, w_next.blocks.shape[0]), np.float32)
+    for t in range(T):
+        _rms_norm_quant_row(xn, t, norm_w, eps, xu, sx)
+    lo, hi = thread_share(w_next.w.shape[0], tid, n)
+    matmul_blocks(w_next, NO_FLOATS, xu, sx, out, False, lo, hi, acc)
+    return barrier(sync, n, timeout)
+
+
+@njit(cache=True)
+def _f_times_w(tid, n, fu, sf, w, x, y, post_norm, acc):
+    """Thread tid's blocks of y = f @ w (post-norm: y is normed and added later) or of x += f @ w (none: the add
+    inside the matmul's store, as block_layer._add_residual)."""
+    lo, hi = thread_share(w.w.shape[0], tid, n)
+    if post_norm.shape[0]:
+        matmul_blocks(w, NO_FLOATS, fu, sf, y, False, lo, hi, acc)
+    else:
+        matmul_blocks(w, NO_FLOATS, fu, sf, x, True, lo, hi, acc)
+
+
+@njit(cache=True, error_model="numpy")
+def _region_a_thread(tid, n, sync, timeout, x, tail, gu, u, gelu, wd, post_mlp, y, eps, norm_w, w_next, out,
+                     split, bias, q_norm, k_norm, cos, sin, q, k, v):
+    """One thread of region A: [the MLP's down half of the layer before (tail)], RMSNorm, w_next's matmul into out;
+    then, if split, out's rows into q, k, v (block_layer._split_row, rows dealt round robin)."""
+    T, D = x.shape
+    acc = np.empty(ROWS * COLS * BLOCK, np.float32)
+    xn = np.empty((T, D), np.float32)
+    if tail:
+        F = u.shape[1]
+        act = np.empty((T, F), np.float32)
+        for t in range(T):                        # block_layer._act_quant_row's arithmetic
+            for i in range(F):
+                g = gu[t, i]
+                if gelu:
+                    act[t, i] = np.float32(0.5) * g * (np.float32(1.0) + u[t, i]) * gu[t, F + i]
+                else:
+                    act[t, i] = g / (np.float32(1.0) + u[t, i]) * gu[t, F + i]
+        au, sa = _quantize_rows_here(act, wd.blocks.shape[0])
+        _f_times_w(tid, n, au, sa, wd, x, y, post_mlp, acc)
+        if not barrier(sync, n, timeout):
+            return
+        if not _residual_then_matmul(tid, n, sync, timeout, x, y, post_mlp, norm_w, eps, w_next, out, xn, acc):
+            return
+    else:
+        empty = np.zeros(0, np.float32)
+        if not _residual_then_matmul(tid, n, sync, timeout, x, y, empty, norm_w, eps, w_next, out, xn, acc):
+            return
+    if tid == 0 and tail:
+        for t in range(T):                        # nobody reads x between the barrier and the region's join
+            for i in range(D):
+                x[t, i] = xn[t, i]
+    if split:
+        for t in range(tid, T, n):
+            _split_row(out, t, bias, q_norm, k_norm, eps, cos, sin, q, k, v)
+
+
+@njit(cache=True, parallel=True, error_model="numpy")
+def region_a(n, sync, timeout, x, tail, gu, u, gelu, wd, post_mlp, eps, norm_w, w_next, out, split, bias, q_norm,
+             k_norm, cos, sin, q, k, v):
+    """x [T, D] -> (tail: x += (norm of) act(gu, u) @ wd, the previous layer's last step) -> out [T, O] =
+    RMSNorm(x, norm_w) @ w_next; split: out is [Q|K|V] and its rows go into q [T, N, H], k, v [T, K, H] (bias,
+    Q/K norms, RoPE at cos, sin [T, H/2]). The LM head is w_next with split False. sync: kernels/spin.py's
+    counters, zeroed; FAILED set if a barrier timed out (x and out are then not to be used)."""
+    y = np.empty(x.shape, np.float32)
+    for tid in prange(n):                         # one iteration per thread: the threads start once per region
+        _region_a_thread(np.int64(tid), n, sync, timeout, x, tail, gu, u, gelu, wd, post_mlp, y, eps, norm_w,
+                         w_next, out, split, bias, q_norm, k_norm, cos, sin, q, k, v)
+
+
+@njit(cache=True, error_model="numpy")
+def _region_b_thread(tid, n, sync, timeout, x, a, wo, post_attn, y, eps, norm_w, wgu, gu, gelu, u):
+    T, D = x.shape
+    acc = np.empty(ROWS * COLS * BLOCK, np.float32)
+    xn = np.empty((T, D), np.float32)
+    au, sa = _quantize_rows_here(a, wo.blocks.shape[0])
+    _f_times_w(tid, n, au, sa, wo, x, y, post_attn, acc)
+    if not barrier(sync, n, timeout):
+        return
+    if not _residual_then_matmul(tid, n, sync, timeout, x, y, post_attn, norm_w, eps, wgu, gu, xn, acc):
+        return
+    if tid == 0:
+        for t in range(T):
+            for i in range(D):
+                x[t, i] = xn[t, i]
+    F = u.shape[1]
+    lo, hi = thread_share(F, tid, n)              # the activation's argument: this thread's columns of every row
+    for t in range(T):
+        for i in range(lo, hi):                   # block_layer._act_input_row's arithmetic
+            g = gu[t, i]
+            u[t, i] = GELU_C1 * (g + GELU_C2 * g * g * g) if gelu else -g
+
+
+@njit(cache=True, parallel=True, error_model="numpy")
+def region_b(n, sync, timeout, x, a, wo, post_attn, eps, norm_w, wgu, gu, gelu, u):
+    """x += (norm of) a @ wo (a [T, N H], attention's output); gu [T, 2F] = RMSNorm(x, norm_w) @ wgu; u [T, F] =
+    the activation's argument from the gate (block_layer.act_input). sync as in region_a."""
+    y = np.empty(x.shape, np.float32)
+    for tid in prange(n):
+        _region_b_thread(np.int64(tid), n, sync, timeout, x, a, wo, post_attn, y, eps, norm_w, wgu, gu, gelu, u)
