@@ -84,7 +84,7 @@ def test_one_positive_int_check():
 # file is placed on purpose.
 LAYERS = (
     # 0. foundations: shapes, numbers, the CPU, the wire format; nothing of the model
-    ("config", "layers", "measure", "interrupts", "kv_sizing", "protocol", "roofline", "course", "queueing",
+    ("config", "layers", "measure", "interrupts", "kv_sizing", "protocol", "roofline",
      "kernels.isa",
      # the JSON grammar of structured output: bytes and token masks, nothing of the model (sampling applies it)
      "constrained", "constrained.automaton", "constrained.masks", "constrained.schema", "constrained.vocab",
@@ -106,10 +106,12 @@ LAYERS = (
     ("stopping", "naive", "weights", "zoo", "gguf_tokenizer", "chat_template", "tokenizer", "kv_cache", "paged",
      "cache_base", "prefix_cache", "block_hash_cache", "scheduler", "sequence", "drafters", "speculative", "spec_step",
      "block_manager",
-     "step_batch", "engine", "engine_loop", "tensor_parallel", "orchestrators"),
+     "step_batch", "engine", "engine_loop", "tensor_parallel", "orchestrators",
+     "queueing"),    # queueing theory beside a replay of the trace through the scheduler's own plan
     # 6. the programs: the compile swap, the command line and what it runs
     ("jit", "cli_options", "generate", "bench", "chat", "http_guard", "structured_api", "server", "speed", "loadgen",
-     "__main__", ""),
+     "__main__", "",
+     "course"),      # what the notebooks run: the measured machine, the verdicts, the threads of every path
 )
 
 
