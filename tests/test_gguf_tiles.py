@@ -89,6 +89,7 @@ def test_each_format_lands_on_its_tile_without_loss(type_name):
     q = quant.file_matrix(t)
     assert q.shape == (D, O) and q.mode == quant.GGUF.name
     assert isinstance(q, quant.Q4Linear if type_name in quant.NIBBLE_FORMATS else quant.B8Linear)
+    assert isinstance(q, quant.S4Linear) == (type_name == "Q4_0")           # Q4_0's m is -8 d: no m stored
     got = q.dequantize()
     if type_name in ("Q4_K", "Q5_K"):     # only d * sc_j and dmin * m_j are rounded: to float16, 11 bits
         # (a scale is rounded by at most 2^-11 of itself, so a weight by 2^-11 of its block's largest term)
@@ -113,6 +114,8 @@ def test_the_tiles_are_bit_identical_to_the_reference_on_every_format(type_name,
     km.quantize_rows(x, xu, sx)
     want = quant.matmul_reference_w4a8(x, q)
     np.testing.assert_array_equal(km.matmul_w4a8(xu, sx, pack(q.q, q.d, q.m)), want)
+    if isinstance(q, quant.S4Linear):     # and on the symmetric tile, which reads d only (18 bytes per 32)
+        np.testing.assert_array_equal(km.matmul_w4a8(xu, sx, km.pack_s4a8(q.q, q.d)), want)
     # and a nibble matrix promoted to bytes (a fused matrix of mixed formats) gives the same bits
     np.testing.assert_array_equal(km.matmul_w4a8(xu, sx, km.pack_b8a8(q.q, q.d, q.m)), want)
 
@@ -135,12 +138,12 @@ def test_the_byte_tile_takes_every_byte_value_at_the_activation_extremes():
 
 # --- a model of every format --------------------------------------------------------------------------------------
 
-# per layer, each matrix's format: Q|K|V and gate|up mix nibbles and bytes (a fused matrix on the byte tile), `o` is
-# nibbles on every layer (the W4A8 tile), `down` floats and Q6_K (requantized)
+# per layer, each matrix's format: Q|K|V and gate|up mix nibbles, bytes, floats and Q6_K (a fused matrix on the byte
+# tile), `o` is Q4_0 on every layer (the symmetric nibble tile), `down` nibbles with and without a minimum (W4A8's)
 LAYER_FORMATS = [
-    {"wq": "Q4_0", "wk": "Q4_1", "wv": "Q4_K", "wo": "Q4_0", "w_gate": "Q5_0", "w_up": "Q5_1", "w_down": "F16"},
-    {"wq": "Q5_K", "wk": "Q8_0", "wv": "Q4_0", "wo": "Q4_K", "w_gate": "Q4_1", "w_up": "Q4_K", "w_down": "Q6_K"},
-    {"wq": "Q8_0", "wk": "Q5_0", "wv": "Q5_1", "wo": "Q4_1", "w_gate": "Q6_K", "w_up": "BF16", "w_down": "F32"},
+    {"wq": "Q4_0", "wk": "Q4_1", "wv": "Q4_K", "wo": "Q4_0", "w_gate": "Q5_0", "w_up": "Q5_1", "w_down": "Q4_1"},
+    {"wq": "Q5_K", "wk": "Q8_0", "wv": "F16", "wo": "Q4_0", "w_gate": "Q4_1", "w_up": "Q6_K", "w_down": "Q4_K"},
+    {"wq": "Q8_0", "wk": "Q5_0", "wv": "Q5_1", "wo": "Q4_0", "w_gate": "BF16", "w_up": "F32", "w_down": "Q4_0"},
 ]
 
 
@@ -184,11 +187,29 @@ def test_the_gguf_mode_holds_the_files_blocks(every_format):
 def test_each_role_packs_on_the_tile_its_formats_need(every_format):
     m = backend.set_backend(every_format, quant.GGUF.name, "numba")
     fw = fast.prepare(m)
-    assert isinstance(fw.layers[0].o, km.W4A8Weights)                  # nibbles on every layer
-    for role in ("qkv", "gate_up", "down"):                            # bytes somewhere: bytes on every layer
+    assert isinstance(fw.layers[0].o, km.S4A8Weights)                  # Q4_0 on every layer: d only
+    assert isinstance(fw.layers[0].down, km.W4A8Weights)               # nibbles, some with a minimum: W4A8's
+    for role in ("qkv", "gate_up"):                                    # bytes somewhere: bytes on every layer
         assert isinstance(getattr(fw.layers[0], role), km.B8A8Weights), role
     assert isinstance(fw.lm_head, km.B8A8Weights)
     assert fw.decode.layers.qkv.w.shape[0] == len(LAYER_FORMATS)       # stacked for the fused step
+
+
+def test_a_decode_step_reads_each_role_at_its_tiles_bytes(every_format):
+    """quant.bytes_per_decode_step counts each fused role as kernels/forward.py packs it: `o` at Q4_0's 18 bytes per
+    32 weights, `down` at W4A8's 20, Q|K|V, gate|up and the Q8_0 head at the byte tile's 36; and the packed arrays
+    the fused step streams are that many bytes."""
+    qm = quant.quantize_model(every_format, quant.GGUF.name)
+    cfg, L = qm.config, len(LAYER_FORMATS)
+    D, NH, KH, F, V = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.intermediate_size, \
+        cfg.vocab_size
+    weights = {"o": L * NH * D, "down": L * F * D, "qkv": L * D * (NH + 2 * KH), "gate_up": L * D * 2 * F}
+    rate = {"o": 18 / 32, "down": 20 / 32, "qkv": 36 / 32, "gate_up": 36 / 32}
+    want = sum(weights[r] * rate[r] for r in weights) + D * V * 36 / 32
+    assert quant.bytes_per_decode_step(qm) == want
+    fw = fast.prepare(backend.set_backend(every_format, quant.GGUF.name, "numba"))
+    packed = sum(getattr(fw.decode.layers, r).w.nbytes for r in weights) + fw.lm_head.w.nbytes
+    assert packed == want
 
 
 def test_the_numba_path_computes_the_numpy_reference(every_format):

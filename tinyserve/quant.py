@@ -223,6 +223,22 @@ class Q4Linear(BlockLinear):
     BITS: ClassVar[int] = 4
 
 
+class S4Linear(Q4Linear):
+    """Nibble blocks whose minimum is -8 d throughout (Q4_0: w = d (q - 8)): the symmetric nibble tile, which keeps d
+    only (kernels.matmul.pack_s4a8: 18 bytes per 32 weights, Q4_0's own size, against 20 with m). m is kept here
+    for the reference's arithmetic (matmul_reference_w4a8), which is the same: -8 d is exact in float16."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.size * self.BITS // 8 + self.d.size * 2
+
+
+def nibble_linear(q: np.ndarray, d: np.ndarray, m: np.ndarray, mode: str) -> Q4Linear:
+    """Nibble blocks -> S4Linear where every minimum is -8 d (any format's blocks, Q4_0's always), else Q4Linear."""
+    kind = S4Linear if np.array_equal(m, np.float32(-8) * d) else Q4Linear
+    return kind(q, d, m, mode)
+
+
 class B8Linear(BlockLinear):
     """Blocks of whole bytes (q 0..255): the byte tile (kernels.matmul.pack_b8a8), for the GGUF formats of 5 to 8
     bits (a Q5 value or Q8_0's q + 128 is a byte) and for what is requantized to 8 bits (quantize_q8_blocks)."""
@@ -274,7 +290,8 @@ def quantize_q8_blocks(w: np.ndarray, mode: str = GGUF.name) -> B8Linear:
 # A GGUF file's matrices come in blocks of 32 inputs with a scale d and a minimum m (gguf_quants.split_blocks), and
 # two tiles multiply such blocks with int8 activations per 32 (the arithmetic of matmul_reference_w4a8): the W4A8
 # tile (nibbles) and the byte tile (whole bytes). So each format maps onto one without rounding a weight:
-#     Q4_0, Q4_1, Q4_K                -> the nibble tile (Q4_K's d * sc_j and dmin * m_j rounded to float16)
+#     Q4_0, Q4_1, Q4_K                -> the nibble tile (Q4_K's d * sc_j and dmin * m_j rounded to float16);
+#                                        where every m is -8 d (Q4_0's always), its symmetric form (S4Linear: no m)
 #     Q5_0, Q5_1, Q5_K, Q8_0          -> the byte tile (Q5_K's scales likewise rounded to float16)
 #     Q6_K, F32, F16, BF16            -> the byte tile, requantized per 32 by Q8_0's rule (quantize_q8_blocks: Q6_K's
 #                                        scales are per 16; floats have no blocks)
@@ -332,8 +349,9 @@ def file_matrix(info, unpermute_heads: int | None = None) -> BlockLinear:
         if not (np.isfinite(bd).all() and np.isfinite(bm).all()):
             raise ValueError("holds NaN or inf values: corrupt file")
         q[:, r0:r1], d[:, r0:r1], m[:, r0:r1] = bq.T, bd.T, bm.T
-    kind = B8Linear if requantize or info.type_name not in NIBBLE_FORMATS else Q4Linear
-    return kind(q, d, m, GGUF.name)
+    if requantize or info.type_name not in NIBBLE_FORMATS:
+        return B8Linear(q, d, m, GGUF.name)
+    return nibble_linear(q, d, m, GGUF.name)
 
 
 def gguf_fits(config) -> bool:
@@ -421,15 +439,26 @@ def with_mode(model: Model, mode: str) -> Model:
 FUSED_ROLES = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))
 
 
+def role_tile(mats: list) -> type | None:
+    """The tile a fused role (FUSED_ROLES; its matrices of every layer) runs on in the gguf mode, as the block class
+    whose layout it reads: B8Linear if any part is bytes (a nibble is a byte), S4Linear if every part is symmetric
+    nibbles, else Q4Linear (the minimum stored: an S4Linear part carries -8 d); None for the int8 modes' matrices."""
+    if not isinstance(mats[0], BlockLinear):
+        return None
+    if not all(isinstance(q, Q4Linear) for q in mats):
+        return B8Linear
+    return S4Linear if all(isinstance(q, S4Linear) for q in mats) else Q4Linear
+
+
 def bytes_per_decode_step(model: Model) -> int:
-    """Weight bytes one decode step reads: every matmul weight once (the LM head included), norms aside. In the gguf
-    mode a fused role (FUSED_ROLES) with a part of bytes in any layer runs every part of every layer on the byte
-    tile (kernels/forward.py: a nibble is a byte), so its nibble parts count as bytes too."""
+    """Weight bytes one decode step reads: every matmul weight once (the LM head included), norms aside, as the tile
+    of its fused role (role_tile: kernels/forward.py packs a role's matrices of every layer alike) holds it."""
     total = 0
     for role in FUSED_ROLES:
         mats = [getattr(w, f) for w in model.layers for f in role]
-        if any(isinstance(q, BlockLinear) and not isinstance(q, Q4Linear) for q in mats):
-            mats = [B8Linear(q.q, q.d, q.m) if isinstance(q, BlockLinear) else q for q in mats]
+        kind = role_tile(mats)
+        if kind is not None:
+            mats = [kind(q.q, q.d, q.m) for q in mats]
         total += sum(q.nbytes for q in mats)
     return total + (model.lm_head_q.nbytes if model.lm_head_q is not None else model.head.nbytes)
 

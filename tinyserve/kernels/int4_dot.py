@@ -45,6 +45,9 @@ GROUP = 32                      # inputs per Q4_1 block (one d, one m)
 SCALE_BYTES = 2 * BLOCK * 2     # d[16] and m[16] as float16
 GROUP_BYTES = SCALE_BYTES + GROUP * BLOCK // 2   # 320 bytes per (output block, input block)
 BYTE_GROUP_BYTES = SCALE_BYTES + GROUP * BLOCK     # the byte tile's: 576 (whole bytes instead of nibbles)
+SYM_SCALE_BYTES = BLOCK * 2     # the symmetric nibble tile keeps d[16] only: its m is -8 d
+SYM_GROUP_BYTES = SYM_SCALE_BYTES + GROUP * BLOCK // 2   # 288 bytes: Q4_0's 18 bytes per 32 weights
+MIN_PER_D = -8.0                # the symmetric tile's minimum per scale: Q4_0's w = d (q - 8) = d q + (-8 d)
 _I1, _I8, _I16, _I32 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32)
 _F32 = ir.FloatType()
 
@@ -171,9 +174,11 @@ def _plan(R: int, C: int, v: int, regs: int, extra: int) -> tuple[int, int]:
     return max(fits or [(1, 1)], key=lambda rc: (rc[0] * rc[1], -abs(rc[0] - rc[1])))
 
 
-def make_w4a8_tile(R: int, C: int, name: str | None = None, whole_bytes: bool = False):
+def make_w4a8_tile(R: int, C: int, name: str | None = None, whole_bytes: bool = False, symmetric: bool = False):
     """An R x C W4A8 tile, or with whole_bytes the byte tile (weights 0..255, matmul.pack_b8a8's layout: 576 bytes per
-    block of 16 outputs and 32 inputs, the 8 steps a byte each): tile(x, x_off, x_stride, w, w_off, w_stride, nb, sx,
+    block of 16 outputs and 32 inputs, the 8 steps a byte each), or with symmetric the nibble tile without a minimum
+    (matmul.pack_s4a8: 288 bytes, d[16] and no m, which the tile forms as d * MIN_PER_D: exact, a power of two, so
+    the same float32 m, and the same bits, as the tile that reads m = -8 d from memory): tile(x, x_off, x_stride, w, w_off, w_stride, nb, sx,
     xs, s_off, s_stride, out, o_off, o_stride). x: the int8 activations' bytes (row r at byte x_off + r*x_stride; signed, not the + 128 of the
     other kinds' tiles: so a row's 4 bytes go from memory straight into the broadcast, which vpdpbusd takes as its
     memory operand, where a flip of the sign bits first cost a third of the inner loop's instructions; the caller
@@ -186,7 +191,11 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None, whole_bytes: bool = 
     bytes_t, lanes_t, float_t = ir.VectorType(_I8, vb), ir.VectorType(_I32, nl), ir.VectorType(_F32, nl)
     half_t = ir.VectorType(_I16, nl)
     acc_t, extra, setup, per_row, step, finish = _step(name, vb, whole_bytes)
-    group_bytes = BYTE_GROUP_BYTES if whole_bytes else GROUP_BYTES
+    assert not (whole_bytes and symmetric), "the symmetric tile is a nibble tile"
+    group_bytes = BYTE_GROUP_BYTES if whole_bytes else SYM_GROUP_BYTES if symmetric else GROUP_BYTES
+    scale_bytes = SYM_SCALE_BYTES if symmetric else SCALE_BYTES
+    # the lines a block's prefetch touches: every 64 bytes, and the last byte (288 is not a whole number of lines)
+    lines = sorted(set(range(0, group_bytes, 64)) | {group_bytes - 1})
     # live registers: the accumulators (a split step's are two registers wide), 2 activation broadcasts per row, one
     # weight vector and its nibbles, the mask
     acc_regs = 64 // vb * (acc_t.count * acc_t.element.width) // (8 * vb)
@@ -223,8 +232,8 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None, whole_bytes: bool = 
             def weights(j, c, p, base):                         # steps 2j and 2j + 1 of part p of block c: [(0,
                 if whole_bytes:                                 # q), (1, q)], a vector each
                     return [(half, load_bytes(c, builder.add(base, builder.add(
-                        builder.mul(j, k(128)), k(SCALE_BYTES + 64 * half + vb * p))))) for half in (0, 1)]
-                v = load_bytes(c, builder.add(base, builder.add(builder.mul(j, k(64)), k(SCALE_BYTES + vb * p))))
+                        builder.mul(j, k(128)), k(scale_bytes + 64 * half + vb * p))))) for half in (0, 1)]
+                v = load_bytes(c, builder.add(base, builder.add(builder.mul(j, k(64)), k(scale_bytes + vb * p))))
                 return [(0, builder.and_(v, low)), (1, builder.and_(builder.lshr(v, four), low))]
 
             def bcast(value):                                   # one float in every lane
@@ -239,7 +248,7 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None, whole_bytes: bool = 
                         base = builder.mul(b, k(group_bytes))
                         if r0 == 0:                             # the next tile's lines of this block, into L2
                             for c in sub_c:
-                                for line in range(0, group_bytes, 64):
+                                for line in lines:
                                     ahead = builder.gep(w_cols[c], [builder.add(base, builder.add(next_tile, k(line)))])
                                     builder.call(prefetch, [ahead] + [ir.Constant(_I32, a) for a in (0, 2, 1)])
                         zero = ir.Constant(acc_t, [ir.Constant(acc_t.element, 0)] * acc_t.count)
@@ -269,11 +278,14 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None, whole_bytes: bool = 
                         for c in sub_c:                                     # the block's scales, as float32
                             dm = {}
                             for p in range(parts):
-                                for which in (0, 1):                        # d, then m
+                                for which in ((0,) if symmetric else (0, 1)):    # d, then m
                                     off = builder.add(base, k(which * 2 * BLOCK + 2 * nl * p))
                                     h = builder.load(builder.bitcast(builder.gep(w_cols[c], [off]),
                                                                      half_t.as_pointer()), align=1)
                                     dm[p, which] = _half_to_float(builder, h, nl, name != "generic")
+                                if symmetric:                               # m = -8 d, exact in float32
+                                    dm[p, 1] = builder.fmul(dm[p, 0], ir.Constant(float_t, [ir.Constant(
+                                        _F32, MIN_PER_D)] * nl))
                             for r in sub_r:
                                 s_at = builder.add(s_rows[r], b)
                                 sxv = bcast(builder.load(builder.gep(sx_base, [s_at])))
