@@ -282,7 +282,7 @@ class Q6Linear:
     q: np.ndarray        # [D_in, O] uint8: 0..63
     sc: np.ndarray       # [D_in / 16, O] int8
     d: np.ndarray        # [D_in / 256, O] float32 (float16 values)
-    mode: str = "gguf"
+    mode: str = GGUF.name
     Q6_OFFSET: ClassVar[int] = 32
 
     __array_ufunc__ = None
