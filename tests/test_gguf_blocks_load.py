@@ -4,7 +4,7 @@ The route before it made the float32 model of the file (gguf_file.load_gguf_mode
 for a 1B model) and took each matrix's blocks from there (`old_route` below keeps it, as the reference). The blocks
 route must give the kernels the very same bytes: every packed tile of the fused decode step, the LM head, the
 embedding's rows. Checked on a file of every format (with chunks of a few rows, so that a matrix and the
-requantized Q6_K head are split across chunks and Q/K heads are unpermuted chunk by chunk), on a shrunk Llama-3.2-1B
+Q6_K head are split across chunks and Q/K heads are unpermuted chunk by chunk), on a shrunk Llama-3.2-1B
 shape as make_gguf_fixtures writes it, and on the real SmolLM2's Q4_K_M and Q8_0 files ($TINYSERVE_GGUF_DIR).
 """
 from __future__ import annotations
@@ -38,17 +38,24 @@ def old_route(path: Path):
     f16 = lambda a: a.astype(np.float16).astype(np.float32)                             # noqa: E731
 
     def matrix(info, w, n_heads=None):
+        if info.type_name == "Q6_K":                  # the 6-bit tile: Q6_K's own integers and scales
+            b = gguf_quants.split_q6_k(info.raw, info.shape)
+            parts = [gguf_file.unpermute_rope_rows(a, n_heads) if n_heads else a for a in b]
+            return quant.Q6Linear(*(np.ascontiguousarray(a.T) for a in parts), quant.GGUF.name)
         if quant.tile_of(info.type_name).startswith("byte ("):
             return quant.quantize_q8_blocks(w)
         b = gguf_quants.split_blocks(info.raw, info.type_name, info.shape)
         q, d, m = b.q, f16(b.d), f16(b.m)
         if n_heads:
             q, d, m = (gguf_file.unpermute_rope_rows(a, n_heads) for a in (q, d, m))
-        kind = quant.Q4Linear if info.type_name in quant.NIBBLE_FORMATS else quant.B8Linear
-        return kind(*(np.ascontiguousarray(a.T) for a in (q, d, m)), quant.GGUF.name)
+        q, d, m = (np.ascontiguousarray(a.T) for a in (q, d, m))
+        if info.type_name in quant.NIBBLE_FORMATS:    # Q4_0's (m = -8 d throughout): the symmetric tile
+            return quant.nibble_linear(q, d, m, quant.GGUF.name)
+        return quant.B8Linear(q, d, m, quant.GGUF.name)
     names = {f: n for n, f in LAYER_TENSORS.items()}
     layers = [dataclasses.replace(w, **{f: matrix(tensors[f"blk.{i}.{names[f]}"], getattr(w, f), heads.get(f))
                                         for f in quant.MATRICES}) for i, w in enumerate(model.layers)]
+    layers = quant.settle_roles(layers)           # Q6_K beside other formats in a fused role: on bytes
     head = matrix(tensors["token_embd.weight" if model.output is None else "output.weight"], model.head.T)
     return dataclasses.replace(model, layers=layers, lm_head_q=head, quant=quant.GGUF.name, backend="numba")
 
@@ -72,7 +79,8 @@ def assert_blocks_route_is_the_old_route(path: Path) -> None:
     for i, (a, b) in enumerate(zip(new.layers, old.layers)):
         for f in quant.MATRICES:
             x, y = getattr(a, f), getattr(b, f)
-            assert type(x) is type(y) and all(np.array_equal(getattr(x, k), getattr(y, k)) for k in "qdm"), (i, f)
+            fields = [k.name for k in dataclasses.fields(x) if k.name != "mode"]    # q, d, m (Q6_K: q, sc, d)
+            assert type(x) is type(y) and all(np.array_equal(getattr(x, k), getattr(y, k)) for k in fields), (i, f)
     got, want = list(packed_arrays(fast.prepare(new))), list(packed_arrays(fast.prepare(old)))
     assert [n for n, _ in got] == [n for n, _ in want] and len(got) > 10
     for (name, x), (_, y) in zip(got, want):      # byte for byte (NaN-proof: compared as bytes)
@@ -94,7 +102,7 @@ TINY = replace(shrunk(SHAPES["smollm2-360m"]), dim=256, n_heads=4, n_kv_heads=2,
 @pytest.fixture(scope="module")
 def every_format_file(tmp_path_factory) -> Path:
     """A llama GGUF whose matrices are tests/test_gguf_tiles.py's LAYER_FORMATS (every format, mixed within the
-    fused roles and across layers), its tied embedding Q6_K: a head requantized by Q8_0's rule."""
+    fused roles and across layers), its tied embedding Q6_K: a head on the 6-bit tile."""
     import gguf
     tmp = tmp_path_factory.mktemp("blocks")
     names = {n: f for n, f in LAYER_TENSORS.items()}
@@ -134,8 +142,8 @@ def test_a_llama_3_2_1b_shape_packs_the_same_bytes(tmp_path, qtype):
 
 
 def test_bytes_per_decode_step_are_the_packed_tiles(every_format_file):
-    """quant.bytes_per_decode_step counts what the fused decode step reads: its packed weights (a fused role with
-    any byte part all on the byte tile), the norms aside."""
+    """quant.bytes_per_decode_step counts what the fused decode step reads: its packed weights (a fused role on
+    one tile, quant.role_tile), the norms aside."""
     m = ts.load_model(every_format_file, quant="gguf", backend="numba")
     d = fast.prepare(m).decode
     packed = sum(r.w.nbytes for r in (d.layers.qkv, d.layers.o, d.layers.gate_up, d.layers.down, d.lm_head))

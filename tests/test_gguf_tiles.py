@@ -4,8 +4,9 @@ On synthetic blocks of every format (random integers, random float16 scales), fa
 - gguf_quants.split_blocks gives the integers and scales back: d * q + m is dequantize's value bit for bit;
 - each format lands on its tile (quant.tile_of) and, for the exact ones, the tile's weights ARE the file's
   (BlockLinear.dequantize() == dequantize()); Q4_K/Q5_K round only d*sc_j and dmin*m_j to float16, and the
-  requantized ones (Q6_K, floats) stay within half a step of Q8_0's rule;
-- the byte tile and the nibble tile are bit-identical to quant.matmul_reference_w4a8 on those blocks;
+  requantized ones (floats) stay within half a step of Q8_0's rule;
+- the byte tile and the nibble tiles are bit-identical to quant.matmul_reference_w4a8 on those blocks, the 6-bit
+  tile (Q6_K) to quant.matmul_reference_q6;
 - a tiny model whose every matrix is another format (mixed within Q|K|V and across layers) runs the Numba path as
   the NumPy reference of the same weights, packs each role on the tile its formats need, and `auto` picks gguf.
 The real files' accuracy (top-1 and perplexity against the float path) is tests/test_quant_accuracy.py's.
@@ -29,7 +30,14 @@ Q_RANGE = {"Q8_0": 128, "Q4_0": 8, "Q4_1": 15, "Q5_0": 16, "Q5_1": 31, "Q4_K": 6
            "Q6_K": 128 * 32}
 AMPLITUDE = 0.1
 FORMATS = gguf_quants.SUPPORTED          # the float ones too (no blocks: requantized)
-EXACT = quant.NIBBLE_FORMATS + quant.BYTE_FORMATS
+EXACT = quant.NIBBLE_FORMATS + quant.BYTE_FORMATS + ("Q6_K",)
+
+
+def block_class(type_name: str) -> type:
+    """The block matrix a format's tensor becomes (quant.file_matrix)."""
+    if type_name == "Q6_K":
+        return quant.Q6Linear
+    return quant.Q4Linear if type_name in quant.NIBBLE_FORMATS else quant.B8Linear
 
 
 def random_tensor(type_name: str, rows: int, cols: int, seed: int) -> np.ndarray:
@@ -88,7 +96,8 @@ def test_each_format_lands_on_its_tile_without_loss(type_name):
     w = gguf_quants.dequantize(t.raw, type_name, t.shape).T                        # [D, O] as the model holds it
     q = quant.file_matrix(t)
     assert q.shape == (D, O) and q.mode == quant.GGUF.name
-    assert isinstance(q, quant.Q4Linear if type_name in quant.NIBBLE_FORMATS else quant.B8Linear)
+    assert isinstance(q, block_class(type_name))
+    assert isinstance(q, quant.S4Linear) == (type_name == "Q4_0")           # Q4_0's m is -8 d: no m stored
     got = q.dequantize()
     if type_name in ("Q4_K", "Q5_K"):     # only d * sc_j and dmin * m_j are rounded: to float16, 11 bits
         # (a scale is rounded by at most 2^-11 of itself, so a weight by 2^-11 of its block's largest term)
@@ -108,11 +117,16 @@ def test_the_tiles_are_bit_identical_to_the_reference_on_every_format(type_name,
     q = quant.file_matrix(info(type_name, O, D, seed=3))
     x = np.random.default_rng(T).standard_normal((T, D)).astype(np.float32)
     x[:, 3] *= 40                                                                  # an outlier channel
-    pack = km.pack_w4a8 if isinstance(q, quant.Q4Linear) else km.pack_b8a8
     xu, sx = np.empty(x.shape, np.uint8), np.empty((T, D // 32), np.float32)
     km.quantize_rows(x, xu, sx)
-    want = quant.matmul_reference_w4a8(x, q)
+    want = x @ q                          # the reference of its class (matmul_reference_w4a8, matmul_reference_q6)
+    if isinstance(q, quant.Q6Linear):     # the 6-bit tile, Q6_K's own blocks
+        np.testing.assert_array_equal(km.matmul_w4a8(xu, sx, km.pack_q6a8(q.q, q.sc, q.d)), want)
+        return
+    pack = km.pack_w4a8 if isinstance(q, quant.Q4Linear) else km.pack_b8a8
     np.testing.assert_array_equal(km.matmul_w4a8(xu, sx, pack(q.q, q.d, q.m)), want)
+    if isinstance(q, quant.S4Linear):     # and on the symmetric tile, which reads d only (18 bytes per 32)
+        np.testing.assert_array_equal(km.matmul_w4a8(xu, sx, km.pack_s4a8(q.q, q.d)), want)
     # and a nibble matrix promoted to bytes (a fused matrix of mixed formats) gives the same bits
     np.testing.assert_array_equal(km.matmul_w4a8(xu, sx, km.pack_b8a8(q.q, q.d, q.m)), want)
 
@@ -135,12 +149,13 @@ def test_the_byte_tile_takes_every_byte_value_at_the_activation_extremes():
 
 # --- a model of every format --------------------------------------------------------------------------------------
 
-# per layer, each matrix's format: Q|K|V and gate|up mix nibbles and bytes (a fused matrix on the byte tile), `o` is
-# nibbles on every layer (the W4A8 tile), `down` floats and Q6_K (requantized)
+# per layer, each matrix's format: Q|K|V and gate|up mix nibbles, bytes, floats and Q6_K (a fused matrix on the byte
+# tile), `o` is Q4_0 on every layer (the symmetric nibble tile), `down` nibbles with and without a minimum (W4A8's);
+# the tied embedding is Q6_K (the 6-bit tile for the LM head)
 LAYER_FORMATS = [
-    {"wq": "Q4_0", "wk": "Q4_1", "wv": "Q4_K", "wo": "Q4_0", "w_gate": "Q5_0", "w_up": "Q5_1", "w_down": "F16"},
-    {"wq": "Q5_K", "wk": "Q8_0", "wv": "Q4_0", "wo": "Q4_K", "w_gate": "Q4_1", "w_up": "Q4_K", "w_down": "Q6_K"},
-    {"wq": "Q8_0", "wk": "Q5_0", "wv": "Q5_1", "wo": "Q4_1", "w_gate": "Q6_K", "w_up": "BF16", "w_down": "F32"},
+    {"wq": "Q4_0", "wk": "Q4_1", "wv": "Q4_K", "wo": "Q4_0", "w_gate": "Q5_0", "w_up": "Q5_1", "w_down": "Q4_1"},
+    {"wq": "Q5_K", "wk": "Q8_0", "wv": "F16", "wo": "Q4_0", "w_gate": "Q4_1", "w_up": "Q6_K", "w_down": "Q4_K"},
+    {"wq": "Q8_0", "wk": "Q5_0", "wv": "Q5_1", "wo": "Q4_0", "w_gate": "BF16", "w_up": "F32", "w_down": "Q4_0"},
 ]
 
 
@@ -163,9 +178,9 @@ def every_format():
                 v = unpermute_rope_rows(v, cfg.n_heads if f == "wq" else cfg.n_kv_heads)
             new[f] = np.ascontiguousarray(v.T)
         layers.append(dataclasses.replace(w, **new))
-    emb = info("Q8_0", cfg.vocab_size, cfg.dim, seed=99, name="token_embd.weight")
+    emb = info("Q6_K", cfg.vocab_size, cfg.dim, seed=99, name="token_embd.weight")   # as the 1B files' head
     tensors[emb.name] = emb
-    embed = gguf_quants.dequantize(emb.raw, "Q8_0", emb.shape)                      # [V, D], tied: the LM head
+    embed = gguf_quants.dequantize(emb.raw, "Q6_K", emb.shape)                      # [V, D], tied: the LM head
     return dataclasses.replace(base, layers=layers, embed=embed, gguf_tensors=tensors)
 
 
@@ -174,21 +189,40 @@ def test_the_gguf_mode_holds_the_files_blocks(every_format):
     for w, qw, fmts in zip(every_format.layers, qm.layers, LAYER_FORMATS):
         for f in quant.MATRICES:
             q = getattr(qw, f)
-            assert isinstance(q, quant.Q4Linear if fmts[f] in quant.NIBBLE_FORMATS else quant.B8Linear), f
-            if fmts[f] in EXACT and fmts[f] not in ("Q4_K", "Q5_K"):   # Q/K: the rows unpermuted as the floats
+            # (Q6_K beside other formats in gate|up: requantized onto the byte tile its role runs on)
+            assert isinstance(q, quant.B8Linear if fmts[f] == "Q6_K" else block_class(fmts[f])), f
+            if fmts[f] in EXACT and fmts[f] not in ("Q4_K", "Q5_K", "Q6_K"):   # Q/K: the rows unpermuted as the floats
                 assert np.array_equal(q.dequantize(), getattr(w, f)), (f, fmts[f])
-    assert isinstance(qm.lm_head_q, quant.B8Linear)
-    assert np.array_equal(qm.lm_head_q.dequantize(), every_format.embed.T)       # the Q8_0 head, exactly
+    assert isinstance(qm.lm_head_q, quant.Q6Linear)
+    assert np.array_equal(qm.lm_head_q.dequantize(), every_format.embed.T)       # the Q6_K head, exactly
 
 
 def test_each_role_packs_on_the_tile_its_formats_need(every_format):
     m = backend.set_backend(every_format, quant.GGUF.name, "numba")
     fw = fast.prepare(m)
-    assert isinstance(fw.layers[0].o, km.W4A8Weights)                  # nibbles on every layer
-    for role in ("qkv", "gate_up", "down"):                            # bytes somewhere: bytes on every layer
+    assert isinstance(fw.layers[0].o, km.S4A8Weights)                  # Q4_0 on every layer: d only
+    assert isinstance(fw.layers[0].down, km.W4A8Weights)               # nibbles, some with a minimum: W4A8's
+    for role in ("qkv", "gate_up"):                                    # bytes somewhere: bytes on every layer
         assert isinstance(getattr(fw.layers[0], role), km.B8A8Weights), role
-    assert isinstance(fw.lm_head, km.B8A8Weights)
+    assert isinstance(fw.lm_head, km.Q6A8Weights)                      # Q6_K alone: the 6-bit tile
     assert fw.decode.layers.qkv.w.shape[0] == len(LAYER_FORMATS)       # stacked for the fused step
+
+
+def test_a_decode_step_reads_each_role_at_its_tiles_bytes(every_format):
+    """quant.bytes_per_decode_step counts each fused role as kernels/forward.py packs it: `o` at Q4_0's 18 bytes per
+    32 weights, `down` at W4A8's 20, Q|K|V and gate|up at the byte tile's 36 (a Q6_K part requantized), the Q6_K
+    head at its own 210 per 256; and the packed arrays the fused step streams are that many bytes."""
+    qm = quant.quantize_model(every_format, quant.GGUF.name)
+    cfg, L = qm.config, len(LAYER_FORMATS)
+    D, NH, KH, F, V = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.intermediate_size, \
+        cfg.vocab_size
+    weights = {"o": L * NH * D, "down": L * F * D, "qkv": L * D * (NH + 2 * KH), "gate_up": L * D * 2 * F}
+    rate = {"o": 18 / 32, "down": 20 / 32, "qkv": 36 / 32, "gate_up": 36 / 32}
+    want = sum(weights[r] * rate[r] for r in weights) + D * V * 210 / 256
+    assert quant.bytes_per_decode_step(qm) == want
+    fw = fast.prepare(backend.set_backend(every_format, quant.GGUF.name, "numba"))
+    packed = sum(getattr(fw.decode.layers, r).w.nbytes for r in weights) + fw.lm_head.w.nbytes
+    assert packed == want
 
 
 def test_the_numba_path_computes_the_numpy_reference(every_format):

@@ -234,6 +234,8 @@ def _packed_kinds(T: int, D: int, O: int, seed: int):
     xu = (xq.astype(np.int16) + 128).astype(np.uint8)
     wt = mm.w4a8_weights(mm.pack_w4a8(q4.q, q4.d, q4.m))
     out["w4a8"] = wt, x, xu, sx, mm.matmul_w4a8(xu, sx, wt.w)
+    wt = mm.s4a8_weights(mm.pack_s4a8(q4.q, q4.d))          # the symmetric nibble tile (its m is -8 d, not q4.m)
+    out["s4a8"] = wt, x, xu, sx, mm.matmul_w4a8(xu, sx, wt.w)
     return out
 
 
@@ -256,7 +258,8 @@ def test_a_matmul_refuses_weights_that_are_not_a_packed_kind():
     refused, naming the kinds."""
     from tinyserve.kernels import matmul as mm
     wt, x, xu, sx, _ = _packed_kinds(1, 64, 16, seed=0)["w8a8"]
-    with pytest.raises(Exception, match="W8A8Weights, W8A32Weights, W4A8Weights or B8A8Weights"):
+    with pytest.raises(Exception,
+                       match="W8A8Weights, W8A32Weights, W4A8Weights, S4A8Weights, Q6A8Weights or B8A8Weights"):
         mm.matmul_blocks(tuple(wt), x, xu, sx, np.zeros((1, 16), np.float32), False, 0, 1,
                          np.empty(mm.ROWS * mm.COLS * 16, np.float32))
 

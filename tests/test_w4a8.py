@@ -105,6 +105,60 @@ def test_the_matmul_is_bit_identical_to_the_reference(T, nb, n_out, seed, outlie
     assert not part[:, :16 * lo].any() and not part[:, 16 * hi:].any()
 
 
+def symmetric(q: quant.Q4Linear) -> quant.S4Linear:
+    """The same nibbles and scales as Q4_0 blocks: m = -8 d (exact in float16)."""
+    return quant.S4Linear(q.q, q.d, np.float32(-8) * q.d)
+
+
+@settings(max_examples=25, deadline=None)
+@given(T=st.integers(1, 11), nb=st.integers(1, 6), n_out=st.integers(1, 9), seed=st.integers(0, 2**16),
+       outlier=st.floats(1, 60))
+def test_the_symmetric_tile_is_the_nibble_tile_without_m_bit_for_bit(T, nb, n_out, seed, outlier):
+    """Q4_0's blocks (m = -8 d) on the symmetric tile, which reads d only and forms m: the reference's bits, and the
+    bits of the W4A8 tile reading the same m from memory, through every entry (as above)."""
+    rng = np.random.default_rng(seed)
+    D, O = 32 * nb, 16 * n_out
+    q = symmetric(quant.quantize_q4_1(rng.standard_normal((D, O)).astype(np.float32)))
+    q.d[rng.integers(D // 32), rng.integers(O)] = 0                    # an all-zero block: d = m = 0
+    q.m[...] = np.float32(-8) * q.d
+    x = rng.standard_normal((T, D)).astype(np.float32)
+    x[:, rng.integers(D)] *= outlier
+    x[T // 2] = 0
+    want = quant.matmul_reference_w4a8(x, q)
+    xu, sx = activations(x)
+    wp = km.pack_s4a8(q.q, q.d)
+    assert wp.shape == (O // 16, nb, km.SYM_GROUP_BYTES) and km.SYM_GROUP_BYTES == 288    # 18 bytes per 32
+    np.testing.assert_array_equal(km.matmul_w4a8(xu, sx, wp), want)
+    np.testing.assert_array_equal(km.matmul_w4a8(xu, sx, km.pack_w4a8(q.q, q.d, q.m)), want)
+    out = np.full((T, O), 1.5, np.float32)
+    km._matmul_int8(km.s4a8_weights(wp), xu, sx, out, True)
+    np.testing.assert_array_equal(out, np.float32(1.5) + want)
+    lo, hi = n_out // 3, n_out - n_out // 4
+    part = np.zeros((T, O), np.float32)
+    km.matmul_blocks(km.s4a8_weights(wp), x, xu, sx, part, False, lo, hi, np.empty(km.ROWS * km.COLS * 16, np.float32))
+    np.testing.assert_array_equal(part[:, 16 * lo:16 * hi], want[:, 16 * lo:16 * hi])
+
+
+def test_pack_s4a8_keeps_d_and_the_nibbles_where_pack_w4a8_has_them():
+    rng = np.random.default_rng(4)
+    q = rng.integers(0, 16, (64, 32)).astype(np.uint8)
+    d = rng.random((2, 32)).astype(np.float16).astype(np.float32)
+    full, sym = km.pack_w4a8(q, d, -8 * d), km.pack_s4a8(q, d)
+    np.testing.assert_array_equal(sym[:, :, :32], full[:, :, :32])      # d[16]
+    np.testing.assert_array_equal(sym[:, :, 32:], full[:, :, 64:])      # the nibbles; m's 32 bytes are gone
+
+
+def test_nibble_blocks_are_symmetric_only_if_every_m_is_minus_8_d():
+    rng = np.random.default_rng(5)
+    q = rng.integers(0, 16, (64, 32)).astype(np.uint8)
+    d = rng.random((2, 32)).astype(np.float16).astype(np.float32)
+    s = quant.nibble_linear(q, d, np.float32(-8) * d, quant.GGUF.name)
+    assert type(s) is quant.S4Linear and s.nbytes == 64 * 32 // 2 + 2 * 32 * 2      # 18 bytes per 32 weights
+    m = np.float32(-8) * d
+    m[1, 7] = np.float16(m[1, 7] * 1.001)                                # one block off: the minimum must stay
+    assert type(quant.nibble_linear(q, d, m, quant.GGUF.name)) is quant.Q4Linear
+
+
 @pytest.fixture(scope="module")
 def tiny_w4a8():
     """The tiny model with Q4_1 layers (its random weights rounded once): w4a8 then holds them exactly."""

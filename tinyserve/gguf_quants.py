@@ -180,3 +180,24 @@ def split_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Blo
     as_rows = lambda a: np.ascontiguousarray(a.reshape(rows, -1))      # noqa: E731
     return Blocks(as_rows(q.astype(np.uint8)), as_rows(d.astype(np.float32)), as_rows(m.astype(np.float32)), group,
                   bits)
+
+
+class Q6Blocks(NamedTuple):
+    """A Q6_K tensor as its own integers: w[r, i] = d[r, i // 256] * sc[r, i // 16] * (q[r, i] - 32), float32
+    operations in that order giving dequantize's values bit for bit (the 6-bit tile's weights, quant.Q6Linear)."""
+    q: np.ndarray        # [rows, n] uint8: 0..63
+    sc: np.ndarray       # [rows, n / 16] int8
+    d: np.ndarray        # [rows, n / 256] float32 (float16 values)
+
+
+def split_q6_k(raw: np.ndarray, shape: tuple[int, int]) -> Q6Blocks:
+    """A Q6_K tensor's bytes -> its Q6Blocks (shape: [rows, row length])."""
+    rows, n = shape
+    check_size(raw, "Q6_K", shape)
+    b = _blocks(np.ascontiguousarray(raw).view(np.uint8).reshape(-1), "Q6_K")
+    ql, qh = b[:, 0:128].reshape(-1, 2, 64), b[:, 128:192].reshape(-1, 2, 1, 32)
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=2)
+    high = (qh >> np.array([0, 2, 4, 6], np.uint8)[None, None, :, None]) & 3
+    q = (low | (high.reshape(-1, 2, 128) << 4)).reshape(rows, n)
+    sc = np.ascontiguousarray(b[:, 192:208]).view(np.int8).reshape(rows, n // 16)
+    return Q6Blocks(np.ascontiguousarray(q, np.uint8), np.ascontiguousarray(sc), _f16(b[:, 208:210]).reshape(rows, -1))

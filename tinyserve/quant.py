@@ -223,6 +223,22 @@ class Q4Linear(BlockLinear):
     BITS: ClassVar[int] = 4
 
 
+class S4Linear(Q4Linear):
+    """Nibble blocks whose minimum is -8 d throughout (Q4_0: w = d (q - 8)): the symmetric nibble tile, which keeps d
+    only (kernels.matmul.pack_s4a8: 18 bytes per 32 weights, Q4_0's own size, against 20 with m). m is kept here
+    for the reference's arithmetic (matmul_reference_w4a8), which is the same: -8 d is exact in float16."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.size * self.BITS // 8 + self.d.size * 2
+
+
+def nibble_linear(q: np.ndarray, d: np.ndarray, m: np.ndarray, mode: str) -> Q4Linear:
+    """Nibble blocks -> S4Linear where every minimum is -8 d (any format's blocks, Q4_0's always), else Q4Linear."""
+    kind = S4Linear if np.array_equal(m, np.float32(-8) * d) else Q4Linear
+    return kind(q, d, m, mode)
+
+
 class B8Linear(BlockLinear):
     """Blocks of whole bytes (q 0..255): the byte tile (kernels.matmul.pack_b8a8), for the GGUF formats of 5 to 8
     bits (a Q5 value or Q8_0's q + 128 is a byte) and for what is requantized to 8 bits (quantize_q8_blocks)."""
@@ -257,6 +273,60 @@ def matmul_reference_w4a8(x: np.ndarray, q: BlockLinear) -> np.ndarray:
     return y
 
 
+@dataclass
+class Q6Linear:
+    """A [D_in, O] matrix as Q6_K's own blocks: W[i, o] = d[i // 256, o] * sc[i // 16, o] * (q[i, o] - 32), the 6-bit
+    tile (kernels.matmul.pack_q6a8: 6.5625 bits a weight, as the file). Its arithmetic, matmul_reference_q6: per
+    block of 32 inputs the integer sum over its two halves of 16 of sc times the half's dot product, then times d
+    and the activation scale: no minimum, and each scale applied to an exact integer."""
+    q: np.ndarray        # [D_in, O] uint8: 0..63
+    sc: np.ndarray       # [D_in / 16, O] int8
+    d: np.ndarray        # [D_in / 256, O] float32 (float16 values)
+    mode: str = GGUF.name
+    Q6_OFFSET: ClassVar[int] = 32
+
+    __array_ufunc__ = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape
+
+    @property
+    def nbytes(self) -> int:              # as the tile holds them: q at 6 bits, sc int8, d float16
+        return self.q.size * 6 // 8 + self.sc.size + self.d.size * 2
+
+    def __rmatmul__(self, x: np.ndarray) -> np.ndarray:
+        return matmul_reference_q6(x, self)
+
+    def dequantize(self) -> np.ndarray:   # -> [D_in, O] float32, gguf_quants.dequantize's values (its order)
+        D, O = self.q.shape
+        ds = np.repeat(self.d, 16, axis=0) * self.sc.astype(np.float32)                 # [D/16, O]
+        return (ds[:, None] * (self.q.reshape(D // 16, 16, O).astype(np.float32) - 32)).reshape(D, O)
+
+    def on_bytes(self) -> "B8Linear":
+        """The byte tile's blocks by Q8_0's rule, for a fused role that mixes Q6_K with other formats (role_tile)."""
+        return quantize_q8_blocks(self.dequantize(), self.mode)
+
+
+def matmul_reference_q6(x: np.ndarray, q: Q6Linear) -> np.ndarray:
+    """x [T, D_in] float32 @ q -> [T, O] float32, activations int8 per 32 as matmul_reference_w4a8's:
+        acc[t, b, o] = sum_{h in halves of b} sc[h, o] * sum_{i in h} xq[t, i] (q[i, o] - 32)        exact, int32
+        y[t, o]      = sum_b float32(acc[t, b, o]) * (d[b // 8, o] * sx[t, b])                        in block order
+    the readable definition the 6-bit tile (kernels/int4_dot.py) is tested against, bit for bit."""
+    T, D = x.shape
+    nb = D // Q4_GROUP
+    xq, sx = quantize_blocks(x, nb)                                                  # sx [T, nb]
+    qs = q.q.astype(np.float64) - Q6Linear.Q6_OFFSET                                 # [D, O]
+    y = np.zeros((T, q.q.shape[1]), np.float32)
+    for j in range(nb):
+        acc = np.zeros((T, q.q.shape[1]), np.int64)
+        for h in (2 * j, 2 * j + 1):                 # float64 BLAS is exact on these integers (below 2^53)
+            dot = (xq[:, 16 * h:16 * (h + 1)].astype(np.float64) @ qs[16 * h:16 * (h + 1)]).astype(np.int64)
+            acc += q.sc[h].astype(np.int64) * dot
+        y = y + acc.astype(np.int32).astype(np.float32) * (q.d[j // 8] * sx[:, j:j + 1])
+    return y
+
+
 def quantize_q8_blocks(w: np.ndarray, mode: str = GGUF.name) -> B8Linear:
     """[D_in, O] float32 -> B8Linear by llama.cpp's Q8_0 rule per 32 inputs (d = max |w| / 127 rounded to float16,
     q = round(w / d) + 128, m = -128 d): the byte tile for what the file holds as floats (F32, F16, BF16) or in
@@ -274,10 +344,14 @@ def quantize_q8_blocks(w: np.ndarray, mode: str = GGUF.name) -> B8Linear:
 # A GGUF file's matrices come in blocks of 32 inputs with a scale d and a minimum m (gguf_quants.split_blocks), and
 # two tiles multiply such blocks with int8 activations per 32 (the arithmetic of matmul_reference_w4a8): the W4A8
 # tile (nibbles) and the byte tile (whole bytes). So each format maps onto one without rounding a weight:
-#     Q4_0, Q4_1, Q4_K                -> the nibble tile (Q4_K's d * sc_j and dmin * m_j rounded to float16)
+#     Q4_0, Q4_1, Q4_K                -> the nibble tile (Q4_K's d * sc_j and dmin * m_j rounded to float16);
+#                                        where every m is -8 d (Q4_0's always), its symmetric form (S4Linear: no m)
 #     Q5_0, Q5_1, Q5_K, Q8_0          -> the byte tile (Q5_K's scales likewise rounded to float16)
-#     Q6_K, F32, F16, BF16            -> the byte tile, requantized per 32 by Q8_0's rule (quantize_q8_blocks: Q6_K's
-#                                        scales are per 16; floats have no blocks)
+#     Q6_K                            -> the 6-bit tile (Q6Linear: its own q, int8 scales per 16 and d per 256)
+#     F32, F16, BF16                  -> the byte tile, requantized per 32 by Q8_0's rule (quantize_q8_blocks: floats
+#                                        have no blocks)
+# A fused role (FUSED_ROLES) runs on one tile over its matrices of every layer (role_tile): one with Q6_K beside other
+# formats runs on the byte tile, its Q6_K parts requantized by Q8_0's rule (as before the 6-bit tile).
 # A float32 model with no file behind it (Model.gguf_tensors None) takes the last row for every matrix.
 
 NIBBLE_FORMATS = ("Q4_0", "Q4_1", "Q4_K")
@@ -289,7 +363,9 @@ def _f16(a: np.ndarray) -> np.ndarray:
 
 
 def tile_of(type_name: str) -> str:
-    """Which tile a GGUF format runs on in the gguf mode: "nibble", "byte" or "byte (requantized)"."""
+    """Which tile a GGUF format runs on in the gguf mode: "nibble", "byte", "6-bit" or "byte (requantized)"."""
+    if type_name == "Q6_K":
+        return "6-bit"
     return "nibble" if type_name in NIBBLE_FORMATS else "byte" if type_name in BYTE_FORMATS else "byte (requantized)"
 
 
@@ -297,7 +373,7 @@ ROWS_PER_CHUNK = 4096   # a tensor's rows split (or requantized) at a time: the 
 #                        stay a few tens of MB, and every result is per row, so the chunks change no bit
 
 
-def file_matrix(info, unpermute_heads: int | None = None) -> BlockLinear:
+def file_matrix(info, unpermute_heads: int | None = None) -> BlockLinear | Q6Linear:
     """One GGUF tensor (gguf_file.TensorInfo, [O, D_in] in the file) -> the block matrix [D_in, O] the gguf mode
     multiplies, made from the file's bytes a chunk of rows at a time: a requantized tensor is dequantized only
     chunk by chunk, never whole. unpermute_heads: the file's Q/K rows are llama.cpp's interleaved order
@@ -311,6 +387,8 @@ def file_matrix(info, unpermute_heads: int | None = None) -> BlockLinear:
     raw = info.raw.reshape(O, D // per_block * nbytes)                                 # [O, row bytes]
     head = O // unpermute_heads if unpermute_heads else 1                              # rows of one head
     step = max(1, ROWS_PER_CHUNK // head) * head                                       # whole heads per chunk
+    if info.type_name == "Q6_K":
+        return _q6_matrix(raw, O, D, step, head, unpermute_heads)
     requantize = tile_of(info.type_name).startswith("byte (")
     q, d, m = np.empty((D, O), np.uint8), np.empty((D // Q4_GROUP, O), np.float32), np.empty((D // Q4_GROUP, O),
                                                                                               np.float32)
@@ -332,8 +410,26 @@ def file_matrix(info, unpermute_heads: int | None = None) -> BlockLinear:
         if not (np.isfinite(bd).all() and np.isfinite(bm).all()):
             raise ValueError("holds NaN or inf values: corrupt file")
         q[:, r0:r1], d[:, r0:r1], m[:, r0:r1] = bq.T, bd.T, bm.T
-    kind = B8Linear if requantize or info.type_name not in NIBBLE_FORMATS else Q4Linear
-    return kind(q, d, m, GGUF.name)
+    if requantize or info.type_name not in NIBBLE_FORMATS:
+        return B8Linear(q, d, m, GGUF.name)
+    return nibble_linear(q, d, m, GGUF.name)
+
+
+def _q6_matrix(raw: np.ndarray, O: int, D: int, step: int, head: int, unpermute_heads: int | None) -> Q6Linear:
+    """file_matrix's Q6_K case: the 6-bit tile's blocks, a chunk of rows at a time."""
+    from .gguf_file import unpermute_rope_rows
+    from .gguf_quants import split_q6_k
+    q, sc, d = np.empty((D, O), np.uint8), np.empty((D // 16, O), np.int8), np.empty((D // 256, O), np.float32)
+    for r0 in range(0, O, step):
+        r1 = min(O, r0 + step)
+        b = split_q6_k(raw[r0:r1].reshape(-1), (r1 - r0, D))                           # [rows, D], ...
+        bq, bsc, bd = b.q, b.sc, b.d
+        if unpermute_heads:
+            bq, bsc, bd = (unpermute_rope_rows(a, (r1 - r0) // head) for a in (bq, bsc, bd))
+        if not np.isfinite(bd).all():
+            raise ValueError("holds NaN or inf values: corrupt file")
+        q[:, r0:r1], sc[:, r0:r1], d[:, r0:r1] = bq.T, bsc.T, bd.T
+    return Q6Linear(q, sc, d, GGUF.name)
 
 
 def gguf_fits(config) -> bool:
@@ -350,14 +446,25 @@ def quantize_gguf(model: Model) -> Model:
     cfg = model.config
     heads = {"wq": cfg.n_heads, "wk": cfg.n_kv_heads} if cfg.arch == "llama" else {}   # as gguf_file unpermutes
 
-    def matrix(name: str, w, heads: int | None = None) -> BlockLinear:
+    def matrix(name: str, w, heads: int | None = None) -> BlockLinear | Q6Linear:
         info = tensors.get(name)
         return quantize_q8_blocks(w) if info is None else file_matrix(info, heads)
     layers = [dataclasses.replace(w, **{f: matrix(f"blk.{i}.{names[f]}", getattr(w, f), heads.get(f))
                                         for f in MATRICES})
               for i, w in enumerate(model.layers)]
     head = matrix("token_embd.weight" if model.output is None else "output.weight", model.head.T)
-    return dataclasses.replace(model, layers=layers, lm_head_q=head, quant=GGUF.name, fast=None)
+    return dataclasses.replace(model, layers=settle_roles(layers), lm_head_q=head, quant=GGUF.name, fast=None)
+
+
+def settle_roles(layers: list[LayerWeights]) -> list[LayerWeights]:
+    """The layers with each Q6_K matrix of a fused role that runs on the byte tile (role_tile: Q6_K beside other
+    formats) requantized to it (Q6Linear.on_bytes), so that the model holds what its kernels multiply and the NumPy
+    reference computes what the fast path does."""
+    for role in FUSED_ROLES:
+        if role_tile([getattr(w, f) for w in layers for f in role]) is B8Linear:
+            layers = [dataclasses.replace(w, **{f: getattr(w, f).on_bytes() for f in role
+                                                 if isinstance(getattr(w, f), Q6Linear)}) for w in layers]
+    return layers
 
 
 def load_gguf_blocks(g) -> Model:
@@ -368,7 +475,7 @@ def load_gguf_blocks(g) -> Model:
     from .gguf_file import model_from_gguf
     model = model_from_gguf(g, matrix=file_matrix)
     head = file_matrix(g.tensors["token_embd.weight" if model.output is None else "output.weight"])
-    return dataclasses.replace(model, lm_head_q=head, quant=GGUF.name, fast=None)
+    return dataclasses.replace(model, layers=settle_roles(model.layers), lm_head_q=head, quant=GGUF.name, fast=None)
 
 
 def quantize_model(model: Model, mode: str) -> Model:
@@ -421,16 +528,37 @@ def with_mode(model: Model, mode: str) -> Model:
 FUSED_ROLES = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))
 
 
+def role_tile(mats: list) -> type | None:
+    """The tile a fused role (FUSED_ROLES; its matrices of every layer) runs on in the gguf mode, as the block class
+    whose layout it reads: Q6Linear if every part is Q6_K; B8Linear if any part is bytes (a nibble is a byte; a Q6_K
+    part requantized: Q6Linear.on_bytes), S4Linear if every part is symmetric nibbles, else Q4Linear (the minimum
+    stored: an S4Linear part carries -8 d); None for the int8 modes' matrices."""
+    if not isinstance(mats[0], (BlockLinear, Q6Linear)):
+        return None
+    if all(isinstance(q, Q6Linear) for q in mats):
+        return Q6Linear
+    if not all(isinstance(q, Q4Linear) for q in mats):
+        return B8Linear
+    return S4Linear if all(isinstance(q, S4Linear) for q in mats) else Q4Linear
+
+
+def tile_nbytes(q, tile: type | None) -> int:
+    """The bytes a matrix takes on a role's tile (role_tile): its own, or what that tile's layout holds."""
+    if tile is None or tile is Q6Linear:
+        return q.nbytes
+    D, O = q.shape
+    per_32 = {B8Linear: 32 + 4, Q4Linear: 16 + 4, S4Linear: 16 + 2}[tile]     # q, then d (and m) as float16
+    return D // Q4_GROUP * O * per_32
+
+
 def bytes_per_decode_step(model: Model) -> int:
-    """Weight bytes one decode step reads: every matmul weight once (the LM head included), norms aside. In the gguf
-    mode a fused role (FUSED_ROLES) with a part of bytes in any layer runs every part of every layer on the byte
-    tile (kernels/forward.py: a nibble is a byte), so its nibble parts count as bytes too."""
+    """Weight bytes one decode step reads: every matmul weight once (the LM head included), norms aside, as the tile
+    of its fused role (role_tile: kernels/forward.py packs a role's matrices of every layer alike) holds it."""
     total = 0
     for role in FUSED_ROLES:
         mats = [getattr(w, f) for w in model.layers for f in role]
-        if any(isinstance(q, BlockLinear) and not isinstance(q, Q4Linear) for q in mats):
-            mats = [B8Linear(q.q, q.d, q.m) if isinstance(q, BlockLinear) else q for q in mats]
-        total += sum(q.nbytes for q in mats)
+        kind = role_tile(mats)
+        total += sum(tile_nbytes(q, kind) for q in mats)
     return total + (model.lm_head_q.nbytes if model.lm_head_q is not None else model.head.nbytes)
 
 

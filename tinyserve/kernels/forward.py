@@ -26,9 +26,9 @@ from .decode_step import DecodeWeights, Packed, PackedLayer
 from .layer import (lm_head, lm_head_w8a32, mlp_down, mlp_down_w8a32, post_attention, post_attention_w8a32,
                     pre_attention, pre_attention_w8a32)
 from ..model import forward as float32_forward
-from ..quant import BlockLinear, Q4Linear, act_blocks, dequantize_model, is_w8a8
-from .matmul import (W8A8Weights, W8A32Weights, act_blocks_of, b8a8_weights, pack_b8a8, pack_vnni, pack_w4a8,
-                     pack_w8a32, w4a8_weights)
+from ..quant import B8Linear, BlockLinear, Q6Linear, S4Linear, act_blocks, dequantize_model, is_w8a8, role_tile
+from .matmul import (W8A8Weights, W8A32Weights, act_blocks_of, b8a8_weights, pack_b8a8, pack_q6a8, pack_s4a8,
+                     pack_vnni, pack_w4a8, pack_w8a32, q6a8_weights, s4a8_weights, w4a8_weights)
 
 
 # SiLU's exp on the three-call W8A8 path. None (the default): fast_exp.exp32 inside mlp_down, the fused decode step's
@@ -59,16 +59,25 @@ class FastWeights:
                                                            # (decode_step._run_kernel)
 
 
-def _pack(mode: str, *qs, whole_bytes: bool = False) -> Packed:
+def _pack(mode: str, *qs, tile: type | None = None) -> Packed:
     """Quantised matrices side by side (same input) -> one packed matrix of their kind: a fused projection. Blocks
-    of 32 (quant.BlockLinear) pack as W4A8 if every one is nibbles (quant.Q4Linear) and whole_bytes is not set, else
-    on the byte tile (a nibble is a byte: a fused or stacked matrix of mixed formats reads 8 bits a weight); int8
-    ones as W8A8 when the model's mode rounds the activations to int8 too (a W4A8 model's LM head among them), else
-    as W8A32."""
-    if isinstance(qs[0], BlockLinear):
+    of 32 (quant.BlockLinear) pack on the tile `tile` names (a block class, quant.role_tile's answer for the role
+    they belong to; None: theirs, role_tile of these matrices): B8Linear the byte tile (a nibble is a byte: a fused
+    or stacked matrix of mixed formats reads 8 bits a weight), Q6Linear the 6-bit tile (Q6_K's own blocks), S4Linear
+    the symmetric nibble tile (d only, Q4_0),
+    Q4Linear W4A8's; int8 ones as W8A8 when the model's mode rounds the activations to int8 too (a W4A8 model's LM
+    head among them), else as W8A32."""
+    if isinstance(qs[0], (BlockLinear, Q6Linear)):
+        tile = tile or role_tile(list(qs))
+        if tile is B8Linear:                       # a Q6_K part beside other formats: requantized to bytes
+            qs = [q.on_bytes() if isinstance(q, Q6Linear) else q for q in qs]
         cat = lambda f: np.concatenate([getattr(q, f) for q in qs], axis=1)        # noqa: E731
-        if whole_bytes or not all(isinstance(q, Q4Linear) for q in qs):
+        if tile is Q6Linear:
+            return q6a8_weights(pack_q6a8(cat("q"), cat("sc"), cat("d")))
+        if tile is B8Linear:
             return b8a8_weights(pack_b8a8(cat("q"), cat("d"), cat("m")))
+        if tile is S4Linear:
+            return s4a8_weights(pack_s4a8(cat("q"), cat("d")))
         return w4a8_weights(pack_w4a8(cat("q"), cat("d"), cat("m")))
     wq = np.concatenate([q.wq for q in qs], axis=1)                                  # [D_in, sum O]
     scale = np.concatenate([q.scale for q in qs])
@@ -88,10 +97,10 @@ def prepare(model) -> FastWeights:
     """Pack a quantised model's weights for the kernels (once per model, before anything is timed)."""
     mode = model.quant
 
-    def role(*fields):     # one matrix of every layer, stacked: on the byte tile if any layer's is bytes (_pack)
+    def role(*fields):     # one matrix of every layer, stacked: every layer's on the role's one tile (role_tile)
         mats = [[getattr(w, f) for f in fields] for w in model.layers]
-        wide = any(isinstance(q, BlockLinear) and not isinstance(q, Q4Linear) for qs in mats for q in qs)
-        return _stack([_pack(mode, *qs, whole_bytes=wide) for qs in mats])
+        tile = role_tile([q for qs in mats for q in qs])
+        return _stack([_pack(mode, *qs, tile=tile) for qs in mats])
     qkv, qkv_l = role("wq", "wk", "wv")
     o, o_l = role("wo")
     gate_up, gate_up_l = role("w_gate", "w_up")

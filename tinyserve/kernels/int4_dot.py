@@ -25,7 +25,11 @@ no offset and no sign trick (compare kernels/int8_dot.py):
 
 Layout (kernels.matmul.pack_w4a8): for each block of 16 outputs, per input block of 32, 320 bytes: d[16] and m[16]
 as float16 (64 bytes), then 4 pairs of 4-input steps, 64 bytes a pair: byte 4l + k holds step 2j's q[4(2j) + k, l] in
-its low nibble and step 2j+1's in its high one (pack_vnni's byte order, two steps per byte). The float16 scales
+its low nibble and step 2j+1's in its high one (pack_vnni's byte order, two steps per byte). Two more layouts run
+on the same tile (make_w4a8_tile's switches): Q4_0's blocks without m (symmetric: 288 bytes, m = -8 d formed from d,
+exact), and Q6_K's own blocks (six_bits: q = its low nibble | its top 2 bits << 4, 0..63, and per half of 16 inputs
+an int8 scale applied to that half's exact integer sum, then d per 256 inputs: no minimum, the offset 32 subtracted
+as 32 times the half's activation sum). The float16 scales
 become float32 with integer operations (magnitude << 13, times 2^112, sign put back: exact for every finite float16,
 subnormals included), the same on every CPU.
 """
@@ -45,6 +49,17 @@ GROUP = 32                      # inputs per Q4_1 block (one d, one m)
 SCALE_BYTES = 2 * BLOCK * 2     # d[16] and m[16] as float16
 GROUP_BYTES = SCALE_BYTES + GROUP * BLOCK // 2   # 320 bytes per (output block, input block)
 BYTE_GROUP_BYTES = SCALE_BYTES + GROUP * BLOCK     # the byte tile's: 576 (whole bytes instead of nibbles)
+SYM_SCALE_BYTES = BLOCK * 2     # the symmetric nibble tile keeps d[16] only: its m is -8 d
+SYM_GROUP_BYTES = SYM_SCALE_BYTES + GROUP * BLOCK // 2   # 288 bytes: Q4_0's 18 bytes per 32 weights
+MIN_PER_D = -8.0                # the symmetric tile's minimum per scale: Q4_0's w = d (q - 8) = d q + (-8 d)
+# The 6-bit tile (Q6_K): per block of 16 outputs and 32 inputs, sc[2][16] int8 (a scale per 16 inputs), the low
+# nibbles of q as pack_w4a8's (256 bytes), then their top 2 bits (128 bytes: byte 4l + k of vector v holds steps
+# 4v .. 4v + 3 at bits 0, 2, 4, 6); per 8 such blocks (Q6_K's super-block of 256 inputs) d[16] float16 first.
+Q6_SC_BYTES = 2 * BLOCK
+Q6_GROUP_BYTES = Q6_SC_BYTES + GROUP * BLOCK // 2 + GROUP * BLOCK // 4      # 416 bytes per 512 weights
+Q6_SUPER = 8                                                                # blocks of 32 per super-block of 256
+Q6_SUPER_BYTES = BLOCK * 2 + Q6_SUPER * Q6_GROUP_BYTES                      # 3360: 6.5625 bits a weight
+Q6_OFFSET = 32                                                              # Q6_K's w = d sc (q - 32)
 _I1, _I8, _I16, _I32 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32)
 _F32 = ir.FloatType()
 
@@ -171,9 +186,15 @@ def _plan(R: int, C: int, v: int, regs: int, extra: int) -> tuple[int, int]:
     return max(fits or [(1, 1)], key=lambda rc: (rc[0] * rc[1], -abs(rc[0] - rc[1])))
 
 
-def make_w4a8_tile(R: int, C: int, name: str | None = None, whole_bytes: bool = False):
+def make_w4a8_tile(R: int, C: int, name: str | None = None, whole_bytes: bool = False, symmetric: bool = False,
+                   six_bits: bool = False):
     """An R x C W4A8 tile, or with whole_bytes the byte tile (weights 0..255, matmul.pack_b8a8's layout: 576 bytes per
-    block of 16 outputs and 32 inputs, the 8 steps a byte each): tile(x, x_off, x_stride, w, w_off, w_stride, nb, sx,
+    block of 16 outputs and 32 inputs, the 8 steps a byte each), or with symmetric the nibble tile without a minimum
+    (matmul.pack_s4a8: 288 bytes, d[16] and no m, which the tile forms as d * MIN_PER_D: exact, a power of two, so
+    the same float32 m, and the same bits, as the tile that reads m = -8 d from memory), or with six_bits the Q6_K
+    tile (matmul.pack_q6a8: Q6_SUPER_BYTES per block of 16 outputs and 256 inputs; per block of 32 inputs the
+    integer sum sc0 (dot0 - 32 S0) + sc1 (dot1 - 32 S1) over its two halves of 16, S_h the half's activation sum
+    (xs: int32 [rows, 2 nb]), then float32(sum) * (d * sx): quant.matmul_reference_q6): tile(x, x_off, x_stride, w, w_off, w_stride, nb, sx,
     xs, s_off, s_stride, out, o_off, o_stride). x: the int8 activations' bytes (row r at byte x_off + r*x_stride; signed, not the + 128 of the
     other kinds' tiles: so a row's 4 bytes go from memory straight into the broadcast, which vpdpbusd takes as its
     memory operand, where a flip of the sign bits first cost a third of the inner loop's instructions; the caller
@@ -185,8 +206,16 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None, whole_bytes: bool = 
     parts, nl = 64 // vb, vb // 4
     bytes_t, lanes_t, float_t = ir.VectorType(_I8, vb), ir.VectorType(_I32, nl), ir.VectorType(_F32, nl)
     half_t = ir.VectorType(_I16, nl)
-    acc_t, extra, setup, per_row, step, finish = _step(name, vb, whole_bytes)
-    group_bytes = BYTE_GROUP_BYTES if whole_bytes else GROUP_BYTES
+    # six_bits: q is 0..63, whole bytes to the step (avx2's 16-bit pairs would overflow over 4 steps: split there)
+    acc_t, extra, setup, per_row, step, finish = _step(name, vb, whole_bytes or six_bits)
+    assert whole_bytes + symmetric + six_bits <= 1, "one tile at a time"
+    group_bytes = (BYTE_GROUP_BYTES if whole_bytes else SYM_GROUP_BYTES if symmetric else
+                   Q6_GROUP_BYTES if six_bits else GROUP_BYTES)
+    scale_bytes = SYM_SCALE_BYTES if symmetric else Q6_SC_BYTES if six_bits else SCALE_BYTES
+    # the lines a block's prefetch touches: every 64 bytes, and the last byte (288 is not a whole number of lines);
+    # the 6-bit tile's from its super-block's d on (32 bytes before its first block)
+    lines = sorted(set(range(-32 if six_bits else 0, group_bytes, 64)) | {group_bytes - 1})
+    crumb_mask = ir.Constant(bytes_t, [ir.Constant(_I8, 3)] * vb)
     # live registers: the accumulators (a split step's are two registers wide), 2 activation broadcasts per row, one
     # weight vector and its nibbles, the mask
     acc_regs = 64 // vb * (acc_t.count * acc_t.element.width) // (8 * vb)
@@ -221,10 +250,23 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None, whole_bytes: bool = 
                 return builder.load(builder.bitcast(builder.gep(w_cols[c], [off]), bytes_t.as_pointer()), align=1)
 
             def weights(j, c, p, base):                         # steps 2j and 2j + 1 of part p of block c: [(0,
-                if whole_bytes:                                 # q), (1, q)], a vector each
+                if six_bits:                                    # q), (1, q)], a vector each
+                    v = load_bytes(c, builder.add(base, builder.add(builder.mul(j, k(64)), k(scale_bytes + vb * p))))
+                    top = load_bytes(c, builder.add(base, builder.add(builder.mul(builder.lshr(j, k(1)), k(64)),
+                                                                      k(scale_bytes + 256 + vb * p))))
+                    shift = builder.trunc(builder.mul(builder.and_(j, k(1)), k(4)), _I8)   # steps 2j, 2j+1's bits
+                    sv = builder.shuffle_vector(builder.insert_element(ir.Constant(bytes_t, None), shift,
+                                                                       ir.Constant(_I32, 0)),
+                                                ir.Constant(bytes_t, None), ir.Constant(ir.VectorType(_I32, vb), None))
+                    top = builder.lshr(top, sv)
+                    hi0 = builder.shl(builder.and_(top, crumb_mask), four)
+                    hi1 = builder.shl(builder.and_(builder.lshr(top, ir.Constant(bytes_t, [ir.Constant(_I8, 2)] * vb)),
+                                                   crumb_mask), four)
+                    return [(0, builder.or_(builder.and_(v, low), hi0)), (1, builder.or_(builder.lshr(v, four), hi1))]
+                if whole_bytes:
                     return [(half, load_bytes(c, builder.add(base, builder.add(
-                        builder.mul(j, k(128)), k(SCALE_BYTES + 64 * half + vb * p))))) for half in (0, 1)]
-                v = load_bytes(c, builder.add(base, builder.add(builder.mul(j, k(64)), k(SCALE_BYTES + vb * p))))
+                        builder.mul(j, k(128)), k(scale_bytes + 64 * half + vb * p))))) for half in (0, 1)]
+                v = load_bytes(c, builder.add(base, builder.add(builder.mul(j, k(64)), k(scale_bytes + vb * p))))
                 return [(0, builder.and_(v, low)), (1, builder.and_(builder.lshr(v, four), low))]
 
             def bcast(value):                                   # one float in every lane
@@ -235,18 +277,11 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None, whole_bytes: bool = 
                 for r0 in range(0, R, rs):
                     sub_r, sub_c = range(r0, min(R, r0 + rs)), range(c0, min(C, c0 + cs))
 
-                    def one_block(b, first):                    # input block b (first: b == 0, an i1)
-                        base = builder.mul(b, k(group_bytes))
-                        if r0 == 0:                             # the next tile's lines of this block, into L2
-                            for c in sub_c:
-                                for line in range(0, group_bytes, 64):
-                                    ahead = builder.gep(w_cols[c], [builder.add(base, builder.add(next_tile, k(line)))])
-                                    builder.call(prefetch, [ahead] + [ir.Constant(_I32, a) for a in (0, 2, 1)])
+                    def pair_loop(b, base, keys, first_pair, n_pairs):   # the pairs' multiply-adds -> sums
                         zero = ir.Constant(acc_t, [ir.Constant(acc_t.element, 0)] * acc_t.count)
-                        keys = [(r, c, p) for r in sub_r for c in sub_c for p in range(parts)]
                         slot = {key: cgutils.alloca_once_value(builder, zero) for key in keys}  # (LLVM: registers)
-                        with cgutils.for_range(builder, _opaque(builder, k(GROUP // 8))) as pairs:  # see _opaque
-                            j = pairs.index                     # the pair of 4-input steps 2j, 2j + 1
+                        with cgutils.for_range(builder, _opaque(builder, k(n_pairs))) as pairs:  # see _opaque
+                            j = builder.add(pairs.index, k(first_pair))   # the pair of 4-input steps 2j, 2j + 1
                             acc = {key: builder.load(slot[key]) for key in keys}
                             xv = {}                             # each row's 4 bytes of steps 2j and 2j + 1
                             for r in sub_r:
@@ -265,15 +300,38 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None, whole_bytes: bool = 
                                             acc[r, c, p] = step(builder, st, acc[r, c, p], qv, xv[r, half])
                             for key in keys:
                                 builder.store(acc[key], slot[key])
-                        acc = {key: builder.load(slot[key]) for key in keys}
+                        return {key: builder.load(slot[key]) for key in keys}
+
+                    def block_base(b):                          # block b's first byte within its output block
+                        if not six_bits:
+                            return builder.mul(b, k(group_bytes))
+                        sup = builder.udiv(b, k(Q6_SUPER))
+                        return builder.add(builder.mul(sup, k(Q6_SUPER_BYTES)), builder.add(
+                            k(2 * BLOCK), builder.mul(builder.urem(b, k(Q6_SUPER)), k(group_bytes))))
+
+                    def one_block(b, first):                    # input block b (first: b == 0, an i1)
+                        base = block_base(b)
+                        if r0 == 0:                             # the next tile's lines of this block, into L2
+                            for c in sub_c:
+                                for line in lines:
+                                    ahead = builder.gep(w_cols[c], [builder.add(base, builder.add(next_tile, k(line)))])
+                                    builder.call(prefetch, [ahead] + [ir.Constant(_I32, a) for a in (0, 2, 1)])
+                        keys = [(r, c, p) for r in sub_r for c in sub_c for p in range(parts)]
+                        if six_bits:
+                            six_bit_block(b, first, base, keys)
+                            return
+                        acc = pair_loop(b, base, keys, 0, GROUP // 8)
                         for c in sub_c:                                     # the block's scales, as float32
                             dm = {}
                             for p in range(parts):
-                                for which in (0, 1):                        # d, then m
+                                for which in ((0,) if symmetric else (0, 1)):    # d, then m
                                     off = builder.add(base, k(which * 2 * BLOCK + 2 * nl * p))
                                     h = builder.load(builder.bitcast(builder.gep(w_cols[c], [off]),
                                                                      half_t.as_pointer()), align=1)
                                     dm[p, which] = _half_to_float(builder, h, nl, name != "generic")
+                                if symmetric:                               # m = -8 d, exact in float32
+                                    dm[p, 1] = builder.fmul(dm[p, 0], ir.Constant(float_t, [ir.Constant(
+                                        _F32, MIN_PER_D)] * nl))
                             for r in sub_r:
                                 s_at = builder.add(s_rows[r], b)
                                 sxv = bcast(builder.load(builder.gep(sx_base, [s_at])))
@@ -282,6 +340,36 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None, whole_bytes: bool = 
                                     dot = builder.sitofp(finish(builder, st, acc[r, c, p]), float_t)
                                     t = builder.fadd(builder.fmul(dot, builder.fmul(dm[p, 0], sxv)),
                                                      builder.fmul(dm[p, 1], xsv))
+                                    add_to_out(builder, out_rows[r], k(BLOCK * c + nl * p), t, first)
+
+                    def six_bit_block(b, first, base, keys):    # Q6_K: each half of 16 inputs by its own scale
+                        ibcast = lambda v: builder.shuffle_vector(builder.insert_element(   # noqa: E731
+                            ir.Constant(lanes_t, None), v, ir.Constant(_I32, 0)), ir.Constant(lanes_t, None),
+                            ir.Constant(lanes_t, None))
+                        total = {}
+                        for h in (0, 1):                        # steps 0-3, then 4-7: one loop of 2 pairs each
+                            acc = pair_loop(b, base, keys, 2 * h, GROUP // 16)
+                            for c in sub_c:
+                                sc = {p: builder.sext(builder.load(builder.bitcast(builder.gep(
+                                    w_cols[c], [builder.add(base, k(h * BLOCK + nl * p))]),
+                                    ir.VectorType(_I8, nl).as_pointer()), align=1), lanes_t) for p in range(parts)}
+                                for r in sub_r:                 # the half's sum of the row's activations, x 32
+                                    s_at = builder.add(builder.mul(builder.add(s_rows[r], b), k(2)), k(h))
+                                    off = ibcast(builder.shl(builder.load(builder.gep(xs_base, [s_at])),
+                                                             ir.Constant(_I32, 5)))
+                                    for p in range(parts):
+                                        v = builder.mul(sc[p], builder.sub(finish(builder, st, acc[r, c, p]), off))
+                                        total[r, c, p] = v if h == 0 else builder.add(total[r, c, p], v)
+                        d_at = builder.sub(base, builder.add(k(2 * BLOCK), builder.mul(
+                            builder.urem(b, k(Q6_SUPER)), k(group_bytes))))  # the super-block's d[16]
+                        for c in sub_c:
+                            dv = {p: _half_to_float(builder, builder.load(builder.bitcast(builder.gep(
+                                w_cols[c], [builder.add(d_at, k(2 * nl * p))]), half_t.as_pointer()), align=1), nl,
+                                name != "generic") for p in range(parts)}
+                            for r in sub_r:
+                                sxv = bcast(builder.load(builder.gep(sx_base, [builder.add(s_rows[r], b)])))
+                                for p in range(parts):
+                                    t = builder.fmul(builder.sitofp(total[r, c, p], float_t), builder.fmul(dv[p], sxv))
                                     add_to_out(builder, out_rows[r], k(BLOCK * c + nl * p), t, first)
 
                     for_each_block(builder, nb, one_block)

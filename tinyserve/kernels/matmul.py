@@ -12,7 +12,8 @@ Three kernels, one per kind of quantisation in tinyserve.quant:
   per 32, the tile of kernels/int4_dot.py; bit-identical to quant.matmul_reference_w4a8. The same with whole bytes
   (0..255, `pack_b8a8`): the byte tile, which runs the GGUF formats of 5 to 8 bits (quant.py's "gguf" mode).
 
-Inside, a packed matrix is one of four NamedTuples, W8A8Weights, W8A32Weights, W4A8Weights and B8A8Weights: its class is its
+Inside, a packed matrix is one of six NamedTuples, W8A8Weights, W8A32Weights, W4A8Weights, S4A8Weights (W4A8's
+nibbles without the minimum, for Q4_0), Q6A8Weights (Q6_K's own blocks) and B8A8Weights: its class is its
 kind, and the kind picks the tile when Numba compiles a matmul. Every kind is walked by the same two drivers
 (`matmul_items`, `matmul_blocks`, at the end of this file) over work items of (a tile of rows, a group of 64 output
 channels), so one weight group is read from memory once per tile of rows and stays in cache while the other rows'
@@ -27,7 +28,8 @@ import numpy as np
 from numba import njit, prange
 from numba.extending import overload
 
-from .int4_dot import BYTE_GROUP_BYTES, GROUP, GROUP_BYTES, make_w4a8_tile
+from .int4_dot import (BYTE_GROUP_BYTES, GROUP, GROUP_BYTES, Q6_SUPER, Q6_SUPER_BYTES, SYM_GROUP_BYTES,
+                       make_w4a8_tile)
 from .int8_dot import make_int8_tile
 from .simd import bits_float, float_bits, make_fma_microkernel
 
@@ -113,6 +115,23 @@ class W4A8Weights(NamedTuple):
     scale: np.ndarray      # [0] float32
 
 
+class S4A8Weights(NamedTuple):
+    """Nibble blocks without a minimum (Q4_0: w = d (q - 8), so m = -8 d, which the tile forms from d) times int8
+    activations: the W4A8 tile reading 18 bytes per 32 weights instead of 20 (QuantMode "gguf"). Scales inside w."""
+    w: np.ndarray          # [O/16, D/32, 288] uint8: pack_s4a8
+    blocks: np.ndarray     # [D/32, 0] int32: one activation scale per 32 inputs
+    scale: np.ndarray      # [0] float32
+
+
+class Q6A8Weights(NamedTuple):
+    """Q6_K's own blocks (6-bit q with offset 32, an int8 scale per 16 inputs, a float16 d per 256) times int8
+    activations per 32: the 6-bit tile (int4_dot.make_w4a8_tile(six_bits=True)), 6.5625 bits a weight as the file
+    has them. Scales inside w."""
+    w: np.ndarray          # [O/16, D/256, 3360] uint8: pack_q6a8
+    blocks: np.ndarray     # [D/32, 0] int32: one activation scale per 32 inputs
+    scale: np.ndarray      # [0] float32
+
+
 class B8A8Weights(NamedTuple):
     """Whole-byte weights (0..255, a float16 scale and minimum per 32 inputs: w = d * q + m) times int8 activations:
     the GGUF formats of 5 to 8 bits (QuantMode "gguf"), the W4A8 tile's arithmetic on bytes. Scales inside w."""
@@ -124,6 +143,16 @@ class B8A8Weights(NamedTuple):
 def b8a8_weights(wp: np.ndarray) -> B8A8Weights:
     """pack_b8a8's bytes [O/16, D/32, 576] as the byte kind."""
     return B8A8Weights(wp, act_blocks_of(wp.shape[1]), np.zeros(0, np.float32))
+
+
+def q6a8_weights(wp: np.ndarray) -> Q6A8Weights:
+    """pack_q6a8's bytes [O/16, D/256, 3360] as the 6-bit kind."""
+    return Q6A8Weights(wp, act_blocks_of(wp.shape[1] * Q6_SUPER), np.zeros(0, np.float32))
+
+
+def s4a8_weights(wp: np.ndarray) -> S4A8Weights:
+    """pack_s4a8's bytes [O/16, D/32, 288] as the symmetric nibble kind."""
+    return S4A8Weights(wp, act_blocks_of(wp.shape[1]), np.zeros(0, np.float32))
 
 
 def w4a8_weights(wp: np.ndarray) -> W4A8Weights:
@@ -370,6 +399,10 @@ def matmul_w8a32(x: np.ndarray, wp: np.ndarray, sw: np.ndarray, out: np.ndarray 
 _q4_RC, _q4_1C, _q4_11 = make_w4a8_tile(ROWS, COLS), make_w4a8_tile(1, COLS), make_w4a8_tile(1, 1)
 _b8_RC, _b8_1C, _b8_11 = (make_w4a8_tile(ROWS, COLS, whole_bytes=True), make_w4a8_tile(1, COLS, whole_bytes=True),
                           make_w4a8_tile(1, 1, whole_bytes=True))
+_s4_RC, _s4_1C, _s4_11 = (make_w4a8_tile(ROWS, COLS, symmetric=True), make_w4a8_tile(1, COLS, symmetric=True),
+                          make_w4a8_tile(1, 1, symmetric=True))
+_q6_RC, _q6_1C, _q6_11 = (make_w4a8_tile(ROWS, COLS, six_bits=True), make_w4a8_tile(1, COLS, six_bits=True),
+                          make_w4a8_tile(1, 1, six_bits=True))
 
 
 def _block_steps(q: np.ndarray, d: np.ndarray, m: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
@@ -391,6 +424,36 @@ def pack_w4a8(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
     steps, scales = _block_steps(np.asarray(q, np.uint8), d, m, "pack_w4a8")
     nibbles = steps[:, :, 0::2] | (steps[:, :, 1::2] << 4)                      # [O/16, D/32, 4, 64]
     return np.ascontiguousarray(np.concatenate([scales, nibbles.reshape(*scales.shape[:2], -1)], axis=2))
+
+
+def pack_s4a8(q: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """q [D, O] uint8 (0..15), d [D/32, O] (float16 values) of blocks whose minimum is -8 d (Q4_0) -> [O/16, D/32,
+    288] uint8: pack_w4a8's layout without m (the symmetric tile forms it from d: int4_dot.MIN_PER_D)."""
+    steps, scales = _block_steps(np.asarray(q, np.uint8), d, d, "pack_s4a8")
+    nibbles = steps[:, :, 0::2] | (steps[:, :, 1::2] << 4)                      # [O/16, D/32, 4, 64]
+    return np.ascontiguousarray(np.concatenate([scales[:, :, :2 * BLOCK], nibbles.reshape(*scales.shape[:2], -1)],
+                                               axis=2))
+
+
+def pack_q6a8(q: np.ndarray, sc: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """Q6_K's blocks: q [D, O] uint8 (0..63, the offset 32 not taken off), sc [D/16, O] int8, d [D/256, O] (float16
+    values) -> [O/16, D/256, 3360] uint8: per block of 16 outputs and super-block of 256 inputs, d[16] as float16,
+    then per block of 32 inputs (int4_dot.Q6_GROUP_BYTES): sc[2][16], the low nibbles as pack_w4a8's, the top 2 bits
+    (steps 4v .. 4v + 3 in the 4 bit pairs of vector v's bytes)."""
+    q = np.asarray(q, np.uint8)
+    D, O = q.shape
+    if D % (GROUP * Q6_SUPER) or O % BLOCK:
+        raise ValueError(f"pack_q6a8 needs D % 256 == 0 and O % {BLOCK} == 0, got a [{D}, {O}] matrix")
+    nb, nc = D // GROUP, O // BLOCK
+    steps = pack_vnni(q.view(np.int8)).view(np.uint8).reshape(nc, nb, GROUP // 4, 4 * BLOCK)   # [c, b, 8, 64]
+    nibbles = (steps[:, :, 0::2] & 15) | ((steps[:, :, 1::2] & 15) << 4)                     # [c, b, 4, 64]
+    top = steps >> 4                                                                        # 0..3
+    crumbs = top[:, :, 0::4] | (top[:, :, 1::4] << 2) | (top[:, :, 2::4] << 4) | (top[:, :, 3::4] << 6)  # [c, b, 2, 64]
+    scb = np.asarray(sc, np.int8).reshape(nb, 2, nc, BLOCK).transpose(2, 0, 1, 3).view(np.uint8)        # [c, b, 2, 16]
+    groups = np.concatenate([scb.reshape(nc, nb, -1), nibbles.reshape(nc, nb, -1), crumbs.reshape(nc, nb, -1)],
+                            axis=2).reshape(nc, nb // Q6_SUPER, -1)                        # [c, D/256, 8 * 416]
+    dh = np.ascontiguousarray(np.asarray(d, np.float32).astype(np.float16).reshape(-1, nc, BLOCK).transpose(1, 0, 2))
+    return np.ascontiguousarray(np.concatenate([dh.view(np.uint8), groups], axis=2))
 
 
 def pack_b8a8(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
@@ -435,6 +498,46 @@ def w4a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc):
 
 
 @njit(cache=True, inline="always")
+def s4a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc):
+    """w4a8_tile with the symmetric nibble tile (S4A8Weights)."""
+    nb = D // GROUP
+    step = nb * SYM_GROUP_BYTES
+    CB = COLS * BLOCK
+    sf, xsf = sx.ravel(), xs.ravel()
+    if nr == ROWS and nc == COLS:
+        _s4_RC(xf, r0 * D, D, wf, b0 * step, step, nb, sf, xsf, r0 * nb, nb, acc, 0, CB)
+    elif nc == COLS:
+        for r in range(nr):
+            _s4_1C(xf, (r0 + r) * D, D, wf, b0 * step, step, nb, sf, xsf, (r0 + r) * nb, nb, acc, r * CB, CB)
+    else:
+        for r in range(nr):
+            for c in range(nc):
+                _s4_11(xf, (r0 + r) * D, D, wf, (b0 + c) * step, step, nb, sf, xsf, (r0 + r) * nb, nb, acc,
+                       r * CB + c * BLOCK, CB)
+    _store_tile(acc, out, accumulate, r0, nr, b0, nc)
+
+
+@njit(cache=True, inline="always")
+def q6a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc):
+    """w4a8_tile with the 6-bit tile (Q6A8Weights); xs: each row's int32 activation sums per 16 [T, D/16]."""
+    nb = D // GROUP
+    step = nb // Q6_SUPER * Q6_SUPER_BYTES
+    CB = COLS * BLOCK
+    sf, xsf = sx.ravel(), xs.ravel()
+    if nr == ROWS and nc == COLS:
+        _q6_RC(xf, r0 * D, D, wf, b0 * step, step, nb, sf, xsf, r0 * nb, nb, acc, 0, CB)
+    elif nc == COLS:
+        for r in range(nr):
+            _q6_1C(xf, (r0 + r) * D, D, wf, b0 * step, step, nb, sf, xsf, (r0 + r) * nb, nb, acc, r * CB, CB)
+    else:
+        for r in range(nr):
+            for c in range(nc):
+                _q6_11(xf, (r0 + r) * D, D, wf, (b0 + c) * step, step, nb, sf, xsf, (r0 + r) * nb, nb, acc,
+                       r * CB + c * BLOCK, CB)
+    _store_tile(acc, out, accumulate, r0, nr, b0, nc)
+
+
+@njit(cache=True, inline="always")
 def b8a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc):
     """w4a8_tile with the byte tile (B8A8Weights)."""
     nb = D // GROUP
@@ -457,12 +560,15 @@ def b8a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc):
 def matmul_w4a8(xu: np.ndarray, sx: np.ndarray, wp: np.ndarray, out: np.ndarray | None = None,
                 accumulate: bool = False) -> np.ndarray:
     """xu [T, D] uint8 (+128), sx [T, D/32] (one scale per block of 32 inputs), wp = pack_w4a8(q, d, m) -> [T, O];
-    or wp = pack_b8a8(q, d, m) (its last axis 576 bytes, not 320): the byte tile."""
+    or wp = pack_b8a8(q, d, m) (its last axis 576 bytes, not 320): the byte tile; or pack_s4a8(q, d) (288): the
+    symmetric nibble tile; or pack_q6a8(q, sc, d) (3360 per 256 inputs): the 6-bit tile."""
     T, D = xu.shape
     if out is None:
         out = np.empty((T, wp.shape[0] * BLOCK), np.float32)
     sx = np.ascontiguousarray(sx, np.float32).reshape(T, D // GROUP)
-    wt = b8a8_weights(wp) if wp.shape[-1] == BYTE_GROUP_BYTES else w4a8_weights(wp)
+    kinds = {BYTE_GROUP_BYTES: b8a8_weights, SYM_GROUP_BYTES: s4a8_weights, GROUP_BYTES: w4a8_weights,
+             Q6_SUPER_BYTES: q6a8_weights}
+    wt = kinds[wp.shape[-1]](wp)
     _matmul_int8(wt, xu, sx, out, accumulate)
     return out
 
@@ -508,8 +614,9 @@ def _layer(wt, i):
 
 def _kind(wt):
     kind = getattr(wt, "instance_class", None)
-    if kind not in (W8A8Weights, W8A32Weights, W4A8Weights, B8A8Weights):
-        raise TypeError(f"the matmuls take W8A8Weights, W8A32Weights, W4A8Weights or B8A8Weights, not {wt}")
+    if kind not in (W8A8Weights, W8A32Weights, W4A8Weights, S4A8Weights, Q6A8Weights, B8A8Weights):
+        raise TypeError(f"the matmuls take W8A8Weights, W8A32Weights, W4A8Weights, S4A8Weights, Q6A8Weights or "
+                        f"B8A8Weights, not {wt}")
     return kind
 
 
@@ -551,6 +658,8 @@ def _tile_inputs_of_kind(wt, xu, sx):
         return lambda wt, xu, sx: (xu, sx)
     if kind is W8A8Weights:
         return lambda wt, xu, sx: signed_and_sums(xu, sx.shape[1])
+    if kind is Q6A8Weights:                          # the integer sums per 16 (the halves Q6_K's scales cover)
+        return lambda wt, xu, sx: signed_and_sums(xu, 2 * sx.shape[1])
 
     def scaled_sums(wt, xu, sx):
         xi, sums = signed_and_sums(xu, sx.shape[1])
@@ -567,6 +676,12 @@ def _tile_of_kind(wt, wf, xf, sx, xs, out, accumulate, D, r0, nr, b0, nc, acc):
     elif kind is W4A8Weights:
         def tile(wt, wf, xf, sx, xs, out, accumulate, D, r0, nr, b0, nc, acc):
             w4a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc)
+    elif kind is S4A8Weights:
+        def tile(wt, wf, xf, sx, xs, out, accumulate, D, r0, nr, b0, nc, acc):
+            s4a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc)
+    elif kind is Q6A8Weights:
+        def tile(wt, wf, xf, sx, xs, out, accumulate, D, r0, nr, b0, nc, acc):
+            q6a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc)
     elif kind is B8A8Weights:
         def tile(wt, wf, xf, sx, xs, out, accumulate, D, r0, nr, b0, nc, acc):
             b8a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc)
