@@ -3,8 +3,9 @@
 A variant is chosen once per process (TINYSERVE_KERNELS), so each runs in a process of its own, compiled for
 exactly its features (an AVX-512 machine runs the avx2 tiles with AVX-512 switched off) and cached in its own
 folder. What must hold on every variant:
-- W8A8 matmuls (a scale per row, and per 64 activations), W4A8 ones (Q4_1 weights, a scale per 32) and the byte
-  tile's (quant "gguf": whole-byte weights, a scale and a minimum per 32) are
+- W8A8 matmuls (a scale per row, and per 64 activations), W4A8 ones (Q4_1 weights, a scale per 32), the byte
+  tile's (quant "gguf": whole-byte weights, a scale and a minimum per 32), the nibble tile's without a minimum
+  (Q4_0) and the 6-bit tile's (Q6_K's blocks) are
   bit-identical to the NumPy reference (integer sums; the tile's activation offset is undone exactly), at shapes
   that exercise full tiles, one-row tiles and ragged edges;
 - W8A32 matmuls are within the stated tolerance of the reference, and bit-identical to this process's variant:
@@ -35,7 +36,7 @@ SCRIPT = textwrap.dedent("""
     from tinyserve import backend, kv_cache, naive, quant
     from tinyserve.kernels import isa
     from tinyserve.kernels.matmul import (block_sums, matmul_w4a8, matmul_w8a8, matmul_w8a32, pack_b8a8, pack_vnni,
-                                          pack_w4a8, pack_w8a32, quantize_rows)
+                                          pack_q6a8, pack_s4a8, pack_w4a8, pack_w8a32, quantize_rows)
     from tinyserve.sampling import SamplingParams
 
     out = {"variant": np.array(isa.NAME)}
@@ -65,8 +66,21 @@ SCRIPT = textwrap.dedent("""
             b8.q[0] = 255                                                # the largest byte, against the outlier
             out[f"b8a8_{T}_{D}_{O}"] = matmul_w4a8(xu, sx, pack_b8a8(b8.q, b8.d, b8.m))
             out[f"b8a8_ref_{T}_{D}_{O}"] = quant.matmul_reference_w4a8(x, b8)
+            d4 = (rng.random((D // 32, O)) * 0.1).astype(np.float16).astype(np.float32)   # Q4_0: m = -8 d
+            s4 = quant.S4Linear(rng.integers(0, 16, (D, O)).astype(np.uint8), d4, np.float32(-8) * d4)
+            out[f"s4a8_{T}_{D}_{O}"] = matmul_w4a8(xu, sx, pack_s4a8(s4.q, s4.d))   # the nibble tile without m
+            out[f"s4a8_ref_{T}_{D}_{O}"] = quant.matmul_reference_w4a8(x, s4)
         out[f"w8a32_{T}_{D}_{O}"] = matmul_w8a32(x, pack_w8a32(q.wq), q.scale)
         out[f"w8a32_ref_{T}_{D}_{O}"] = quant.matmul_reference(x, quant.QuantizedLinear(q.wq, q.scale, "int8"))
+    for T, D, O in ((1, 256, 48), (5, 512, 32)):                       # the 6-bit tile: Q6_K's blocks of 256
+        x = rng.standard_normal((T, D)).astype(np.float32)
+        q6 = quant.Q6Linear(rng.integers(0, 64, (D, O)).astype(np.uint8),
+                            rng.integers(-128, 128, (D // 16, O)).astype(np.int8),
+                            (rng.random((D // 256, O)) * 0.01).astype(np.float16).astype(np.float32))
+        xu, sx = np.empty(x.shape, np.uint8), np.empty((T, D // 32), np.float32)
+        quantize_rows(x, xu, sx)
+        out[f"q6a8_{T}_{D}_{O}"] = matmul_w4a8(xu, sx, pack_q6a8(q6.q, q6.sc, q6.d))
+        out[f"q6a8_ref_{T}_{D}_{O}"] = quant.matmul_reference_q6(x, q6)
     prompt = [5, 17, 99, 3, 42, 250, 7, 7, 128]
     for mode in ("int8", "w8a8", "w8a8-64", "w4a8", "gguf"):
         tiny = ts.tiny_model(seed=0, **({"dim": 128, "intermediate_size": 192} if mode == "w8a8-64" else {}))
@@ -153,7 +167,7 @@ def test_variant_is_exact_and_agrees_with_this_cpus_own(variant, native):
     for key in (k for k in got if k.startswith("w8a8_") and "_ref_" not in k):
         ref = got[key.replace("w8a8_", "w8a8_ref_", 1)]
         assert np.array_equal(got[key], ref), f"{variant}: W8A8 {key} not bit-exact: max {np.abs(got[key] - ref).max()}"
-    for kind in ("w4a8", "b8a8"):     # the nibble tile and the byte tile
+    for kind in ("w4a8", "b8a8", "s4a8", "q6a8"):     # the nibble tile, the byte tile, nibbles without m, 6 bits
         for key in (k for k in got if k.startswith(kind + "_") and "_ref_" not in k):
             ref = got[key.replace(kind + "_", kind + "_ref_", 1)]
             assert np.array_equal(got[key], ref), f"{variant}: {key} not bit-exact: max {np.abs(got[key] - ref).max()}"
