@@ -40,7 +40,7 @@ from . import block_decode, block_layer
 from .forward import _pack
 from .layer import lm_head
 from .matmul import BLOCK, W8A32Weights, matmul_items, matmul_w8a32, quantize_rows
-from .spin import FAILED, HAS_CLOCK, SYNC_SIZE, TIMEOUT_CYCLES
+from .spin import FAILED, SYNC_SIZE, TIMEOUT_CYCLES, regions_can_run
 
 NONE = np.zeros(0, np.float32)     # a switch that is off: block_layer reads an empty weight as "not there"
 
@@ -172,14 +172,7 @@ threads = numba.get_num_threads          # how many threads a region starts (a t
 def block_decode_usable(T: int, logit_rows) -> bool:
     """Can these T rows run as kernels/block_decode.py's regions? Few rows that all need logits (a decode step),
     on the `omp` threading layer (the only one whose threads of a parallel loop run at once, as a barrier needs)."""
-    if _regions_disabled is not None or not HAS_CLOCK or not 1 <= T < block_layer.ROW_LOOPS_PARALLEL_FROM:
-        return False
-    if logit_rows is not None and (len(logit_rows) != T or np.any(np.asarray(logit_rows) != np.arange(T))):
-        return False
-    try:
-        return numba.threading_layer() == "omp"
-    except ValueError:                     # no parallel kernel has run yet: the layer is not chosen
-        return False
+    return _regions_disabled is None and 1 <= T < block_layer.ROW_LOOPS_PARALLEL_FROM and regions_can_run(T, logit_rows)
 
 
 def _decode_regions(model, fused: list[FusedLayer], head, x, cos_g, sin_g, cos_l, sin_l, gu, u, attention):

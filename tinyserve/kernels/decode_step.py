@@ -63,7 +63,7 @@ from .layer import _rms_norm_quant_row, _rms_norm_row, _swiglu_row
 from .simd import prefetch_l2
 from .matmul import (BLOCK, COLS, ROWS, B8A8Weights, Q6A8Weights, S4A8Weights, W4A8Weights, W8A8Weights,
                      W8A32Weights, _layer, _quantize_row, matmul_blocks, rope_head, thread_share)
-from .spin import FAILED, HAS_CLOCK, SYNC_SIZE, TIMEOUT_CYCLES, barrier
+from .spin import FAILED, SYNC_SIZE, TIMEOUT_CYCLES, barrier, regions_can_run
 
 # rows per fused step: four weight tiles' worth (matmul.ROWS = 4 rows a tile), so that decode at batch 16 and a
 # speculative verify of k <= 15 drafts (k + 1 rows) run fused. The fused step's lead over the three-call path shrinks
@@ -387,15 +387,10 @@ def usable(T: int, layout: KVLayout | None, logit_rows) -> bool:
     """Can this step run fused? A decode-only step (one row per sequence) of at most MAX_ROWS rows that needs the
     logits of every row, with a KVLayout, on the `omp` threading layer (the only one that runs the threads of
     a parallel loop at the same time, which a barrier needs)."""
-    if layout is None or _switched_off or _disabled_reason is not None or not HAS_CLOCK or not 1 <= T <= MAX_ROWS \
+    if layout is None or _switched_off or _disabled_reason is not None or not 1 <= T <= MAX_ROWS \
             or len(layout.context_lens) != T:
         return False
-    if logit_rows is not None and (len(logit_rows) != T or np.any(np.asarray(logit_rows) != np.arange(T))):
-        return False
-    try:
-        return numba.threading_layer() == "omp"
-    except ValueError:                     # no parallel kernel has run yet: the layer is not chosen
-        return False
+    return regions_can_run(T, logit_rows)
 
 
 def decode_step(model, tokens: np.ndarray, layout: KVLayout) -> np.ndarray | None:

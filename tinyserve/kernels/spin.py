@@ -27,6 +27,9 @@ from __future__ import annotations
 
 import platform
 
+import numba
+import numpy as np
+
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
@@ -150,3 +153,17 @@ def barrier(sync, n_threads, timeout_cycles):
             atomic_store(sync, FAILED, 1)
             return False
     return True
+
+
+def regions_can_run(T: int, logit_rows) -> bool:
+    """Can a step of T rows run as parallel regions meeting at `barrier`? Only when every row needs logits (a
+    decode step: logit_rows None or 0..T-1), the deadline has a clock, and on the `omp` threading layer (the only
+    one that runs the threads of a parallel loop at the same time, which a barrier needs)."""
+    if not HAS_CLOCK:
+        return False
+    if logit_rows is not None and (len(logit_rows) != T or np.any(np.asarray(logit_rows) != np.arange(T))):
+        return False
+    try:
+        return numba.threading_layer() == "omp"
+    except ValueError:                     # no parallel kernel has run yet: the layer is not chosen
+        return False
