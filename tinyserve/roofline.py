@@ -3,12 +3,13 @@
 Started in lesson 3 with the KV cache and attention (functions of a ModelConfig, shapes in the legend of
 config.py); lesson 6 adds the speculative-decoding expectations; lesson 9 the calculator for inference at scale
 (ModelShape, Chip, step time, batch bounds, tensor-parallel traffic), with the chips' datasheet figures and this
-machine's measured ones. Every function counts exactly what it says, so tests check it against hand-computed values.
+machine's measured ones; lesson 11 the bytes of a matrix in a block format. Every function counts exactly what it says, so tests check it against hand-computed values.
 FLOPs count a multiply-add as 2.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from .config import ModelConfig, check_positive_int
 from .measure import time_repeated
@@ -99,6 +100,40 @@ def speculative_best_k(acceptance: float, draft_cost: float, verify_cost: float,
         raise ValueError(f"need draft_cost >= 0 and verify_cost > 0, got {draft_cost!r}, {verify_cost!r}")
     rate = [speculative_tokens_per_step(acceptance, k) / (k * draft_cost + verify_cost) for k in range(k_max + 1)]
     return max(range(k_max + 1), key=rate.__getitem__)
+
+
+# --- weight formats (lesson 11): the bytes of a matrix stored in blocks -------------------------------------------
+# A decode step at batch 1 reads every weight once, so its floor is the weights' bytes, and those depend on the
+# format: each run of `block` weights along a row is `bits`-bit integers plus, once per block, a float16 scale and,
+# in the formats whose integers are unsigned, a float16 minimum. A scale per block is what lets a few bits follow
+# the weights' range along the row; it is also why a "4-bit" format costs 4.5 to 5 bits a weight.
+
+class BlockFormat(NamedTuple):
+    """How a matrix is stored: per run of `block` weights along a row, `block` integers of `bits` bits, a scale of
+    `scale_bytes` and a minimum of `min_bytes` (0: none, the integers are signed around zero)."""
+    name: str
+    block: int
+    bits: int
+    scale_bytes: int
+    min_bytes: int = 0
+
+
+Q8_0 = BlockFormat("Q8_0", 32, 8, 2)                   # GGUF: 32 signed bytes and a float16 scale
+Q5_0 = BlockFormat("Q5_0", 32, 5, 2)
+Q4_0 = BlockFormat("Q4_0", 32, 4, 2)
+Q4_1 = BlockFormat("Q4_1", 32, 4, 2, 2)                # unsigned nibbles: a float16 minimum too
+BYTE_TILE = BlockFormat("byte tile", 32, 8, 2, 2)       # the fast path's bytes 0..255 (quant.B8Linear): scale and minimum
+NIBBLE_TILE = BlockFormat("nibble tile", 32, 4, 2, 2)   # the fast path's nibbles 0..15 (quant.Q4Linear)
+
+
+def matrix_bytes(rows: int, cols: int, fmt: BlockFormat) -> int:
+    """Bytes of a [rows, cols] matrix stored as `fmt`, its blocks running along each row of `cols` weights (an
+    embedding: rows = V tokens, cols = D; a layer's weight: one row per output, its inputs along it)."""
+    check_positive_int("rows", rows, "matrix_bytes")
+    check_positive_int("cols", cols, "matrix_bytes")
+    if cols % fmt.block:
+        raise ValueError(f"matrix_bytes: a row of {cols} weights is not whole blocks of {fmt.block} ({fmt.name})")
+    return rows * (cols // fmt.block) * (fmt.block * fmt.bits // 8 + fmt.scale_bytes + fmt.min_bytes)
 
 
 # --- lesson 9: the calculator for inference at scale -----------------------------------------------------------------

@@ -1,10 +1,11 @@
 """Lesson 11 exercises: a sliding window in the paged engine — which blocks a local layer still reads, giving the
-others back, and attention that sees only the window.
+others back, and attention that sees only the window; and the bytes a decode step reads from the real model's
+262,144-row LM head.
 
 Replace each `raise NotImplementedError(...)`, then run `make check-11`: it runs tests/lessons/test_lesson_11.py
 against this file and tells you, exercise by exercise, what passes. The reference answers are in
-tinyserve/kv_sizing.py (first_live_block), tinyserve/block_manager.py (release_behind_window) and tinyserve/paged.py
-(window_attention): try first, peek later.
+tinyserve/kv_sizing.py (first_live_block), tinyserve/block_manager.py (release_behind_window), tinyserve/paged.py
+(window_attention) and tinyserve/roofline.py (matrix_bytes): try first, peek later.
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import numpy as np
 from tinyserve.kv_sizing import blocks_for  # noqa: F401
 from tinyserve.layers import rectangular_mask, softmax  # noqa: F401
 from tinyserve.paged import BlockAllocator  # noqa: F401
+# The block formats matrix_bytes prices: Q8_0 (Gemma's embedding in its file), the fast path's byte tile, ...
+from tinyserve.roofline import BYTE_TILE, NIBBLE_TILE, Q4_0, Q4_1, Q5_0, Q8_0, BlockFormat  # noqa: F401
 
 
 def first_live_block(num_computed: int, window: int | None, block_size: int) -> int:
@@ -51,3 +54,14 @@ def window_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int) -
     raise NotImplementedError(
         "window_attention: lesson 2's rectangular attention (repeat K/V to N heads, scores [N, m, S], softmax, "
         "times V), with rectangular_mask(m, S, window) as the mask.")
+
+
+def matrix_bytes(rows: int, cols: int, fmt: BlockFormat) -> int:
+    """Bytes of a [rows, cols] matrix stored as `fmt`: every run of fmt.block weights along a row is fmt.block
+    integers of fmt.bits bits, plus one scale (fmt.scale_bytes) and one minimum (fmt.min_bytes, 0 for none) per
+    block. A row of cols weights must be whole blocks: else a ValueError naming the sizes.
+    Gemma's LM head: matrix_bytes(262144, 640, Q8_0) is what the file holds; with BYTE_TILE, what the fast path reads.
+    """
+    raise NotImplementedError(
+        "matrix_bytes: how many blocks in a row (cols // fmt.block), how many bytes one block takes (its integers' "
+        "bits / 8, the scale, the minimum), times the rows.")

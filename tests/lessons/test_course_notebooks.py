@@ -11,9 +11,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BOOKS = {n: next((ROOT / "lessons").glob(f"{n:02d}_*/lesson.ipynb")) for n in range(1, 6)}
-# lessons 6-10 (lesson 7 is two notebooks): the same bandwidth rule; lesson 11 is checked with its own tests
+# lessons 6-11 (lesson 7 is two notebooks): the same bandwidth rule
 LATER = {f"{p.parent.name[:2]}{p.stem[-1] if p.stem[-1] in 'ab' else ''}": p
-         for n in range(6, 11) for p in sorted((ROOT / "lessons").glob(f"{n:02d}_*/lesson*.ipynb"))}
+         for n in range(6, 12) for p in sorted((ROOT / "lessons").glob(f"{n:02d}_*/lesson*.ipynb"))}
 # a lesson may name another bound than the course's bandwidth when its path cannot reach it; it says why in the text
 OTHER_BOUND = {3: "one core"}
 

@@ -1,7 +1,8 @@
-"""Lesson 11 self-checks: which block a local layer still reads, releasing the rest, attention over the window.
+"""Lesson 11 self-checks: which block a local layer still reads, releasing the rest, attention over the window, and
+the bytes of a matrix in a block format (the LM head's share of a decode step).
 
 `make check-11` runs these against lessons/11_second_model/exercises.py; `make test` runs them against tinyserve.
-They need no model: block tables, an allocator and random K/V are enough.
+They need no model: block tables, an allocator, random K/V and small random matrices are enough.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ REFERENCE = {
     "first_live_block": "tinyserve.kv_sizing:first_live_block",
     "release_behind_window": "tinyserve.block_manager:release_behind_window",
     "window_attention": "tinyserve.paged:window_attention",
+    "matrix_bytes": "tinyserve.roofline:matrix_bytes",
 }
 impl = load_impl(11, REFERENCE)
 
@@ -142,3 +144,53 @@ def test_a_decode_row_ignores_keys_behind_the_window():
                                err_msg="the row at 11 sees keys 8..11 only: keys 0..7 must not matter")
     v2[8] += 3
     assert not np.allclose(impl.window_attention(q, k2, v2, 4), base), "key 8 is inside the window: it matters"
+
+
+# --- the bytes of a matrix in a block format -----------------------------------------------------------------
+
+GGUF_FORMATS = ("Q8_0", "Q5_0", "Q4_0", "Q4_1")
+
+
+@pytest.mark.exercise("matrix_bytes")
+def test_gemma_lm_head_in_its_file_and_on_the_byte_tile():
+    from tinyserve.roofline import BYTE_TILE, Q8_0
+    V, D = 262144, 640
+    assert impl.matrix_bytes(V, D, Q8_0) == V * D // 32 * 34, \
+        "Q8_0: 32 weights a block as 32 bytes plus a 2-byte float16 scale, 34 bytes (8.5 bits a weight)"
+    assert impl.matrix_bytes(V, D, BYTE_TILE) == V * D // 32 * 36, \
+        "the byte tile: 32 bytes, a float16 scale and a float16 minimum per 32 weights, 36 bytes"
+
+
+@pytest.mark.exercise("matrix_bytes")
+@settings(CHECKS, max_examples=60)
+@given(rows=st.integers(1, 300), blocks=st.integers(1, 40), name=st.sampled_from(GGUF_FORMATS))
+def test_matrix_bytes_is_what_gguf_stores(rows, blocks, name):
+    # gguf-py's table of llama.cpp's formats, (weights a block, bytes a block): an oracle that is not ours
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+    from tinyserve import roofline
+    per_block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
+    got = impl.matrix_bytes(rows, blocks * per_block, getattr(roofline, name))
+    assert got == rows * blocks * nbytes, (f"{rows} rows of {blocks} blocks of {name}: llama.cpp stores "
+                                           f"{rows * blocks * nbytes} bytes ({nbytes} a block), got {got}")
+
+
+@pytest.mark.exercise("matrix_bytes")
+@settings(CHECKS, max_examples=20)
+@given(d_in=st.sampled_from([32, 64, 96, 640]), outputs=st.integers(1, 48))
+def test_matrix_bytes_is_what_the_fast_path_holds(d_in, outputs):
+    # the engine's own matrices: a [D_in, O] weight has O rows of D_in inputs, its blocks along the inputs
+    from tinyserve import quant
+    from tinyserve.roofline import BYTE_TILE, NIBBLE_TILE
+    w = np.random.default_rng(d_in * 100 + outputs).standard_normal((d_in, outputs)).astype(np.float32)
+    for q, fmt in ((quant.quantize_q4_1(w), NIBBLE_TILE), (quant.quantize_q8_blocks(w), BYTE_TILE)):
+        want = quant.tile_nbytes(q, type(q))
+        got = impl.matrix_bytes(outputs, d_in, fmt)
+        assert got == want, f"a [{d_in}, {outputs}] weight on the {fmt.name}: the engine holds {want} bytes, got {got}"
+
+
+@pytest.mark.exercise("matrix_bytes")
+def test_matrix_bytes_wants_whole_blocks_along_a_row():
+    from tinyserve.roofline import Q8_0
+    assert impl.matrix_bytes(3, 64, Q8_0) == 3 * 2 * 34, "3 rows of 2 blocks: the rows need not be a multiple of 32"
+    with pytest.raises(ValueError):
+        impl.matrix_bytes(64, 40, Q8_0)          # a row of 40 weights is not whole blocks of 32
