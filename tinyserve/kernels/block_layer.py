@@ -130,9 +130,66 @@ def _add_residual(x, post_norm, eps, wout, au, sa):
             _add_normed_row(x, y, t, post_norm, eps)
 
 
+@njit(cache=True, inline="always")
+def _rms_norm_planes_row(x, t, weight, eps, xu, sx):
+    """Row t of x [T, D] -> layers.rms_norm, as two int8 planes (quant.two_planes): rows 2t (the rounding, as
+    _rms_norm_quant_row's) and 2t + 1 (the rounding of its residual, quant.activation_residual's float32 steps) of
+    xu [2T, D] uint8 (+128) and sx [2T, nb]."""
+    D = x.shape[1]
+    nb = sx.shape[1]
+    kb = D // nb
+    sq, h = np.empty(D, np.float32), np.empty(D, np.float32)
+    for i in range(D):
+        sq[i] = x[t, i] * x[t, i]
+    ms = _pairwise_sum(sq, 0, D) / np.float32(D)
+    inv = np.float32(1.0) / np.sqrt(ms + eps)
+    for i in range(D):
+        h[i] = x[t, i] * inv * weight[i]
+    _quantize_row(h, xu[2 * t], sx[2 * t])
+    for b in range(nb):
+        lo, s = b * kb, sx[2 * t, b]
+        for i in range(kb):                          # (indexed lo + i, as in matmul._quantize_row)
+            h[lo + i] = h[lo + i] - np.float32(np.int32(xu[2 * t, lo + i]) - 128) * s
+    _quantize_row(h, xu[2 * t + 1], sx[2 * t + 1])
+
+
+@njit(cache=True, inline="always")
+def add_planes(y, out, t, c_lo, c_hi):
+    """out[t, c] = y[2t, c] + y[2t + 1, c] for columns c_lo .. c_hi: quant.two_planes' sum, in its order."""
+    for c in range(c_lo, c_hi):
+        out[t, c] = y[2 * t, c] + y[2 * t + 1, c]
+
+
+@njit(cache=True, inline="always")
+def _norm_matmul(x, norm_w, eps, w, planes, out):
+    """out [T, O] = RMSNorm(x) @ w, its input rounded to int8 in `planes` planes (1 or 2: quant.two_planes)."""
+    T, D = x.shape
+    if planes == 1:
+        xu, sx = np.empty((T, D), np.uint8), np.empty((T, w.blocks.shape[0]), np.float32)
+        _rms_norm_quant_rows(x, norm_w, eps, xu, sx, ROW_LOOPS_PARALLEL_FROM)
+        _matmul_int8(w, xu, sx, out, False)
+        return
+    xu, sx = np.empty((2 * T, D), np.uint8), np.empty((2 * T, w.blocks.shape[0]), np.float32)
+    y = np.empty((2 * T, out.shape[1]), np.float32)            # the planes' products, row 2t + p for plane p
+    if T >= ROW_LOOPS_PARALLEL_FROM:
+        for t in prange(T):
+            _rms_norm_planes_row(x, t, norm_w, eps, xu, sx)
+    else:
+        for t in range(T):
+            _rms_norm_planes_row(x, t, norm_w, eps, xu, sx)
+    _matmul_int8(w, xu, sx, y, False)
+    if T >= ROW_LOOPS_PARALLEL_FROM:
+        for t in prange(T):
+            add_planes(y, out, t, 0, out.shape[1])
+    else:
+        for t in range(T):
+            add_planes(y, out, t, 0, out.shape[1])
+
+
 @njit(cache=True, parallel=True)
-def post_attention(x, a, wo, post_norm, norm_w, eps, wgu, gu):
-    """x += (norm of) a @ Wo (a [T, N H], the attention output); then gu [T, 2F] = RMSNorm(x) @ [Wgate | Wup]."""
+def post_attention(x, a, wo, post_norm, norm_w, eps, wgu, gu, planes=1):
+    """x += (norm of) a @ Wo (a [T, N H], the attention output); then gu [T, 2F] = RMSNorm(x) @ [Wgate | Wup], its
+    input in `planes` int8 planes (quant.two_planes: Gemma 3's 2)."""
     T = a.shape[0]
     au, sa = np.empty(a.shape, np.uint8), np.empty((T, wo.blocks.shape[0]), np.float32)
     if T >= ROW_LOOPS_PARALLEL_FROM:
@@ -142,9 +199,7 @@ def post_attention(x, a, wo, post_norm, norm_w, eps, wgu, gu):
         for t in range(T):
             _quantize_row(a[t], au[t], sa[t])
     _add_residual(x, post_norm, eps, wo, au, sa)
-    xu, sx = np.empty(x.shape, np.uint8), np.empty((T, wgu.blocks.shape[0]), np.float32)
-    _rms_norm_quant_rows(x, norm_w, eps, xu, sx, ROW_LOOPS_PARALLEL_FROM)
-    _matmul_int8(wgu, xu, sx, gu, False)
+    _norm_matmul(x, norm_w, eps, wgu, planes, gu)
 
 
 @njit(cache=True, inline="always")
