@@ -332,11 +332,13 @@ def matmul_reference_q6(x: np.ndarray, q: Q6Linear) -> np.ndarray:
 
 # --- two int8 planes: an input that one int8 plane per block rounds too coarsely (lesson 11) ---------------------
 # Gemma 3's MLP input (RMSNorm times its (1 + w) weights) rounded to int8 per 32 costs more top-1 agreement with the
-# float path than any other matmul's input (docs/sliding-window.md, "Where the fast path's disagreements come
-# from"). A matrix with planes = 2 takes its input as two int8 planes, the second the first's rounding error:
+# float path than any other matmul's input, through up more than through gate (docs/sliding-window.md, "Where the
+# fast path's disagreements come from"). A matrix with planes = 2 takes its input as two int8 planes, the second the
+# first's rounding error:
 #     x ~ sx1 q1 + sx2 q2,   r = x - sx1 q1 (float32),   (q2, sx2) = the same per-block rounding of r
 #     x @ W = (x @ W, the matrix's one-plane arithmetic) + (r @ W, the same)           added in float32, in this order
-# No weight byte more: the kernels multiply the two planes as two rows of one tile call (kernels/block_layer.py).
+# No weight byte more: the kernels multiply the second plane right after the first, a few blocks of weights at a
+# time, while they are in cache (kernels/block_layer.py, kernels/block_decode.py).
 
 def activation_residual(x: np.ndarray, n_blocks: int) -> np.ndarray:
     """x [T, D] float32 -> r [T, D] float32 = x - sx q, what quantize_blocks(x, n_blocks) leaves out."""
@@ -356,11 +358,11 @@ def two_planes(x: np.ndarray, q, matmul) -> np.ndarray:
 
 
 def with_mlp_planes(model: Model) -> Model:
-    """Gemma 3's block (post_norms) with int8 activations: w_gate and w_up take two planes; any other model as is."""
+    """Gemma 3's block (post_norms) with int8 activations: w_up takes two planes (gate gains nothing from them);
+    any other model as is."""
     if not (model.config.post_norms and model.quant != NONE.name and is_w8a8(model.quant)):
         return model
-    two = lambda q: dataclasses.replace(q, planes=2)                                           # noqa: E731
-    return dataclasses.replace(model, layers=[dataclasses.replace(w, w_gate=two(w.w_gate), w_up=two(w.w_up))
+    return dataclasses.replace(model, layers=[dataclasses.replace(w, w_up=dataclasses.replace(w.w_up, planes=2))
                                               for w in model.layers])
 
 

@@ -166,9 +166,10 @@ def main(argv=None) -> None:
     ap.add_argument("--paths", nargs="+", default=["regions"], choices=["regions", "fused", "tiles"],
                     help="regions: kernels/block_decode.py's two parallel regions a layer (the default below 32 "
                          "rows); fused: kernels/block_layer.py's calls; tiles: the reference's steps over the tiles")
-    ap.add_argument("--planes", type=int, nargs="+", default=[0], choices=[0, 1, 2],
+    ap.add_argument("--planes", type=int, nargs="+", default=[2], choices=[1, 2],
                     help="the int8 planes of gate|up's input (quant.two_planes) on the fused and regions paths, each "
-                         "in turn (0: as the model packs them); 1 against 2 weighs the second plane's work")
+                         "in turn: 2 as the model packs them (Gemma 3: a second one for up), 1 none; 1 against 2 "
+                         "weighs the second plane's work")
     ap.add_argument("--prefill", type=int, default=0,
                     help="profile a prefill of this many tokens instead (one chunk; --steps rounds)")
     args = ap.parse_args(argv)
@@ -187,7 +188,7 @@ def main(argv=None) -> None:
           f"commit {git_commit()}")
     clock = Clock()
     instrument(clock, model.config.vocab_size)
-    own_planes = [w.gate_up_planes for w in model.fast.fused]
+    own_planes = [(w.plane_lo, w.plane_hi) for w in model.fast.fused]
 
     def runs():                                            # (path, planes), interleaved as given
         for path in args.paths:
@@ -195,8 +196,8 @@ def main(argv=None) -> None:
                 model.fast = packed[path]
                 if model.fast.fused is not None:
                     for w, own in zip(model.fast.fused, own_planes):
-                        w.gate_up_planes = p or own
-                yield path if p == 0 else f"{path}, {p} plane{'s' * (p > 1)}"
+                        w.plane_lo, w.plane_hi = own if p == 2 else (0, 0)
+                yield f"{path}, {p} plane{'s' * (p > 1)}"
     if args.prefill:
         for path in runs():
             res = profile_prefill(model, clock, args.prefill, args.steps)

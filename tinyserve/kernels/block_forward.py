@@ -115,7 +115,8 @@ class FusedLayer:
     post_attn_norm: np.ndarray   # [D] or [0]
     mlp_norm: np.ndarray         # [D]
     gate_up: tuple               # [D, 2F] packed
-    gate_up_planes: int          # its input as 1 or 2 int8 planes (quant.two_planes: Gemma 3's 2)
+    plane_lo: int                # gate_up's columns plane_lo .. plane_hi take the input's second int8 plane
+    plane_hi: int                #   (quant.two_planes: Gemma 3's up half); equal: none
     down: tuple                  # [F, D] packed
     post_mlp_norm: np.ndarray    # [D] or [0]
 
@@ -132,9 +133,11 @@ def fuse_layer(mode: str, w) -> FusedLayer:
     side on one tile kind; on the byte tile if any is bytes)."""
     f32 = lambda a: NONE if a is None else np.ascontiguousarray(a, np.float32)      # noqa: E731
     bias = NONE if w.q_bias is None else np.concatenate([w.q_bias, w.k_bias, w.v_bias]).astype(np.float32)
+    F_gate, F_up = w.w_gate.shape[1], w.w_up.shape[1]       # gate | up side by side: the planes' column ranges
+    lo, hi = (0 if w.w_gate.planes == 2 else F_gate), (F_gate + F_up if w.w_up.planes == 2 else F_gate)
     return FusedLayer(f32(w.attn_norm), _pack(mode, w.wq, w.wk, w.wv), bias, f32(w.q_norm), f32(w.k_norm),
                       _pack(mode, w.wo), f32(w.post_attn_norm), f32(w.mlp_norm), _pack(mode, w.w_gate, w.w_up),
-                      w.w_gate.planes, _pack(mode, w.w_down), f32(w.post_mlp_norm))
+                      lo, max(lo, hi), _pack(mode, w.w_down), f32(w.post_mlp_norm))
 
 
 def fused_forward(model, fused: list[FusedLayer], head, tokens: np.ndarray, positions: np.ndarray, attention,
@@ -161,7 +164,8 @@ def fused_forward(model, fused: list[FusedLayer], head, tokens: np.ndarray, posi
         q, k, v = np.empty((T, N, H), np.float32), np.empty((T, K, H), np.float32), np.empty((T, K, H), np.float32)
         block_layer.pre_attention(x, w.attn_norm, eps, w.qkv, w.qkv_bias, w.q_norm, w.k_norm, cos, sin, q, k, v)
         a = np.ascontiguousarray(attention(i, q, k, v)).reshape(T, N * H)          # [T, N H]
-        block_layer.post_attention(x, a, w.o, w.post_attn_norm, w.mlp_norm, eps, w.gate_up, gu, w.gate_up_planes)
+        block_layer.post_attention(x, a, w.o, w.post_attn_norm, w.mlp_norm, eps, w.gate_up, gu, w.plane_lo,
+                                   w.plane_hi)
         block_layer.act_input(gu, gelu, u)
         transcendental(u, out=u)                                                     # NumPy's, as layers.py's
         block_layer.mlp_down(x, gu, u, gelu, w.down, w.post_mlp_norm, eps)
@@ -207,7 +211,7 @@ def _decode_regions(model, fused: list[FusedLayer], head, x, cos_g, sin_g, cos_l
             break
         a = np.ascontiguousarray(attention(i, q, k, v)).reshape(T, N * H)          # [T, N H]
         block_decode.region_b(n, sync, TIMEOUT_CYCLES, x, a, w.o, w.post_attn_norm, eps, w.mlp_norm, w.gate_up,
-                              w.gate_up_planes, gu, gelu, u)
+                              w.plane_lo, w.plane_hi, gu, gelu, u)
         if sync[FAILED]:
             break
         transcendental(u, out=u)                                                     # NumPy's, as layers.py's
