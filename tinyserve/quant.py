@@ -117,6 +117,7 @@ class QuantizedLinear:
     wq: np.ndarray       # [D_in, O] int8
     scale: np.ndarray    # [O] float32
     mode: str            # a QuantMode's name: INT8 (W8A32), W8A8 or W8A8_64 (see the module docstring)
+    planes: int = 1      # int8 activations: 1, or 2 (two_planes below: Gemma 3's MLP input)
 
     __array_ufunc__ = None   # tells NumPy not to treat us as an array: `x @ q` then calls q.__rmatmul__(x)
 
@@ -129,7 +130,7 @@ class QuantizedLinear:
         return self.wq.nbytes + self.scale.nbytes
 
     def __rmatmul__(self, x: np.ndarray) -> np.ndarray:  # [T, D_in] float32 -> [T, O] float32
-        return matmul_reference(x, self)
+        return two_planes(x, self, matmul_reference)
 
     def dequantize(self) -> np.ndarray:  # -> [D_in, O] float32
         return self.wq.astype(np.float32) * self.scale
@@ -197,6 +198,7 @@ class BlockLinear:
     d: np.ndarray        # [D_in / 32, O] float32 (float16 values)
     m: np.ndarray        # [D_in / 32, O] float32 (float16 values)
     mode: str = W4A8.name
+    planes: int = 1      # 1, or 2 (two_planes below: Gemma 3's MLP input)
     BITS: ClassVar[int] = 8
 
     __array_ufunc__ = None
@@ -210,7 +212,7 @@ class BlockLinear:
         return self.q.size * self.BITS // 8 + (self.d.size + self.m.size) * 2
 
     def __rmatmul__(self, x: np.ndarray) -> np.ndarray:
-        return matmul_reference_w4a8(x, self)
+        return two_planes(x, self, matmul_reference_w4a8)
 
     def dequantize(self) -> np.ndarray:
         D, O = self.q.shape
@@ -283,6 +285,7 @@ class Q6Linear:
     sc: np.ndarray       # [D_in / 16, O] int8
     d: np.ndarray        # [D_in / 256, O] float32 (float16 values)
     mode: str = GGUF.name
+    planes: int = 1      # 1, or 2 (two_planes below: Gemma 3's MLP input)
     Q6_OFFSET: ClassVar[int] = 32
 
     __array_ufunc__ = None
@@ -296,7 +299,7 @@ class Q6Linear:
         return self.q.size * 6 // 8 + self.sc.size + self.d.size * 2
 
     def __rmatmul__(self, x: np.ndarray) -> np.ndarray:
-        return matmul_reference_q6(x, self)
+        return two_planes(x, self, matmul_reference_q6)
 
     def dequantize(self) -> np.ndarray:   # -> [D_in, O] float32, gguf_quants.dequantize's values (its order)
         D, O = self.q.shape
@@ -325,6 +328,42 @@ def matmul_reference_q6(x: np.ndarray, q: Q6Linear) -> np.ndarray:
             acc += q.sc[h].astype(np.int64) * dot
         y = y + acc.astype(np.int32).astype(np.float32) * (q.d[j // 8] * sx[:, j:j + 1])
     return y
+
+
+# --- two int8 planes: an input that one int8 plane per block rounds too coarsely (lesson 11) ---------------------
+# Gemma 3's MLP input (RMSNorm times its (1 + w) weights) rounded to int8 per 32 costs more top-1 agreement with the
+# float path than any other matmul's input, through up more than through gate (docs/sliding-window.md, "Where the
+# fast path's disagreements come from"). A matrix with planes = 2 takes its input as two int8 planes, the second the
+# first's rounding error:
+#     x ~ sx1 q1 + sx2 q2,   r = x - sx1 q1 (float32),   (q2, sx2) = the same per-block rounding of r
+#     x @ W = (x @ W, the matrix's one-plane arithmetic) + (r @ W, the same)           added in float32, in this order
+# No weight byte more: the kernels multiply the second plane right after the first, a few blocks of weights at a
+# time, while they are in cache (kernels/block_layer.py, kernels/block_decode.py).
+
+def activation_residual(x: np.ndarray, n_blocks: int) -> np.ndarray:
+    """x [T, D] float32 -> r [T, D] float32 = x - sx q, what quantize_blocks(x, n_blocks) leaves out."""
+    T, D = x.shape
+    xq, sx = quantize_blocks(x, n_blocks)
+    return x - (xq.reshape(T, n_blocks, D // n_blocks).astype(np.float32) * sx[:, :, None]).reshape(T, D)
+
+
+def two_planes(x: np.ndarray, q, matmul) -> np.ndarray:
+    """x [T, D_in] @ q by its one-plane reference `matmul`, plus the residual's product when q.planes is 2."""
+    y = matmul(x, q)
+    if q.planes == 1:
+        return y
+    D = q.shape[0]
+    return y + matmul(activation_residual(x, act_blocks(q.mode, D) if isinstance(q, QuantizedLinear) else
+                                          D // Q4_GROUP), q)
+
+
+def with_mlp_planes(model: Model) -> Model:
+    """Gemma 3's block (post_norms) with int8 activations: w_up takes two planes (gate gains nothing from them);
+    any other model as is."""
+    if not (model.config.post_norms and model.quant != NONE.name and is_w8a8(model.quant)):
+        return model
+    return dataclasses.replace(model, layers=[dataclasses.replace(w, w_up=dataclasses.replace(w.w_up, planes=2))
+                                              for w in model.layers])
 
 
 def quantize_q8_blocks(w: np.ndarray, mode: str = GGUF.name) -> B8Linear:
@@ -475,7 +514,8 @@ def load_gguf_blocks(g) -> Model:
     from .gguf_file import model_from_gguf
     model = model_from_gguf(g, matrix=file_matrix)
     head = file_matrix(g.tensors["token_embd.weight" if model.output is None else "output.weight"])
-    return dataclasses.replace(model, layers=settle_roles(model.layers), lm_head_q=head, quant=GGUF.name, fast=None)
+    return with_mlp_planes(dataclasses.replace(model, layers=settle_roles(model.layers), lm_head_q=head,
+                                               quant=GGUF.name, fast=None))
 
 
 def quantize_model(model: Model, mode: str) -> Model:
@@ -485,11 +525,11 @@ def quantize_model(model: Model, mode: str) -> Model:
         return model
     check_blocks(model, mode)
     if get_mode(mode) is GGUF:
-        return quantize_gguf(model)
+        return with_mlp_planes(quantize_gguf(model))
     layer_q = quantize_q4_1 if get_mode(mode) is W4A8 else lambda w: quantize_weight(w, mode)
     layers = [dataclasses.replace(w, **{f: layer_q(getattr(w, f)) for f in MATRICES}) for w in model.layers]
-    return dataclasses.replace(model, layers=layers, lm_head_q=quantize_weight(model.head.T, mode), quant=mode,
-                               fast=None)
+    return with_mlp_planes(dataclasses.replace(model, layers=layers, lm_head_q=quantize_weight(model.head.T, mode),
+                                               quant=mode, fast=None))
 
 
 def dequantize_model(model: Model) -> Model:
@@ -676,7 +716,8 @@ def load_or_quantize(model: Model, weights_dir: str | Path | None, mode: str) ->
             q = lambda name: QuantizedLinear(t[name + ".wq"], t[name + ".scale"], mode)   # noqa: E731
             layers = [dataclasses.replace(w, **{f: q(f"layers.{i}.{f}") for f in MATRICES})
                       for i, w in enumerate(model.layers)]
-            return dataclasses.replace(model, layers=layers, lm_head_q=q("lm_head"), quant=mode, fast=None)
+            return with_mlp_planes(dataclasses.replace(model, layers=layers, lm_head_q=q("lm_head"), quant=mode,
+                                                       fast=None))
     except (OSError, ValueError, KeyError):
         pass                                   # missing, stale or corrupt: quantise again below
     qm = quantize_model(model, mode)

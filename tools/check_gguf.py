@@ -2,6 +2,7 @@
 
     .venv-llama/bin/python tools/check_gguf.py llama FILE.gguf OUT.npz     # llama.cpp: ids + logits (its venv)
     .venv/bin/python tools/check_gguf.py compare FILE.gguf OUT.npz [QUANT] # tinyserve: float, fast, llama.cpp
+    .venv/bin/python tools/check_gguf.py stages FILE.gguf OUT.npz          # which stage costs the agreement
 
 Step 1 tokenizes tests/fixtures/perplexity_text.txt with llama.cpp's own tokenizer (so any family works, whatever
 tinyserve's tokenizer does) and teacher-forces PPL_TOKENS of it in windows of PPL_WINDOW (tests/quant_accuracy.py's
@@ -98,8 +99,75 @@ def compare(gguf: str, npz: str, quant: str = "auto") -> dict:
     return res
 
 
+STAGE_ROLES = {"Q|K|V": ("wq", "wk", "wv"), "O": ("wo",), "gate|up": ("w_gate", "w_up"), "down": ("w_down",)}
+
+
+class FloatInput:
+    """A quantised matrix multiplied with float32 activations: x @ its dequantized weights (the fast path's weights,
+    not the file's floats), so only the rounding of this matrix's input is taken away."""
+    __array_ufunc__ = None
+
+    def __init__(self, q):
+        self.w = q.dequantize()                  # [D_in, O] float32
+
+    @property
+    def shape(self):
+        return self.w.shape
+
+    def __rmatmul__(self, x):
+        return x @ self.w
+
+
+def stages(gguf: str, npz: str) -> list[dict]:
+    """The fast path's agreement with the float path with one stage at a time taken away: each role's activations
+    in float32 (FloatInput) on the reference's steps over the tiles (kernels/block_forward.py, fuse=False: the fast
+    path's bits), and gate|up's input in one int8 plane (the path before quant.two_planes). Same windows, same
+    attention (naive's NumPy) as compare."""
+    sys.path.insert(0, str(ROOT))
+    import dataclasses
+    import tinyserve as ts
+    from tinyserve import naive
+    from tinyserve.kernels.block_forward import prepare as prepare_tiles
+    from tinyserve.model import forward
+
+    data = np.load(npz)
+    ids = data["ids"].tolist()
+    float_model = ts.load_model(gguf)
+    quantised = ts.load_model(gguf, quant="auto", backend="numba")
+    tiled = prepare_tiles(quantised, fuse=False).tiled
+    attention = naive._attention(float_model)
+
+    def run(model) -> tuple[np.ndarray, np.ndarray]:
+        stats = [window_stats(forward(model, np.asarray(w), np.arange(len(w)), attention), w) for _, w in windows(ids)]
+        return np.concatenate([t for t, _ in stats]), np.concatenate([n for _, n in stats])
+
+    def variant(float_roles=(), head=False, planes=None):
+        layers = []
+        for tl, ql in zip(tiled.layers, quantised.layers):
+            rep = {f: FloatInput(getattr(ql, f)) for r in float_roles for f in STAGE_ROLES[r]}
+            if planes is not None:
+                rep |= {f: dataclasses.replace(getattr(tl, f), planes=planes) for f in STAGE_ROLES["gate|up"]}
+            layers.append(dataclasses.replace(tl, **rep))
+        return dataclasses.replace(tiled, layers=layers,
+                                   lm_head_q=FloatInput(quantised.lm_head_q) if head else tiled.lm_head_q)
+    float_top1, float_nll = run(float_model)
+    rows = []
+    for name, model in [("the fast path", variant()), ("gate|up's input in one int8 plane", variant(planes=1))] + \
+                       [(f"{r}'s input in float32", variant([r])) for r in STAGE_ROLES] + \
+                       [("the head's input in float32", variant(head=True)),
+                        ("every input in float32 (the fast path's weights)", variant(list(STAGE_ROLES), head=True))]:
+        top1, nll = run(model)
+        rows.append({"stage": name, "top1_vs_float": float(np.mean(top1 == float_top1)),
+                     "ppl_ratio": perplexity(nll) / perplexity(float_nll),
+                     "top1_vs_llama": float(np.mean(top1 == llama_stats(data)[0]))})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "llama":
         llama_side(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "stages":
+        stages(sys.argv[2], sys.argv[3])
     else:
         print(json.dumps(compare(sys.argv[2], sys.argv[3], *sys.argv[4:5])))

@@ -166,6 +166,10 @@ def main(argv=None) -> None:
     ap.add_argument("--paths", nargs="+", default=["regions"], choices=["regions", "fused", "tiles"],
                     help="regions: kernels/block_decode.py's two parallel regions a layer (the default below 32 "
                          "rows); fused: kernels/block_layer.py's calls; tiles: the reference's steps over the tiles")
+    ap.add_argument("--planes", type=int, nargs="+", default=[2], choices=[1, 2],
+                    help="the int8 planes of gate|up's input (quant.two_planes) on the fused and regions paths, each "
+                         "in turn: 2 as the model packs them (Gemma 3: a second one for up), 1 none; 1 against 2 "
+                         "weighs the second plane's work")
     ap.add_argument("--prefill", type=int, default=0,
                     help="profile a prefill of this many tokens instead (one chunk; --steps rounds)")
     args = ap.parse_args(argv)
@@ -184,9 +188,18 @@ def main(argv=None) -> None:
           f"commit {git_commit()}")
     clock = Clock()
     instrument(clock, model.config.vocab_size)
-    if args.prefill:
+    own_planes = [(w.plane_lo, w.plane_hi) for w in model.fast.fused]
+
+    def runs():                                            # (path, planes), interleaved as given
         for path in args.paths:
-            model.fast = packed[path]
+            for p in args.planes:
+                model.fast = packed[path]
+                if model.fast.fused is not None:
+                    for w, own in zip(model.fast.fused, own_planes):
+                        w.plane_lo, w.plane_hi = own if p == 2 else (0, 0)
+                yield f"{path}, {p} plane{'s' * (p > 1)}"
+    if args.prefill:
+        for path in runs():
             res = profile_prefill(model, clock, args.prefill, args.steps)
             step_cpu, step_wall = res["rows"]["whole step"]
             print(f"\nprefill {args.prefill}, {path}: median ms of {res['steps']} rounds (CPU time of both threads "
@@ -198,9 +211,8 @@ def main(argv=None) -> None:
             print(f"(prefill {args.prefill}, {path}: {args.prefill / step_wall:.1f} tokens/s from the median wall)")
         return
     for B in args.batch:
-        for path in args.paths:                            # interleaved: the same load on both, as far as it goes
-            model.fast = packed[path]
-            bf._regions_disabled = None if path == "regions" else f"the {path} path is being profiled"
+        for path in runs():                                # interleaved: the same load on both, as far as it goes
+            bf._regions_disabled = None if path.startswith("regions") else f"the {path} path is being profiled"
             res = profile(model, clock, B, args.prompt, args.steps)
             step_cpu, step_wall = res["rows"]["whole step"]
             print(f"\nB={B}, {path}: {res['steps']} decode steps after a {args.prompt}-token prompt; median ms per "

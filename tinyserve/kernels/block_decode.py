@@ -37,7 +37,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .block_layer import GELU_C1, GELU_C2, _rms_norm_into, _split_row
+from .block_layer import (GELU_C1, GELU_C2, PLANE_CHUNK, _rms_norm_into, _rms_norm_planes_row, _split_row, add_plane,
+                          plane_blocks)
 from .layer import _rms_norm_quant_row
 from .matmul import BLOCK, COLS, ROWS, _quantize_row, matmul_blocks, thread_share
 from .spin import barrier
@@ -55,10 +56,13 @@ def _quantize_rows_here(a, nb):
 
 
 @njit(cache=True)
-def _residual_then_matmul(tid, n, sync, timeout, x, y, post_norm, norm_w, eps, w_next, out, xn, acc):
+def _residual_then_matmul(tid, n, sync, timeout, x, y, post_norm, norm_w, eps, w_next, c_lo, c_hi, out, y2, xn,
+                          acc):
     """After a barrier that completes y = f @ Wout (or x += f @ Wout when there is no post-norm): xn = x +
     rms_norm(y) (or x), then thread tid's blocks of out = quantise(rms_norm(xn, norm_w)) @ w_next, then a barrier.
-    Returns False if a barrier failed. xn [T, D]: this thread's residual rows (written back to x by the caller)."""
+    Columns c_lo .. c_hi (none if equal) add the input's second int8 plane's product (quant.two_planes; y2 [T, O]
+    holds it), a run of PLANE_CHUNK blocks right after the first plane's, while their weights are in cache. Returns
+    False if a barrier failed. xn [T, D]: this thread's residual rows (written back to x by the caller)."""
     T, D = x.shape
     for t in range(T):
         if post_norm.shape[0]:
@@ -68,11 +72,24 @@ def _residual_then_matmul(tid, n, sync, timeout, x, y, post_norm, norm_w, eps, w
         else:
             for i in range(D):
                 xn[t, i] = x[t, i]
-    xu, sx = np.empty((T, D), np.uint8), np.empty((T, w_next.blocks.shape[0]), np.float32)
-    for t in range(T):
-        _rms_norm_quant_row(xn, t, norm_w, eps, xu, sx)
     lo, hi = thread_share(w_next.w.shape[0], tid, n)
-    matmul_blocks(w_next, NO_FLOATS, xu, sx, out, False, lo, hi, acc)
+    nb = w_next.blocks.shape[0]
+    xu, sx = np.empty((T, D), np.uint8), np.empty((T, nb), np.float32)
+    if c_lo == c_hi:
+        for t in range(T):
+            _rms_norm_quant_row(xn, t, norm_w, eps, xu, sx)
+        matmul_blocks(w_next, NO_FLOATS, xu, sx, out, False, lo, hi, acc)
+    else:
+        xu2, sx2 = np.empty((T, D), np.uint8), np.empty((T, nb), np.float32)
+        for t in range(T):
+            _rms_norm_planes_row(xn, t, norm_w, eps, xu, sx, xu2, sx2)
+        p_lo, p_hi = plane_blocks(c_lo, c_hi)
+        for b0 in range(lo, hi, PLANE_CHUNK):
+            b1 = min(hi, b0 + PLANE_CHUNK)
+            matmul_blocks(w_next, NO_FLOATS, xu, sx, out, False, b0, b1, acc)
+            if max(b0, p_lo) < min(b1, p_hi):
+                matmul_blocks(w_next, NO_FLOATS, xu2, sx2, y2, False, max(b0, p_lo), min(b1, p_hi), acc)
+                add_plane(y2, out, max(c_lo, b0 * BLOCK), min(c_hi, b1 * BLOCK))
     return barrier(sync, n, timeout)
 
 
@@ -95,6 +112,7 @@ def _region_a_thread(tid, n, sync, timeout, x, tail, gu, u, gelu, wd, post_mlp, 
     T, D = x.shape
     acc = np.empty(ROWS * COLS * BLOCK, np.float32)
     xn = np.empty((T, D), np.float32)
+    no_y2 = np.empty((0, 0), np.float32)          # (one plane: no planes' products; a global array is read-only)
     if tail:
         F = u.shape[1]
         act = np.empty((T, F), np.float32)
@@ -109,11 +127,13 @@ def _region_a_thread(tid, n, sync, timeout, x, tail, gu, u, gelu, wd, post_mlp, 
         _f_times_w(tid, n, au, sa, wd, x, y, post_mlp, acc)
         if not barrier(sync, n, timeout):
             return
-        if not _residual_then_matmul(tid, n, sync, timeout, x, y, post_mlp, norm_w, eps, w_next, out, xn, acc):
+        if not _residual_then_matmul(tid, n, sync, timeout, x, y, post_mlp, norm_w, eps, w_next, 0, 0, out, no_y2,
+                                     xn, acc):
             return
     else:
         empty = np.zeros(0, np.float32)
-        if not _residual_then_matmul(tid, n, sync, timeout, x, y, empty, norm_w, eps, w_next, out, xn, acc):
+        if not _residual_then_matmul(tid, n, sync, timeout, x, y, empty, norm_w, eps, w_next, 0, 0, out, no_y2,
+                                     xn, acc):
             return
     if tid == 0 and tail:
         for t in range(T):                        # nobody reads x between the barrier and the region's join
@@ -138,7 +158,7 @@ def region_a(n, sync, timeout, x, tail, gu, u, gelu, wd, post_mlp, eps, norm_w, 
 
 
 @njit(cache=True, error_model="numpy")
-def _region_b_thread(tid, n, sync, timeout, x, a, wo, post_attn, y, eps, norm_w, wgu, gu, gelu, u):
+def _region_b_thread(tid, n, sync, timeout, x, a, wo, post_attn, y, eps, norm_w, wgu, c_lo, c_hi, gu, y2, gelu, u):
     T, D = x.shape
     acc = np.empty(ROWS * COLS * BLOCK, np.float32)
     xn = np.empty((T, D), np.float32)
@@ -146,7 +166,8 @@ def _region_b_thread(tid, n, sync, timeout, x, a, wo, post_attn, y, eps, norm_w,
     _f_times_w(tid, n, au, sa, wo, x, y, post_attn, acc)
     if not barrier(sync, n, timeout):
         return
-    if not _residual_then_matmul(tid, n, sync, timeout, x, y, post_attn, norm_w, eps, wgu, gu, xn, acc):
+    if not _residual_then_matmul(tid, n, sync, timeout, x, y, post_attn, norm_w, eps, wgu, c_lo, c_hi, gu, y2, xn,
+                                 acc):
         return
     if tid == 0:
         for t in range(T):
@@ -161,9 +182,12 @@ def _region_b_thread(tid, n, sync, timeout, x, a, wo, post_attn, y, eps, norm_w,
 
 
 @njit(cache=True, parallel=True, error_model="numpy")
-def region_b(n, sync, timeout, x, a, wo, post_attn, eps, norm_w, wgu, gu, gelu, u):
-    """x += (norm of) a @ wo (a [T, N H], attention's output); gu [T, 2F] = RMSNorm(x, norm_w) @ wgu; u [T, F] =
-    the activation's argument from the gate (block_layer.act_input). sync as in region_a."""
+def region_b(n, sync, timeout, x, a, wo, post_attn, eps, norm_w, wgu, c_lo, c_hi, gu, gelu, u):
+    """x += (norm of) a @ wo (a [T, N H], attention's output); gu [T, 2F] = RMSNorm(x, norm_w) @ wgu, its columns
+    c_lo .. c_hi with the input's second int8 plane (quant.two_planes; c_lo = c_hi: none); u [T, F] = the
+    activation's argument from the gate (block_layer.act_input). sync as in region_a."""
     y = np.empty(x.shape, np.float32)
+    y2 = np.empty(gu.shape, np.float32)                      # [T, 2F] the second plane's product, its columns only
     for tid in prange(n):
-        _region_b_thread(np.int64(tid), n, sync, timeout, x, a, wo, post_attn, y, eps, norm_w, wgu, gu, gelu, u)
+        _region_b_thread(np.int64(tid), n, sync, timeout, x, a, wo, post_attn, y, eps, norm_w, wgu, c_lo, c_hi, gu,
+                         y2, gelu, u)

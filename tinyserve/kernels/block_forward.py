@@ -35,7 +35,7 @@ import numpy as np
 from numba import njit
 
 from ..model import forward as reference_forward
-from ..quant import MATRICES
+from ..quant import MATRICES, activation_residual
 from . import block_decode, block_layer
 from .forward import _pack
 from .layer import lm_head
@@ -58,11 +58,18 @@ class TileMatrix:
     only, so a new kind with int8 activations runs here unchanged."""
     w: tuple                 # the packed kind (a NamedTuple of arrays)
     shape: tuple[int, int]   # (D_in, O)
+    planes: int = 1          # the input as 1 or 2 int8 planes (quant.two_planes)
 
     __array_ufunc__ = None   # NumPy must not treat us as an array: `x @ m` then calls m.__rmatmul__(x)
 
     def __rmatmul__(self, x: np.ndarray) -> np.ndarray:    # [T, D_in] float32 -> [T, O] float32
         x = np.ascontiguousarray(x, np.float32)
+        y = self.one_plane(x)
+        if self.planes == 1:
+            return y
+        return y + self.one_plane(activation_residual(x, self.w.blocks.shape[0]))
+
+    def one_plane(self, x: np.ndarray) -> np.ndarray:
         T, O = x.shape[0], self.w.w.shape[0] * BLOCK
         if T == 0:                                         # (a prefill chunk that samples no row: no logits)
             return np.zeros((0, self.shape[1]), np.float32)
@@ -78,7 +85,7 @@ class TileMatrix:
 
 def tile(mode: str, q) -> TileMatrix:
     """One quantised matrix (quant.QuantizedLinear or Q4Linear) -> its TileMatrix (kernels/forward.py's packing)."""
-    return TileMatrix(_pack(mode, q), tuple(q.shape))
+    return TileMatrix(_pack(mode, q), tuple(q.shape), getattr(q, "planes", 1))
 
 
 def prepare(model, fuse: bool = True) -> "BlockWeights":
@@ -108,6 +115,8 @@ class FusedLayer:
     post_attn_norm: np.ndarray   # [D] or [0]
     mlp_norm: np.ndarray         # [D]
     gate_up: tuple               # [D, 2F] packed
+    plane_lo: int                # gate_up's columns plane_lo .. plane_hi take the input's second int8 plane
+    plane_hi: int                #   (quant.two_planes: Gemma 3's up half); equal: none
     down: tuple                  # [F, D] packed
     post_mlp_norm: np.ndarray    # [D] or [0]
 
@@ -124,9 +133,11 @@ def fuse_layer(mode: str, w) -> FusedLayer:
     side on one tile kind; on the byte tile if any is bytes)."""
     f32 = lambda a: NONE if a is None else np.ascontiguousarray(a, np.float32)      # noqa: E731
     bias = NONE if w.q_bias is None else np.concatenate([w.q_bias, w.k_bias, w.v_bias]).astype(np.float32)
+    F_gate, F_up = w.w_gate.shape[1], w.w_up.shape[1]       # gate | up side by side: the planes' column ranges
+    lo, hi = (0 if w.w_gate.planes == 2 else F_gate), (F_gate + F_up if w.w_up.planes == 2 else F_gate)
     return FusedLayer(f32(w.attn_norm), _pack(mode, w.wq, w.wk, w.wv), bias, f32(w.q_norm), f32(w.k_norm),
                       _pack(mode, w.wo), f32(w.post_attn_norm), f32(w.mlp_norm), _pack(mode, w.w_gate, w.w_up),
-                      _pack(mode, w.w_down), f32(w.post_mlp_norm))
+                      lo, max(lo, hi), _pack(mode, w.w_down), f32(w.post_mlp_norm))
 
 
 def fused_forward(model, fused: list[FusedLayer], head, tokens: np.ndarray, positions: np.ndarray, attention,
@@ -153,7 +164,8 @@ def fused_forward(model, fused: list[FusedLayer], head, tokens: np.ndarray, posi
         q, k, v = np.empty((T, N, H), np.float32), np.empty((T, K, H), np.float32), np.empty((T, K, H), np.float32)
         block_layer.pre_attention(x, w.attn_norm, eps, w.qkv, w.qkv_bias, w.q_norm, w.k_norm, cos, sin, q, k, v)
         a = np.ascontiguousarray(attention(i, q, k, v)).reshape(T, N * H)          # [T, N H]
-        block_layer.post_attention(x, a, w.o, w.post_attn_norm, w.mlp_norm, eps, w.gate_up, gu)
+        block_layer.post_attention(x, a, w.o, w.post_attn_norm, w.mlp_norm, eps, w.gate_up, gu, w.plane_lo,
+                                   w.plane_hi)
         block_layer.act_input(gu, gelu, u)
         transcendental(u, out=u)                                                     # NumPy's, as layers.py's
         block_layer.mlp_down(x, gu, u, gelu, w.down, w.post_mlp_norm, eps)
@@ -199,7 +211,7 @@ def _decode_regions(model, fused: list[FusedLayer], head, x, cos_g, sin_g, cos_l
             break
         a = np.ascontiguousarray(attention(i, q, k, v)).reshape(T, N * H)          # [T, N H]
         block_decode.region_b(n, sync, TIMEOUT_CYCLES, x, a, w.o, w.post_attn_norm, eps, w.mlp_norm, w.gate_up,
-                              gu, gelu, u)
+                              w.plane_lo, w.plane_hi, gu, gelu, u)
         if sync[FAILED]:
             break
         transcendental(u, out=u)                                                     # NumPy's, as layers.py's

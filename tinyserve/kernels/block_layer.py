@@ -30,8 +30,11 @@ import numpy as np
 from numba import njit, prange
 
 from .layer import _pairwise_sum, _rms_norm_quant_rows
-from .matmul import _matmul_int8, _quantize_row
+from .matmul import BLOCK, COLS, ROWS, _matmul_int8, _quantize_row, matmul_blocks
 
+NO_FLOATS = np.zeros((0, 0), np.float32)     # matmul_blocks' float32 input, which the int8 kinds never read
+PLANE_CHUNK = 8    # output blocks a second plane's product runs at a time: a work item, and a run of weights that
+#                    is still in cache when a decode thread multiplies the second plane right after the first
 ROW_LOOPS_PARALLEL_FROM = 32      # rows; a decode step (B <= 16) stays below it, a prefill chunk is above
 
 GELU_C1 = np.float32(np.sqrt(2.0 / np.pi))   # layers.gelu_tanh's constants, the same float32 values
@@ -130,9 +133,76 @@ def _add_residual(x, post_norm, eps, wout, au, sa):
             _add_normed_row(x, y, t, post_norm, eps)
 
 
+@njit(cache=True, inline="always")
+def _rms_norm_planes_row(x, t, weight, eps, xu, sx, xu2, sx2):
+    """Row t of x [T, D] -> layers.rms_norm as two int8 planes (quant.two_planes): xu[t], sx[t] its rounding (as
+    _rms_norm_quant_row's), xu2[t], sx2[t] the rounding of what that leaves (quant.activation_residual's float32
+    steps). xu, xu2 [T, D] uint8 (+128); sx, sx2 [T, nb]."""
+    D = x.shape[1]
+    nb = sx.shape[1]
+    kb = D // nb
+    sq, h = np.empty(D, np.float32), np.empty(D, np.float32)
+    for i in range(D):
+        sq[i] = x[t, i] * x[t, i]
+    ms = _pairwise_sum(sq, 0, D) / np.float32(D)
+    inv = np.float32(1.0) / np.sqrt(ms + eps)
+    for i in range(D):
+        h[i] = x[t, i] * inv * weight[i]
+    _quantize_row(h, xu[t], sx[t])
+    for b in range(nb):
+        lo, s = b * kb, sx[t, b]
+        for i in range(kb):                          # (indexed lo + i, as in matmul._quantize_row)
+            h[lo + i] = h[lo + i] - np.float32(np.int32(xu[t, lo + i]) - 128) * s
+    _quantize_row(h, xu2[t], sx2[t])
+
+
+@njit(cache=True, inline="always")
+def add_plane(y2, out, c_lo, c_hi):
+    """out[:, c] = out[:, c] + y2[:, c] for columns c_lo .. c_hi: quant.two_planes' sum, in its order."""
+    for t in range(out.shape[0]):
+        for c in range(c_lo, c_hi):
+            out[t, c] = out[t, c] + y2[t, c]
+
+
+@njit(cache=True, inline="always")
+def plane_blocks(c_lo, c_hi):
+    """The output blocks (of BLOCK columns) that hold columns c_lo .. c_hi."""
+    return c_lo // BLOCK, (c_hi + BLOCK - 1) // BLOCK
+
+
+@njit(cache=True, inline="always")
+def _norm_matmul(x, norm_w, eps, w, c_lo, c_hi, out):
+    """out [T, O] = RMSNorm(x) @ w, its input one int8 plane; the columns c_lo .. c_hi (none if equal) plus the
+    second plane's product (quant.two_planes: Gemma 3's up half of gate|up)."""
+    T, D = x.shape
+    nb = w.blocks.shape[0]
+    xu, sx = np.empty((T, D), np.uint8), np.empty((T, nb), np.float32)
+    if c_lo == c_hi:
+        _rms_norm_quant_rows(x, norm_w, eps, xu, sx, ROW_LOOPS_PARALLEL_FROM)
+        _matmul_int8(w, xu, sx, out, False)
+        return
+    xu2, sx2 = np.empty((T, D), np.uint8), np.empty((T, nb), np.float32)
+    if T >= ROW_LOOPS_PARALLEL_FROM:
+        for t in prange(T):
+            _rms_norm_planes_row(x, t, norm_w, eps, xu, sx, xu2, sx2)
+    else:
+        for t in range(T):
+            _rms_norm_planes_row(x, t, norm_w, eps, xu, sx, xu2, sx2)
+    _matmul_int8(w, xu, sx, out, False)
+    y2 = np.empty(out.shape, np.float32)                  # the second plane's product, its blocks only
+    b_lo, b_hi = plane_blocks(c_lo, c_hi)
+    n = (b_hi - b_lo + PLANE_CHUNK - 1) // PLANE_CHUNK
+    for g in prange(n):
+        lo, hi = b_lo + g * PLANE_CHUNK, min(b_hi, b_lo + (g + 1) * PLANE_CHUNK)
+        acc = np.empty(ROWS * COLS * BLOCK, np.float32)
+        matmul_blocks(w, NO_FLOATS, xu2, sx2, y2, False, lo, hi, acc)
+        add_plane(y2, out, max(c_lo, lo * BLOCK), min(c_hi, hi * BLOCK))
+
+
 @njit(cache=True, parallel=True)
-def post_attention(x, a, wo, post_norm, norm_w, eps, wgu, gu):
-    """x += (norm of) a @ Wo (a [T, N H], the attention output); then gu [T, 2F] = RMSNorm(x) @ [Wgate | Wup]."""
+def post_attention(x, a, wo, post_norm, norm_w, eps, wgu, gu, c_lo, c_hi):
+    """x += (norm of) a @ Wo (a [T, N H], the attention output); then gu [T, 2F] = RMSNorm(x) @ [Wgate | Wup], its
+    columns c_lo .. c_hi with the input's second int8 plane (quant.two_planes; c_lo = c_hi: none)."""
     T = a.shape[0]
     au, sa = np.empty(a.shape, np.uint8), np.empty((T, wo.blocks.shape[0]), np.float32)
     if T >= ROW_LOOPS_PARALLEL_FROM:
@@ -142,9 +212,7 @@ def post_attention(x, a, wo, post_norm, norm_w, eps, wgu, gu):
         for t in range(T):
             _quantize_row(a[t], au[t], sa[t])
     _add_residual(x, post_norm, eps, wo, au, sa)
-    xu, sx = np.empty(x.shape, np.uint8), np.empty((T, wgu.blocks.shape[0]), np.float32)
-    _rms_norm_quant_rows(x, norm_w, eps, xu, sx, ROW_LOOPS_PARALLEL_FROM)
-    _matmul_int8(wgu, xu, sx, gu, False)
+    _norm_matmul(x, norm_w, eps, wgu, c_lo, c_hi, gu)
 
 
 @njit(cache=True, inline="always")
