@@ -25,9 +25,11 @@ no offset and no sign trick (compare kernels/int8_dot.py):
 
 Layout (kernels.matmul.pack_w4a8): for each block of 16 outputs, per input block of 32, 320 bytes: d[16] and m[16]
 as float16 (64 bytes), then 4 pairs of 4-input steps, 64 bytes a pair: byte 4l + k holds step 2j's q[4(2j) + k, l] in
-its low nibble and step 2j+1's in its high one (pack_vnni's byte order, two steps per byte). Two more layouts run
+its low nibble and step 2j+1's in its high one (pack_vnni's byte order, two steps per byte). More layouts run
 on the same tile (make_w4a8_tile's switches): Q4_0's blocks without m (symmetric: 288 bytes, m = -8 d formed from d,
-exact), and Q6_K's own blocks (six_bits: q = its low nibble | its top 2 bits << 4, 0..63, and per half of 16 inputs
+exact); whole bytes (576 bytes, or 544 without m for Q8_0: m = -128 d); 5-bit values (Q5_0, Q5_1, Q5_K: the
+nibbles as above, then a byte of fifth bits per 8 steps, q = nibble | bit << 4 formed in registers: 384 bytes, or
+352 without m for Q5_0: m = -16 d), all with the arithmetic above; and Q6_K's own blocks (six_bits: q = its low nibble | its top 2 bits << 4, 0..63, and per half of 16 inputs
 an int8 scale applied to that half's exact integer sum, then d per 256 inputs: no minimum, the offset 32 subtracted
 as 32 times the half's activation sum). The float16 scales
 become float32 with integer operations (magnitude << 13, times 2^112, sign put back: exact for every finite float16,
