@@ -51,7 +51,9 @@ def old_route(path: Path):
         q, d, m = (np.ascontiguousarray(a.T) for a in (q, d, m))
         if info.type_name in quant.NIBBLE_FORMATS:    # Q4_0's (m = -8 d throughout): the symmetric tile
             return quant.nibble_linear(q, d, m, quant.GGUF.name)
-        return quant.B8Linear(q, d, m, quant.GGUF.name)
+        if info.type_name in quant.FIVE_BIT_FORMATS:  # Q5_0's (m = -16 d): the 5-bit tile without m
+            return quant.five_linear(q, d, m, quant.GGUF.name)
+        return quant.byte_linear(q, d, m, quant.GGUF.name)   # Q8_0's (m = -128 d): the byte tile without m
     names = {f: n for n, f in LAYER_TENSORS.items()}
     layers = [dataclasses.replace(w, **{f: matrix(tensors[f"blk.{i}.{names[f]}"], getattr(w, f), heads.get(f))
                                         for f in quant.MATRICES}) for i, w in enumerate(model.layers)]

@@ -5,8 +5,8 @@ On synthetic blocks of every format (random integers, random float16 scales), fa
 - each format lands on its tile (quant.tile_of) and, for the exact ones, the tile's weights ARE the file's
   (BlockLinear.dequantize() == dequantize()); Q4_K/Q5_K round only d*sc_j and dmin*m_j to float16, and the
   requantized ones (floats) stay within half a step of Q8_0's rule;
-- the byte tile and the nibble tiles are bit-identical to quant.matmul_reference_w4a8 on those blocks, the 6-bit
-  tile (Q6_K) to quant.matmul_reference_q6;
+- the byte, 5-bit and nibble tiles (each with and without a stored minimum) are bit-identical to
+  quant.matmul_reference_w4a8 on those blocks, the 6-bit tile (Q6_K) to quant.matmul_reference_q6;
 - a tiny model whose every matrix is another format (mixed within Q|K|V and across layers) runs the Numba path as
   the NumPy reference of the same weights, packs each role on the tile its formats need, and `auto` picks gguf.
 The real files' accuracy (top-1 and perplexity against the float path) is tests/test_quant_accuracy.py's.
@@ -30,13 +30,15 @@ Q_RANGE = {"Q8_0": 128, "Q4_0": 8, "Q4_1": 15, "Q5_0": 16, "Q5_1": 31, "Q4_K": 6
            "Q6_K": 128 * 32}
 AMPLITUDE = 0.1
 FORMATS = gguf_quants.SUPPORTED          # the float ones too (no blocks: requantized)
-EXACT = quant.NIBBLE_FORMATS + quant.BYTE_FORMATS + ("Q6_K",)
+EXACT = quant.NIBBLE_FORMATS + quant.FIVE_BIT_FORMATS + quant.BYTE_FORMATS + ("Q6_K",)
 
 
 def block_class(type_name: str) -> type:
     """The block matrix a format's tensor becomes (quant.file_matrix)."""
     if type_name == "Q6_K":
         return quant.Q6Linear
+    if type_name in quant.FIVE_BIT_FORMATS:
+        return quant.Q5Linear
     return quant.Q4Linear if type_name in quant.NIBBLE_FORMATS else quant.B8Linear
 
 
@@ -98,6 +100,8 @@ def test_each_format_lands_on_its_tile_without_loss(type_name):
     assert q.shape == (D, O) and q.mode == quant.GGUF.name
     assert isinstance(q, block_class(type_name))
     assert isinstance(q, quant.S4Linear) == (type_name == "Q4_0")           # Q4_0's m is -8 d: no m stored
+    assert isinstance(q, quant.S5Linear) == (type_name == "Q5_0")           # Q5_0's m is -16 d
+    assert isinstance(q, quant.S8Linear) == (type_name in ("Q8_0", "F32", "F16", "BF16"))   # -128 d: Q8_0's rule
     got = q.dequantize()
     if type_name in ("Q4_K", "Q5_K"):     # only d * sc_j and dmin * m_j are rounded: to float16, 11 bits
         # (a scale is rounded by at most 2^-11 of itself, so a weight by 2^-11 of its block's largest term)
@@ -123,12 +127,17 @@ def test_the_tiles_are_bit_identical_to_the_reference_on_every_format(type_name,
     if isinstance(q, quant.Q6Linear):     # the 6-bit tile, Q6_K's own blocks
         np.testing.assert_array_equal(km.matmul_w4a8(xu, sx, km.pack_q6a8(q.q, q.sc, q.d)), want)
         return
-    pack = km.pack_w4a8 if isinstance(q, quant.Q4Linear) else km.pack_b8a8
+    pack = (km.pack_w4a8 if isinstance(q, quant.Q4Linear) else km.pack_q5a8 if isinstance(q, quant.Q5Linear) else
+            km.pack_b8a8)
     np.testing.assert_array_equal(km.matmul_w4a8(xu, sx, pack(q.q, q.d, q.m)), want)
-    if isinstance(q, quant.S4Linear):     # and on the symmetric tile, which reads d only (18 bytes per 32)
-        np.testing.assert_array_equal(km.matmul_w4a8(xu, sx, km.pack_s4a8(q.q, q.d)), want)
-    # and a nibble matrix promoted to bytes (a fused matrix of mixed formats) gives the same bits
+    symmetric = {quant.S4Linear: km.pack_s4a8, quant.S5Linear: km.pack_s5a8, quant.S8Linear: km.pack_s8a8}
+    if type(q) in symmetric:              # and on the tile without m, which reads d only (Q4_0, Q5_0, Q8_0's bytes)
+        np.testing.assert_array_equal(km.matmul_w4a8(xu, sx, symmetric[type(q)](q.q, q.d)), want)
+    # and a narrower matrix promoted (a fused matrix of mixed formats: nibbles on the 5-bit tile, anything on
+    # bytes) gives the same bits
     np.testing.assert_array_equal(km.matmul_w4a8(xu, sx, km.pack_b8a8(q.q, q.d, q.m)), want)
+    if isinstance(q, quant.Q4Linear):
+        np.testing.assert_array_equal(km.matmul_w4a8(xu, sx, km.pack_q5a8(q.q, q.d, q.m)), want)
 
 
 def test_the_byte_tile_takes_every_byte_value_at_the_activation_extremes():
@@ -147,14 +156,33 @@ def test_the_byte_tile_takes_every_byte_value_at_the_activation_extremes():
     assert got[0, 0] == 32 * (255 * 0.5 - 64) * 2                                  # 2 blocks of 32 ones
 
 
+def test_the_5_bit_tiles_take_every_value_at_the_activation_extremes():
+    """q = 0 and 31 (both fifth bits, every step's) against activations of +-127: the 5-bit tile forms q from its
+    nibble and its fifth bit in registers; with m and without it (m = -16 d formed from d), as the byte tile."""
+    D, O, T = 64, 32, 4
+    q = np.where(np.arange(D * O).reshape(D, O) % 3 == 0, 31, 0).astype(np.uint8)
+    q[:, :16] = 31
+    q[::5, 16:] = 16                                                               # a fifth bit alone
+    d = np.full((D // 32, O), 0.5, np.float32)
+    x = np.array([[1.0] * D, [-1.0] * D, [(-1.0) ** i for i in range(D)], np.linspace(-1, 1, D)], np.float32)
+    xu, sx = np.empty(x.shape, np.uint8), np.empty((T, D // 32), np.float32)
+    km.quantize_rows(x, xu, sx)
+    for m, wp in ((np.full_like(d, -3.0), km.pack_q5a8(q, d, np.full_like(d, -3.0))), (-16 * d, km.pack_s5a8(q, d))):
+        got = km.matmul_w4a8(xu, sx, wp)
+        np.testing.assert_array_equal(got, quant.matmul_reference_w4a8(x, quant.Q5Linear(q, d, m)))
+        assert got[0, 0] == 2 * (32 * 31 * 0.5 + 32 * m[0, 0])                     # 2 blocks of 32 ones
+    with pytest.raises(ValueError, match="5-bit values"):
+        km.pack_q5a8(q + 1, d, d)
+
+
 # --- a model of every format --------------------------------------------------------------------------------------
 
 # per layer, each matrix's format: Q|K|V and gate|up mix nibbles, bytes, floats and Q6_K (a fused matrix on the byte
-# tile), `o` is Q4_0 on every layer (the symmetric nibble tile), `down` nibbles with and without a minimum (W4A8's);
-# the tied embedding is Q6_K (the 6-bit tile for the LM head)
+# tile), `o` is Q4_0 on every layer (the symmetric nibble tile), `down` nibbles beside a 5-bit matrix (the 5-bit
+# tile with its minimum); the tied embedding is Q6_K (the 6-bit tile for the LM head)
 LAYER_FORMATS = [
     {"wq": "Q4_0", "wk": "Q4_1", "wv": "Q4_K", "wo": "Q4_0", "w_gate": "Q5_0", "w_up": "Q5_1", "w_down": "Q4_1"},
-    {"wq": "Q5_K", "wk": "Q8_0", "wv": "F16", "wo": "Q4_0", "w_gate": "Q4_1", "w_up": "Q6_K", "w_down": "Q4_K"},
+    {"wq": "Q5_K", "wk": "Q8_0", "wv": "F16", "wo": "Q4_0", "w_gate": "Q4_1", "w_up": "Q6_K", "w_down": "Q5_K"},
     {"wq": "Q8_0", "wk": "Q5_0", "wv": "Q5_1", "wo": "Q4_0", "w_gate": "BF16", "w_up": "F32", "w_down": "Q4_0"},
 ]
 
@@ -201,7 +229,7 @@ def test_each_role_packs_on_the_tile_its_formats_need(every_format):
     m = backend.set_backend(every_format, quant.GGUF.name, "numba")
     fw = fast.prepare(m)
     assert isinstance(fw.layers[0].o, km.S4A8Weights)                  # Q4_0 on every layer: d only
-    assert isinstance(fw.layers[0].down, km.W4A8Weights)               # nibbles, some with a minimum: W4A8's
+    assert isinstance(fw.layers[0].down, km.Q5A8Weights)               # nibbles beside 5-bit values: the 5-bit tile
     for role in ("qkv", "gate_up"):                                    # bytes somewhere: bytes on every layer
         assert isinstance(getattr(fw.layers[0], role), km.B8A8Weights), role
     assert isinstance(fw.lm_head, km.Q6A8Weights)                      # Q6_K alone: the 6-bit tile
@@ -210,14 +238,14 @@ def test_each_role_packs_on_the_tile_its_formats_need(every_format):
 
 def test_a_decode_step_reads_each_role_at_its_tiles_bytes(every_format):
     """quant.bytes_per_decode_step counts each fused role as kernels/forward.py packs it: `o` at Q4_0's 18 bytes per
-    32 weights, `down` at W4A8's 20, Q|K|V and gate|up at the byte tile's 36 (a Q6_K part requantized), the Q6_K
+    32 weights, `down` at the 5-bit tile's 24, Q|K|V and gate|up at the byte tile's 36 (a Q6_K part requantized), the Q6_K
     head at its own 210 per 256; and the packed arrays the fused step streams are that many bytes."""
     qm = quant.quantize_model(every_format, quant.GGUF.name)
     cfg, L = qm.config, len(LAYER_FORMATS)
     D, NH, KH, F, V = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.intermediate_size, \
         cfg.vocab_size
     weights = {"o": L * NH * D, "down": L * F * D, "qkv": L * D * (NH + 2 * KH), "gate_up": L * D * 2 * F}
-    rate = {"o": 18 / 32, "down": 20 / 32, "qkv": 36 / 32, "gate_up": 36 / 32}
+    rate = {"o": 18 / 32, "down": 24 / 32, "qkv": 36 / 32, "gate_up": 36 / 32}
     want = sum(weights[r] * rate[r] for r in weights) + D * V * 210 / 256
     assert quant.bytes_per_decode_step(qm) == want
     fw = fast.prepare(backend.set_backend(every_format, quant.GGUF.name, "numba"))

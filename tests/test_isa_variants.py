@@ -36,7 +36,8 @@ SCRIPT = textwrap.dedent("""
     from tinyserve import backend, kv_cache, naive, quant
     from tinyserve.kernels import isa
     from tinyserve.kernels.matmul import (block_sums, matmul_w4a8, matmul_w8a8, matmul_w8a32, pack_b8a8, pack_vnni,
-                                          pack_q6a8, pack_s4a8, pack_w4a8, pack_w8a32, quantize_rows)
+                                          pack_q5a8, pack_q6a8, pack_s4a8, pack_s5a8, pack_s8a8, pack_w4a8, pack_w8a32,
+                                          quantize_rows)
     from tinyserve.sampling import SamplingParams
 
     out = {"variant": np.array(isa.NAME)}
@@ -70,6 +71,16 @@ SCRIPT = textwrap.dedent("""
             s4 = quant.S4Linear(rng.integers(0, 16, (D, O)).astype(np.uint8), d4, np.float32(-8) * d4)
             out[f"s4a8_{T}_{D}_{O}"] = matmul_w4a8(xu, sx, pack_s4a8(s4.q, s4.d))   # the nibble tile without m
             out[f"s4a8_ref_{T}_{D}_{O}"] = quant.matmul_reference_w4a8(x, s4)
+            out[f"s8a8_{T}_{D}_{O}"] = matmul_w4a8(xu, sx, pack_s8a8(b8.q, b8.d))   # bytes without m (-128 d)
+            out[f"s8a8_ref_{T}_{D}_{O}"] = quant.matmul_reference_w4a8(x, b8)
+            m5 = (-15.5 * d4).astype(np.float16).astype(np.float32)
+            q5 = quant.Q5Linear(rng.integers(0, 32, (D, O)).astype(np.uint8), d4, m5)   # the 5-bit tile
+            q5.q[0] = 31                                                 # the largest value, against the outlier
+            out[f"q5a8_{T}_{D}_{O}"] = matmul_w4a8(xu, sx, pack_q5a8(q5.q, q5.d, q5.m))
+            out[f"q5a8_ref_{T}_{D}_{O}"] = quant.matmul_reference_w4a8(x, q5)
+            s5 = quant.S5Linear(q5.q, d4, np.float32(-16) * d4)          # Q5_0: m = -16 d, formed in the tile
+            out[f"s5a8_{T}_{D}_{O}"] = matmul_w4a8(xu, sx, pack_s5a8(s5.q, s5.d))
+            out[f"s5a8_ref_{T}_{D}_{O}"] = quant.matmul_reference_w4a8(x, s5)
         out[f"w8a32_{T}_{D}_{O}"] = matmul_w8a32(x, pack_w8a32(q.wq), q.scale)
         out[f"w8a32_ref_{T}_{D}_{O}"] = quant.matmul_reference(x, quant.QuantizedLinear(q.wq, q.scale, "int8"))
     for T, D, O in ((1, 256, 48), (5, 512, 32)):                       # the 6-bit tile: Q6_K's blocks of 256
@@ -167,7 +178,7 @@ def test_variant_is_exact_and_agrees_with_this_cpus_own(variant, native):
     for key in (k for k in got if k.startswith("w8a8_") and "_ref_" not in k):
         ref = got[key.replace("w8a8_", "w8a8_ref_", 1)]
         assert np.array_equal(got[key], ref), f"{variant}: W8A8 {key} not bit-exact: max {np.abs(got[key] - ref).max()}"
-    for kind in ("w4a8", "b8a8", "s4a8", "q6a8"):     # the nibble tile, the byte tile, nibbles without m, 6 bits
+    for kind in ("w4a8", "b8a8", "s4a8", "q6a8", "s8a8", "q5a8", "s5a8"):   # every layout of the W4A8 tile
         for key in (k for k in got if k.startswith(kind + "_") and "_ref_" not in k):
             ref = got[key.replace(kind + "_", kind + "_ref_", 1)]
             assert np.array_equal(got[key], ref), f"{variant}: {key} not bit-exact: max {np.abs(got[key] - ref).max()}"

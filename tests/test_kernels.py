@@ -259,7 +259,8 @@ def test_a_matmul_refuses_weights_that_are_not_a_packed_kind():
     from tinyserve.kernels import matmul as mm
     wt, x, xu, sx, _ = _packed_kinds(1, 64, 16, seed=0)["w8a8"]
     with pytest.raises(Exception,
-                       match="W8A8Weights, W8A32Weights, W4A8Weights, S4A8Weights, Q6A8Weights or B8A8Weights"):
+                       match="W8A8Weights, W8A32Weights, W4A8Weights, S4A8Weights, Q6A8Weights, B8A8Weights, "
+                             "S8A8Weights, Q5A8Weights or S5A8Weights"):
         mm.matmul_blocks(tuple(wt), x, xu, sx, np.zeros((1, 16), np.float32), False, 0, 1,
                          np.empty(mm.ROWS * mm.COLS * 16, np.float32))
 

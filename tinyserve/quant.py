@@ -188,7 +188,8 @@ def matmul_reference(x: np.ndarray, q: QuantizedLinear) -> np.ndarray:
 #     xs[t, b] = sx[t, b] * sum_{i in b} xq[t, i]
 # each block's dot product an exact integer, the blocks added in float32 in order: kernels/int4_dot.py's tile
 # reproduces it bit for bit. The LM head (a Q8_0 table in the GGUF) stays int8 per channel, activations per 32.
-# The same arithmetic on whole bytes (B8Linear, the byte tile) runs the GGUF formats of 5 to 8 bits: "gguf" below.
+# The same arithmetic on whole bytes (B8Linear, the byte tile) and on 5-bit values (Q5Linear) runs the GGUF formats of
+# 5 to 8 bits: "gguf" below.
 
 @dataclass
 class BlockLinear:
@@ -242,8 +243,45 @@ def nibble_linear(q: np.ndarray, d: np.ndarray, m: np.ndarray, mode: str) -> Q4L
 
 
 class B8Linear(BlockLinear):
-    """Blocks of whole bytes (q 0..255): the byte tile (kernels.matmul.pack_b8a8), for the GGUF formats of 5 to 8
-    bits (a Q5 value or Q8_0's q + 128 is a byte) and for what is requantized to 8 bits (quantize_q8_blocks)."""
+    """Blocks of whole bytes (q 0..255): the byte tile (kernels.matmul.pack_b8a8), for a fused role whose parts are of
+    several formats (a nibble or a Q5 value is a byte too; role_tile) and for bytes whose minimum is not -128 d."""
+
+
+class S8Linear(B8Linear):
+    """Byte blocks whose minimum is -128 d throughout (Q8_0's q + 128, and what is requantized by its rule:
+    quantize_q8_blocks): the byte tile without m (kernels.matmul.pack_s8a8: 34 bytes per 32 weights, Q8_0's own,
+    against 36 with m). m is kept for the reference's arithmetic, which is the same: -128 d is exact in float16."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.size + self.d.size * 2
+
+
+class Q5Linear(BlockLinear):
+    """5-bit blocks (q 0..31: Q5_1, Q5_K): the 5-bit tile (kernels.matmul.pack_q5a8: the low nibbles and a fifth bit
+    per weight beside d and m, 6 bits a weight as Q5_1 in the file)."""
+    BITS: ClassVar[int] = 5
+
+
+class S5Linear(Q5Linear):
+    """5-bit blocks whose minimum is -16 d throughout (Q5_0: w = d (q - 16)): the 5-bit tile without m
+    (kernels.matmul.pack_s5a8: 22 bytes per 32 weights, Q5_0's own)."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.size * self.BITS // 8 + self.d.size * 2
+
+
+def byte_linear(q: np.ndarray, d: np.ndarray, m: np.ndarray, mode: str) -> B8Linear:
+    """Byte blocks -> S8Linear where every minimum is -128 d (Q8_0's always), else B8Linear."""
+    kind = S8Linear if np.array_equal(m, np.float32(-128) * d) else B8Linear
+    return kind(q, d, m, mode)
+
+
+def five_linear(q: np.ndarray, d: np.ndarray, m: np.ndarray, mode: str) -> Q5Linear:
+    """5-bit blocks -> S5Linear where every minimum is -16 d (Q5_0's always), else Q5Linear."""
+    kind = S5Linear if np.array_equal(m, np.float32(-16) * d) else Q5Linear
+    return kind(q, d, m, mode)
 
 
 def quantize_q4_1(w: np.ndarray) -> Q4Linear:
@@ -367,7 +405,8 @@ def with_mlp_planes(model: Model) -> Model:
 
 
 def quantize_q8_blocks(w: np.ndarray, mode: str = GGUF.name) -> B8Linear:
-    """[D_in, O] float32 -> B8Linear by llama.cpp's Q8_0 rule per 32 inputs (d = max |w| / 127 rounded to float16,
+    """[D_in, O] float32 -> S8Linear (B8Linear where a -128 d overflows float16) by llama.cpp's Q8_0 rule per 32
+    inputs (d = max |w| / 127 rounded to float16,
     q = round(w / d) + 128, m = -128 d): the byte tile for what the file holds as floats (F32, F16, BF16) or in
     blocks the tile cannot hold exactly (Q6_K's scales per 16)."""
     D, O = w.shape
@@ -376,7 +415,7 @@ def quantize_q8_blocks(w: np.ndarray, mode: str = GGUF.name) -> B8Linear:
     with np.errstate(divide="ignore", invalid="ignore"):
         q = np.where(d[:, None] > 0, np.rint(b / d[:, None]), 0)
     q = (np.clip(q, -127, 127) + 128).astype(np.uint8).reshape(D, O)
-    return B8Linear(q, d, (np.float32(-128) * d).astype(np.float16).astype(np.float32), mode)
+    return byte_linear(q, d, (np.float32(-128) * d).astype(np.float16).astype(np.float32), mode)
 
 
 # --- "gguf": every matrix as its file holds it -------------------------------------------------------------------
@@ -385,16 +424,20 @@ def quantize_q8_blocks(w: np.ndarray, mode: str = GGUF.name) -> B8Linear:
 # tile (nibbles) and the byte tile (whole bytes). So each format maps onto one without rounding a weight:
 #     Q4_0, Q4_1, Q4_K                -> the nibble tile (Q4_K's d * sc_j and dmin * m_j rounded to float16);
 #                                        where every m is -8 d (Q4_0's always), its symmetric form (S4Linear: no m)
-#     Q5_0, Q5_1, Q5_K, Q8_0          -> the byte tile (Q5_K's scales likewise rounded to float16)
+#     Q5_0, Q5_1, Q5_K                -> the 5-bit tile (Q5_K's scales likewise rounded to float16); where every m
+#                                        is -16 d (Q5_0's always), its symmetric form (S5Linear: no m)
+#     Q8_0                            -> the byte tile without m (S8Linear: m = -128 d)
 #     Q6_K                            -> the 6-bit tile (Q6Linear: its own q, int8 scales per 16 and d per 256)
-#     F32, F16, BF16                  -> the byte tile, requantized per 32 by Q8_0's rule (quantize_q8_blocks: floats
-#                                        have no blocks)
-# A fused role (FUSED_ROLES) runs on one tile over its matrices of every layer (role_tile): one with Q6_K beside other
-# formats runs on the byte tile, its Q6_K parts requantized by Q8_0's rule (as before the 6-bit tile).
+#     F32, F16, BF16                  -> the byte tile without m, requantized per 32 by Q8_0's rule
+#                                        (quantize_q8_blocks: floats have no blocks)
+# A fused role (FUSED_ROLES) runs on one tile over its matrices of every layer (role_tile): nibbles beside 5-bit
+# values on the 5-bit tile, any byte part or Q6_K beside other formats on the byte tile with m, its Q6_K parts
+# requantized by Q8_0's rule (as before the 6-bit tile).
 # A float32 model with no file behind it (Model.gguf_tensors None) takes the last row for every matrix.
 
 NIBBLE_FORMATS = ("Q4_0", "Q4_1", "Q4_K")
-BYTE_FORMATS = ("Q5_0", "Q5_1", "Q5_K", "Q8_0")
+FIVE_BIT_FORMATS = ("Q5_0", "Q5_1", "Q5_K")
+BYTE_FORMATS = ("Q8_0",)
 
 
 def _f16(a: np.ndarray) -> np.ndarray:
@@ -402,10 +445,12 @@ def _f16(a: np.ndarray) -> np.ndarray:
 
 
 def tile_of(type_name: str) -> str:
-    """Which tile a GGUF format runs on in the gguf mode: "nibble", "byte", "6-bit" or "byte (requantized)"."""
+    """Which tile a GGUF format runs on in the gguf mode: "nibble", "5-bit", "byte", "6-bit" or "byte
+    (requantized)"."""
     if type_name == "Q6_K":
         return "6-bit"
-    return "nibble" if type_name in NIBBLE_FORMATS else "byte" if type_name in BYTE_FORMATS else "byte (requantized)"
+    return ("nibble" if type_name in NIBBLE_FORMATS else "5-bit" if type_name in FIVE_BIT_FORMATS else
+            "byte" if type_name in BYTE_FORMATS else "byte (requantized)")
 
 
 ROWS_PER_CHUNK = 4096   # a tensor's rows split (or requantized) at a time: the temporaries of a 128k-row embedding
@@ -449,9 +494,11 @@ def file_matrix(info, unpermute_heads: int | None = None) -> BlockLinear | Q6Lin
         if not (np.isfinite(bd).all() and np.isfinite(bm).all()):
             raise ValueError("holds NaN or inf values: corrupt file")
         q[:, r0:r1], d[:, r0:r1], m[:, r0:r1] = bq.T, bd.T, bm.T
-    if requantize or info.type_name not in NIBBLE_FORMATS:
-        return B8Linear(q, d, m, GGUF.name)
-    return nibble_linear(q, d, m, GGUF.name)
+    if info.type_name in NIBBLE_FORMATS:
+        return nibble_linear(q, d, m, GGUF.name)
+    if info.type_name in FIVE_BIT_FORMATS:
+        return five_linear(q, d, m, GGUF.name)
+    return byte_linear(q, d, m, GGUF.name)
 
 
 def _q6_matrix(raw: np.ndarray, O: int, D: int, step: int, head: int, unpermute_heads: int | None) -> Q6Linear:
@@ -500,7 +547,7 @@ def settle_roles(layers: list[LayerWeights]) -> list[LayerWeights]:
     formats) requantized to it (Q6Linear.on_bytes), so that the model holds what its kernels multiply and the NumPy
     reference computes what the fast path does."""
     for role in FUSED_ROLES:
-        if role_tile([getattr(w, f) for w in layers for f in role]) is B8Linear:
+        if role_tile([getattr(w, f) for w in layers for f in role]) in (B8Linear, S8Linear):
             layers = [dataclasses.replace(w, **{f: getattr(w, f).on_bytes() for f in role
                                                  if isinstance(getattr(w, f), Q6Linear)}) for w in layers]
     return layers
@@ -570,16 +617,22 @@ FUSED_ROLES = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))
 
 def role_tile(mats: list) -> type | None:
     """The tile a fused role (FUSED_ROLES; its matrices of every layer) runs on in the gguf mode, as the block class
-    whose layout it reads: Q6Linear if every part is Q6_K; B8Linear if any part is bytes (a nibble is a byte; a Q6_K
-    part requantized: Q6Linear.on_bytes), S4Linear if every part is symmetric nibbles, else Q4Linear (the minimum
-    stored: an S4Linear part carries -8 d); None for the int8 modes' matrices."""
+    whose layout it reads: the narrowest that holds every part's q, without m where every part's m is the same
+    multiple of d. Q6Linear if every part is Q6_K; S4Linear / Q4Linear if every part is nibbles; S5Linear /
+    Q5Linear if every part is nibbles or 5-bit values (a nibble is a 5-bit value; the minimum stored unless every
+    part is Q5_0's: an S4Linear part carries -8 d); S8Linear if every part is bytes with m = -128 d or Q6_K (a Q6_K
+    part beside other formats is requantized by Q8_0's rule: Q6Linear.on_bytes), else B8Linear (a nibble or a 5-bit
+    value is a byte); None for the int8 modes' matrices."""
     if not isinstance(mats[0], (BlockLinear, Q6Linear)):
         return None
-    if all(isinstance(q, Q6Linear) for q in mats):
+    every = lambda kind: all(isinstance(q, kind) for q in mats)       # noqa: E731
+    if every(Q6Linear):
         return Q6Linear
-    if not all(isinstance(q, Q4Linear) for q in mats):
-        return B8Linear
-    return S4Linear if all(isinstance(q, S4Linear) for q in mats) else Q4Linear
+    if every(Q4Linear):
+        return S4Linear if every(S4Linear) else Q4Linear
+    if all(isinstance(q, (Q4Linear, Q5Linear)) for q in mats):
+        return S5Linear if every(S5Linear) else Q5Linear
+    return S8Linear if all(isinstance(q, (S8Linear, Q6Linear)) for q in mats) else B8Linear
 
 
 def tile_nbytes(q, tile: type | None) -> int:
@@ -587,18 +640,23 @@ def tile_nbytes(q, tile: type | None) -> int:
     if tile is None or tile is Q6Linear:
         return q.nbytes
     D, O = q.shape
-    per_32 = {B8Linear: 32 + 4, Q4Linear: 16 + 4, S4Linear: 16 + 2}[tile]     # q, then d (and m) as float16
+    per_32 = {B8Linear: 32 + 4, S8Linear: 32 + 2, Q5Linear: 20 + 4, S5Linear: 20 + 2, Q4Linear: 16 + 4,
+              S4Linear: 16 + 2}[tile]                                     # q, then d (and m) as float16
     return D // Q4_GROUP * O * per_32
 
 
 def bytes_per_decode_step(model: Model) -> int:
     """Weight bytes one decode step reads: every matmul weight once (the LM head included), norms aside, as the tile
-    of its fused role (role_tile: kernels/forward.py packs a role's matrices of every layer alike) holds it."""
+    of its fused role holds it (role_tile): LLaMA's block packs a role's matrices of every layer alike (stacked for
+    kernels/forward.py's decode step), another family's block each layer's on its own (kernels/block_forward.py)."""
+    from .backend import block_switches
+    groups = [[w] for w in model.layers] if block_switches(model) else [model.layers]
     total = 0
     for role in FUSED_ROLES:
-        mats = [getattr(w, f) for w in model.layers for f in role]
-        kind = role_tile(mats)
-        total += sum(tile_nbytes(q, kind) for q in mats)
+        for layers in groups:
+            mats = [getattr(w, f) for w in layers for f in role]
+            kind = role_tile(mats)
+            total += sum(tile_nbytes(q, kind) for q in mats)
     return total + (model.lm_head_q.nbytes if model.lm_head_q is not None else model.head.nbytes)
 
 

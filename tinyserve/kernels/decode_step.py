@@ -61,8 +61,9 @@ from ..quant import is_w8a8
 from .attention import decode_attention_heads, decode_scratch
 from .layer import _rms_norm_quant_row, _rms_norm_row, _swiglu_row
 from .simd import prefetch_l2
-from .matmul import (BLOCK, COLS, ROWS, B8A8Weights, Q6A8Weights, S4A8Weights, W4A8Weights, W8A8Weights,
-                     W8A32Weights, _layer, _quantize_row, matmul_blocks, rope_head, thread_share)
+from .matmul import (BLOCK, COLS, ROWS, B8A8Weights, Q5A8Weights, Q6A8Weights, S4A8Weights, S5A8Weights, S8A8Weights,
+                     W4A8Weights, W8A8Weights, W8A32Weights, _layer, _quantize_row, matmul_blocks, rope_head,
+                     thread_share)
 from .spin import FAILED, SYNC_SIZE, TIMEOUT_CYCLES, barrier, regions_can_run
 
 # rows per fused step: four weight tiles' worth (matmul.ROWS = 4 rows a tile), so that decode at batch 16 and a
@@ -82,12 +83,14 @@ PREFETCH_LINES = 256 * 1024 // 64
 SPLIT_ROWS = 4
 
 # one packed matrix, its class its kind
-Packed = Union[W8A8Weights, W8A32Weights, W4A8Weights, S4A8Weights, Q6A8Weights, B8A8Weights]
+Packed = Union[W8A8Weights, W8A32Weights, W4A8Weights, S4A8Weights, Q6A8Weights, B8A8Weights, S8A8Weights,
+               Q5A8Weights, S5A8Weights]
 
 
 class PackedLayer(NamedTuple):
     """One layer's weights as the kernels take them; each matrix is its packed kind (matmul.W8A8Weights,
-    W8A32Weights, W4A8Weights, S4A8Weights, Q6A8Weights or B8A8Weights), Q|K|V and gate|up fused. With a leading L axis on every array, the same class
+    W8A32Weights, W4A8Weights, S4A8Weights, Q6A8Weights, B8A8Weights, S8A8Weights, Q5A8Weights or S5A8Weights),
+    Q|K|V and gate|up fused. With a leading L axis on every array, the same class
     holds every layer at once (DecodeWeights.layers)."""
     attn_norm: np.ndarray  # [D]
     qkv: Packed            # [D, (N + 2K) H]

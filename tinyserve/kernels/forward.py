@@ -26,9 +26,11 @@ from .decode_step import DecodeWeights, Packed, PackedLayer
 from .layer import (lm_head, lm_head_w8a32, mlp_down, mlp_down_w8a32, post_attention, post_attention_w8a32,
                     pre_attention, pre_attention_w8a32)
 from ..model import forward as float32_forward
-from ..quant import B8Linear, BlockLinear, Q6Linear, S4Linear, act_blocks, dequantize_model, is_w8a8, role_tile
-from .matmul import (W8A8Weights, W8A32Weights, act_blocks_of, b8a8_weights, pack_b8a8, pack_q6a8, pack_s4a8,
-                     pack_vnni, pack_w4a8, pack_w8a32, q6a8_weights, s4a8_weights, w4a8_weights)
+from ..quant import (B8Linear, BlockLinear, Q5Linear, Q6Linear, S4Linear, S5Linear, S8Linear, act_blocks,
+                     dequantize_model, is_w8a8, role_tile)
+from .matmul import (W8A8Weights, W8A32Weights, act_blocks_of, b8a8_weights, pack_b8a8, pack_q5a8, pack_q6a8,
+                     pack_s4a8, pack_s5a8, pack_s8a8, pack_vnni, pack_w4a8, pack_w8a32, q5a8_weights, q6a8_weights,
+                     s4a8_weights, s5a8_weights, s8a8_weights, w4a8_weights)
 
 
 # SiLU's exp on the three-call W8A8 path. None (the default): fast_exp.exp32 inside mlp_down, the fused decode step's
@@ -63,19 +65,25 @@ def _pack(mode: str, *qs, tile: type | None = None) -> Packed:
     """Quantised matrices side by side (same input) -> one packed matrix of their kind: a fused projection. Blocks
     of 32 (quant.BlockLinear) pack on the tile `tile` names (a block class, quant.role_tile's answer for the role
     they belong to; None: theirs, role_tile of these matrices): B8Linear the byte tile (a nibble is a byte: a fused
-    or stacked matrix of mixed formats reads 8 bits a weight), Q6Linear the 6-bit tile (Q6_K's own blocks), S4Linear
-    the symmetric nibble tile (d only, Q4_0),
-    Q4Linear W4A8's; int8 ones as W8A8 when the model's mode rounds the activations to int8 too (a W4A8 model's LM
+    or stacked matrix of mixed formats reads 8 bits a weight), S8Linear it without m (Q8_0: d only), Q5Linear the
+    5-bit tile, S5Linear it without m (Q5_0), Q6Linear the 6-bit tile (Q6_K's own blocks), S4Linear the symmetric
+    nibble tile (d only, Q4_0), Q4Linear W4A8's; int8 ones as W8A8 when the model's mode rounds the activations to int8 too (a W4A8 model's LM
     head among them), else as W8A32."""
     if isinstance(qs[0], (BlockLinear, Q6Linear)):
         tile = tile or role_tile(list(qs))
-        if tile is B8Linear:                       # a Q6_K part beside other formats: requantized to bytes
+        if tile in (B8Linear, S8Linear):           # a Q6_K part beside other formats: requantized to bytes
             qs = [q.on_bytes() if isinstance(q, Q6Linear) else q for q in qs]
         cat = lambda f: np.concatenate([getattr(q, f) for q in qs], axis=1)        # noqa: E731
         if tile is Q6Linear:
             return q6a8_weights(pack_q6a8(cat("q"), cat("sc"), cat("d")))
+        if tile is S8Linear:
+            return s8a8_weights(pack_s8a8(cat("q"), cat("d")))
         if tile is B8Linear:
             return b8a8_weights(pack_b8a8(cat("q"), cat("d"), cat("m")))
+        if tile is S5Linear:
+            return s5a8_weights(pack_s5a8(cat("q"), cat("d")))
+        if tile is Q5Linear:
+            return q5a8_weights(pack_q5a8(cat("q"), cat("d"), cat("m")))
         if tile is S4Linear:
             return s4a8_weights(pack_s4a8(cat("q"), cat("d")))
         return w4a8_weights(pack_w4a8(cat("q"), cat("d"), cat("m")))

@@ -25,9 +25,11 @@ no offset and no sign trick (compare kernels/int8_dot.py):
 
 Layout (kernels.matmul.pack_w4a8): for each block of 16 outputs, per input block of 32, 320 bytes: d[16] and m[16]
 as float16 (64 bytes), then 4 pairs of 4-input steps, 64 bytes a pair: byte 4l + k holds step 2j's q[4(2j) + k, l] in
-its low nibble and step 2j+1's in its high one (pack_vnni's byte order, two steps per byte). Two more layouts run
+its low nibble and step 2j+1's in its high one (pack_vnni's byte order, two steps per byte). More layouts run
 on the same tile (make_w4a8_tile's switches): Q4_0's blocks without m (symmetric: 288 bytes, m = -8 d formed from d,
-exact), and Q6_K's own blocks (six_bits: q = its low nibble | its top 2 bits << 4, 0..63, and per half of 16 inputs
+exact); whole bytes (576 bytes, or 544 without m for Q8_0: m = -128 d); 5-bit values (Q5_0, Q5_1, Q5_K: the
+nibbles as above, then a byte of fifth bits per 8 steps, q = nibble | bit << 4 formed in registers: 384 bytes, or
+352 without m for Q5_0: m = -16 d), all with the arithmetic above; and Q6_K's own blocks (six_bits: q = its low nibble | its top 2 bits << 4, 0..63, and per half of 16 inputs
 an int8 scale applied to that half's exact integer sum, then d per 256 inputs: no minimum, the offset 32 subtracted
 as 32 times the half's activation sum). The float16 scales
 become float32 with integer operations (magnitude << 13, times 2^112, sign put back: exact for every finite float16,
@@ -52,6 +54,15 @@ BYTE_GROUP_BYTES = SCALE_BYTES + GROUP * BLOCK     # the byte tile's: 576 (whole
 SYM_SCALE_BYTES = BLOCK * 2     # the symmetric nibble tile keeps d[16] only: its m is -8 d
 SYM_GROUP_BYTES = SYM_SCALE_BYTES + GROUP * BLOCK // 2   # 288 bytes: Q4_0's 18 bytes per 32 weights
 MIN_PER_D = -8.0                # the symmetric tile's minimum per scale: Q4_0's w = d (q - 8) = d q + (-8 d)
+SYM_BYTE_GROUP_BYTES = SYM_SCALE_BYTES + GROUP * BLOCK     # 544: the byte tile without m, Q8_0's 34 bytes per 32
+BYTE_MIN_PER_D = -128.0         # its minimum per scale: Q8_0's w = d (q - 128) with q stored + 128
+# The 5-bit tile (Q5_0, Q5_1, Q5_K): the low nibbles of q as pack_w4a8's (256 bytes), then their fifth bits (64
+# bytes: bit s of byte 4l + k is step s's q[4s + k, l] >> 4), after d[16] and m[16] (384 bytes per 512 weights: 6
+# bits a weight, Q5_1's) or d[16] only (352: 5.5 bits, Q5_0's, whose m is -16 d).
+FIVE_BITS_BYTES = GROUP * BLOCK // 8                                        # 64
+Q5_GROUP_BYTES = SCALE_BYTES + GROUP * BLOCK // 2 + FIVE_BITS_BYTES         # 384
+SYM_Q5_GROUP_BYTES = SYM_SCALE_BYTES + GROUP * BLOCK // 2 + FIVE_BITS_BYTES  # 352
+FIVE_MIN_PER_D = -16.0          # Q5_0's w = d (q - 16)
 # The 6-bit tile (Q6_K): per block of 16 outputs and 32 inputs, sc[2][16] int8 (a scale per 16 inputs), the low
 # nibbles of q as pack_w4a8's (256 bytes), then their top 2 bits (128 bytes: byte 4l + k of vector v holds steps
 # 4v .. 4v + 3 at bits 0, 2, 4, 6); per 8 such blocks (Q6_K's super-block of 256 inputs) d[16] float16 first.
@@ -187,7 +198,7 @@ def _plan(R: int, C: int, v: int, regs: int, extra: int) -> tuple[int, int]:
 
 
 def make_w4a8_tile(R: int, C: int, name: str | None = None, whole_bytes: bool = False, symmetric: bool = False,
-                   six_bits: bool = False):
+                   six_bits: bool = False, five_bits: bool = False):
     """An R x C W4A8 tile, or with whole_bytes the byte tile (weights 0..255, matmul.pack_b8a8's layout: 576 bytes per
     block of 16 outputs and 32 inputs, the 8 steps a byte each), or with symmetric the nibble tile without a minimum
     (matmul.pack_s4a8: 288 bytes, d[16] and no m, which the tile forms as d * MIN_PER_D: exact, a power of two, so
@@ -200,18 +211,27 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None, whole_bytes: bool = 
     memory operand, where a flip of the sign bits first cost a third of the inner loop's instructions; the caller
     converts them once per matmul: matmul._tile_inputs), w: pack_w4a8's bytes (block c
     at w_off + c*w_stride), nb input blocks of 32, sx / xs: float32 [rows, nb] (row r at s_off + r*s_stride), out:
-    float32 (row r, output block c at o_off + r*o_stride + 16c), overwritten."""
+    float32 (row r, output block c at o_off + r*o_stride + 16c), overwritten.
+    five_bits: the 5-bit tile (matmul.pack_q5a8: 384 bytes, the nibbles as pack_w4a8's then a byte of fifth bits
+    per 8 steps; q = nibble | fifth bit << 4 formed in registers, then the byte tile's arithmetic). symmetric goes
+    with whole_bytes or five_bits too: d[16] only, m formed as d * BYTE_MIN_PER_D (Q8_0, matmul.pack_s8a8: 544
+    bytes) or d * FIVE_MIN_PER_D (Q5_0, matmul.pack_s5a8: 352 bytes), exact as the nibble tile's."""
     name = isa.NAME if name is None else name
     vb = isa.VARIANTS[name].vector_bytes
     parts, nl = 64 // vb, vb // 4
     bytes_t, lanes_t, float_t = ir.VectorType(_I8, vb), ir.VectorType(_I32, nl), ir.VectorType(_F32, nl)
     half_t = ir.VectorType(_I16, nl)
     # six_bits: q is 0..63, whole bytes to the step (avx2's 16-bit pairs would overflow over 4 steps: split there)
-    acc_t, extra, setup, per_row, step, finish = _step(name, vb, whole_bytes or six_bits)
-    assert whole_bytes + symmetric + six_bits <= 1, "one tile at a time"
-    group_bytes = (BYTE_GROUP_BYTES if whole_bytes else SYM_GROUP_BYTES if symmetric else
-                   Q6_GROUP_BYTES if six_bits else GROUP_BYTES)
+    # five_bits: q is 0..31, whose avx2 16-bit pairs would overflow over a block's 8 steps: split there too
+    acc_t, extra, setup, per_row, step, finish = _step(name, vb, whole_bytes or six_bits or five_bits)
+    assert whole_bytes + six_bits + five_bits <= 1 and not (six_bits and symmetric), "one tile at a time"
+    group_bytes = {(False, False): GROUP_BYTES, (False, True): SYM_GROUP_BYTES,
+                   (True, False): BYTE_GROUP_BYTES, (True, True): SYM_BYTE_GROUP_BYTES}[whole_bytes, symmetric]
+    group_bytes = (Q6_GROUP_BYTES if six_bits else (SYM_Q5_GROUP_BYTES if symmetric else Q5_GROUP_BYTES)
+                   if five_bits else group_bytes)
+    min_per_d = BYTE_MIN_PER_D if whole_bytes else FIVE_MIN_PER_D if five_bits else MIN_PER_D
     scale_bytes = SYM_SCALE_BYTES if symmetric else Q6_SC_BYTES if six_bits else SCALE_BYTES
+    one_bit = ir.Constant(bytes_t, [ir.Constant(_I8, 0x10)] * vb)     # the fifth bit's place in q
     # the lines a block's prefetch touches: every 64 bytes, and the last byte (288 is not a whole number of lines);
     # the 6-bit tile's from its super-block's d on (32 bytes before its first block)
     lines = sorted(set(range(-32 if six_bits else 0, group_bytes, 64)) | {group_bytes - 1})
@@ -262,6 +282,17 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None, whole_bytes: bool = 
                     hi0 = builder.shl(builder.and_(top, crumb_mask), four)
                     hi1 = builder.shl(builder.and_(builder.lshr(top, ir.Constant(bytes_t, [ir.Constant(_I8, 2)] * vb)),
                                                    crumb_mask), four)
+                    return [(0, builder.or_(builder.and_(v, low), hi0)), (1, builder.or_(builder.lshr(v, four), hi1))]
+                if five_bits:                                   # pair j's steps' fifth bits: bits 2j, 2j + 1
+                    v = load_bytes(c, builder.add(base, builder.add(builder.mul(j, k(64)), k(scale_bytes + vb * p))))
+                    top = load_bytes(c, builder.add(base, k(scale_bytes + GROUP * BLOCK // 2 + vb * p)))
+                    shift = builder.trunc(builder.add(j, j), _I8)
+                    sv = builder.shuffle_vector(builder.insert_element(ir.Constant(bytes_t, None), shift,
+                                                                       ir.Constant(_I32, 0)),
+                                                ir.Constant(bytes_t, None), ir.Constant(ir.VectorType(_I32, vb), None))
+                    top = builder.lshr(top, sv)
+                    hi0 = builder.and_(builder.shl(top, four), one_bit)
+                    hi1 = builder.and_(builder.shl(top, ir.Constant(bytes_t, [ir.Constant(_I8, 3)] * vb)), one_bit)
                     return [(0, builder.or_(builder.and_(v, low), hi0)), (1, builder.or_(builder.lshr(v, four), hi1))]
                 if whole_bytes:
                     return [(half, load_bytes(c, builder.add(base, builder.add(
@@ -329,9 +360,9 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None, whole_bytes: bool = 
                                     h = builder.load(builder.bitcast(builder.gep(w_cols[c], [off]),
                                                                      half_t.as_pointer()), align=1)
                                     dm[p, which] = _half_to_float(builder, h, nl, name != "generic")
-                                if symmetric:                               # m = -8 d, exact in float32
+                                if symmetric:                       # m = -8 d (-128 d, -16 d), exact in float32
                                     dm[p, 1] = builder.fmul(dm[p, 0], ir.Constant(float_t, [ir.Constant(
-                                        _F32, MIN_PER_D)] * nl))
+                                        _F32, min_per_d)] * nl))
                             for r in sub_r:
                                 s_at = builder.add(s_rows[r], b)
                                 sxv = bcast(builder.load(builder.gep(sx_base, [s_at])))

@@ -10,10 +10,12 @@ Three kernels, one per kind of quantisation in tinyserve.quant:
   Float sums in a different order than BLAS: matches the NumPy reference to ~1e-6 relative (tests/test_quant.py).
 - `matmul_w4a8`: Q4_1 weights (4 bits, a scale and a minimum per 32 inputs; `pack_w4a8`) times int8 activations
   per 32, the tile of kernels/int4_dot.py; bit-identical to quant.matmul_reference_w4a8. The same with whole bytes
-  (0..255, `pack_b8a8`): the byte tile, which runs the GGUF formats of 5 to 8 bits (quant.py's "gguf" mode).
+  (0..255, `pack_b8a8`): the byte tile, which runs the GGUF formats of 8 bits and what mixes formats (quant.py's
+  "gguf" mode); with 5-bit values (`pack_q5a8`): the 5-bit tile (Q5_0, Q5_1, Q5_K).
 
-Inside, a packed matrix is one of six NamedTuples, W8A8Weights, W8A32Weights, W4A8Weights, S4A8Weights (W4A8's
-nibbles without the minimum, for Q4_0), Q6A8Weights (Q6_K's own blocks) and B8A8Weights: its class is its
+Inside, a packed matrix is one of nine NamedTuples, W8A8Weights, W8A32Weights, W4A8Weights, S4A8Weights (W4A8's
+nibbles without the minimum, for Q4_0), Q6A8Weights (Q6_K's own blocks), B8A8Weights, S8A8Weights (bytes without
+the minimum, for Q8_0), Q5A8Weights and S5A8Weights (5-bit values with and without the minimum): its class is its
 kind, and the kind picks the tile when Numba compiles a matmul. Every kind is walked by the same two drivers
 (`matmul_items`, `matmul_blocks`, at the end of this file) over work items of (a tile of rows, a group of 64 output
 channels), so one weight group is read from memory once per tile of rows and stays in cache while the other rows'
@@ -28,8 +30,8 @@ import numpy as np
 from numba import njit, prange
 from numba.extending import overload
 
-from .int4_dot import (BYTE_GROUP_BYTES, GROUP, GROUP_BYTES, Q6_SUPER, Q6_SUPER_BYTES, SYM_GROUP_BYTES,
-                       make_w4a8_tile)
+from .int4_dot import (BYTE_GROUP_BYTES, FIVE_BITS_BYTES, GROUP, GROUP_BYTES, Q5_GROUP_BYTES, Q6_SUPER,
+                       Q6_SUPER_BYTES, SYM_BYTE_GROUP_BYTES, SYM_GROUP_BYTES, SYM_Q5_GROUP_BYTES, make_w4a8_tile)
 from .int8_dot import make_int8_tile
 from .simd import bits_float, float_bits, make_fma_microkernel
 
@@ -138,6 +140,45 @@ class B8A8Weights(NamedTuple):
     w: np.ndarray          # [O/16, D/32, 576] uint8: pack_b8a8
     blocks: np.ndarray     # [D/32, 0] int32: one activation scale per 32 inputs
     scale: np.ndarray      # [0] float32
+
+
+class S8A8Weights(NamedTuple):
+    """Whole-byte blocks whose minimum is -128 d (Q8_0: q + 128 with w = d (q - 128)), d only: the byte tile reading
+    34 bytes per 32 weights, Q8_0's own, instead of 36; the tile forms m = -128 d (exact). Scales inside w."""
+    w: np.ndarray          # [O/16, D/32, 544] uint8: pack_s8a8
+    blocks: np.ndarray     # [D/32, 0] int32: one activation scale per 32 inputs
+    scale: np.ndarray      # [0] float32
+
+
+class Q5A8Weights(NamedTuple):
+    """5-bit blocks (0..31, a float16 scale and minimum per 32 inputs: Q5_1, Q5_K) times int8 activations: the 5-bit
+    tile, 6 bits a weight as the file's Q5_1. Scales inside w."""
+    w: np.ndarray          # [O/16, D/32, 384] uint8: pack_q5a8
+    blocks: np.ndarray     # [D/32, 0] int32: one activation scale per 32 inputs
+    scale: np.ndarray      # [0] float32
+
+
+class S5A8Weights(NamedTuple):
+    """5-bit blocks whose minimum is -16 d (Q5_0: w = d (q - 16)), d only: 5.5 bits a weight, Q5_0's own; the tile
+    forms m = -16 d (exact). Scales inside w."""
+    w: np.ndarray          # [O/16, D/32, 352] uint8: pack_s5a8
+    blocks: np.ndarray     # [D/32, 0] int32: one activation scale per 32 inputs
+    scale: np.ndarray      # [0] float32
+
+
+def s8a8_weights(wp: np.ndarray) -> S8A8Weights:
+    """pack_s8a8's bytes [O/16, D/32, 544] as the symmetric byte kind."""
+    return S8A8Weights(wp, act_blocks_of(wp.shape[1]), np.zeros(0, np.float32))
+
+
+def q5a8_weights(wp: np.ndarray) -> Q5A8Weights:
+    """pack_q5a8's bytes [O/16, D/32, 384] as the 5-bit kind."""
+    return Q5A8Weights(wp, act_blocks_of(wp.shape[1]), np.zeros(0, np.float32))
+
+
+def s5a8_weights(wp: np.ndarray) -> S5A8Weights:
+    """pack_s5a8's bytes [O/16, D/32, 352] as the symmetric 5-bit kind."""
+    return S5A8Weights(wp, act_blocks_of(wp.shape[1]), np.zeros(0, np.float32))
 
 
 def b8a8_weights(wp: np.ndarray) -> B8A8Weights:
@@ -403,6 +444,14 @@ _s4_RC, _s4_1C, _s4_11 = (make_w4a8_tile(ROWS, COLS, symmetric=True), make_w4a8_
                           make_w4a8_tile(1, 1, symmetric=True))
 _q6_RC, _q6_1C, _q6_11 = (make_w4a8_tile(ROWS, COLS, six_bits=True), make_w4a8_tile(1, COLS, six_bits=True),
                           make_w4a8_tile(1, 1, six_bits=True))
+_s8_RC, _s8_1C, _s8_11 = (make_w4a8_tile(ROWS, COLS, whole_bytes=True, symmetric=True),
+                          make_w4a8_tile(1, COLS, whole_bytes=True, symmetric=True),
+                          make_w4a8_tile(1, 1, whole_bytes=True, symmetric=True))
+_q5_RC, _q5_1C, _q5_11 = (make_w4a8_tile(ROWS, COLS, five_bits=True), make_w4a8_tile(1, COLS, five_bits=True),
+                          make_w4a8_tile(1, 1, five_bits=True))
+_s5_RC, _s5_1C, _s5_11 = (make_w4a8_tile(ROWS, COLS, five_bits=True, symmetric=True),
+                          make_w4a8_tile(1, COLS, five_bits=True, symmetric=True),
+                          make_w4a8_tile(1, 1, five_bits=True, symmetric=True))
 
 
 def _block_steps(q: np.ndarray, d: np.ndarray, m: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
@@ -461,6 +510,42 @@ def pack_b8a8(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
     with each step's 64 bytes whole (the byte tile: int4_dot.make_w4a8_tile(whole_bytes=True))."""
     steps, scales = _block_steps(np.asarray(q, np.uint8), d, m, "pack_b8a8")
     return np.ascontiguousarray(np.concatenate([scales, steps.reshape(*scales.shape[:2], -1)], axis=2))
+
+
+def pack_s8a8(q: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """q [D, O] uint8 (0..255), d [D/32, O] (float16 values) of blocks whose minimum is -128 d (Q8_0's q + 128) ->
+    [O/16, D/32, 544] uint8: pack_b8a8's layout without m (the tile forms it: int4_dot.BYTE_MIN_PER_D)."""
+    steps, scales = _block_steps(np.asarray(q, np.uint8), d, d, "pack_s8a8")
+    return np.ascontiguousarray(np.concatenate([scales[:, :, :2 * BLOCK], steps.reshape(*scales.shape[:2], -1)],
+                                               axis=2))
+
+
+def _five_bit_steps(q: np.ndarray, d: np.ndarray, m: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """q [D, O] uint8 (0..31) -> (pack_w4a8's nibbles of q & 15, then the fifth bits: bit s of byte 4l + k is step
+    s's bit 4 [O/16, D/32, 320] uint8; d[16] and m[16] as float16 bytes [O/16, D/32, 64])."""
+    q = np.asarray(q, np.uint8)
+    if q.size and q.max() > 31:
+        raise ValueError(f"{kind} takes 5-bit values (0..31), got {int(q.max())}")
+    steps, scales = _block_steps(q, d, m, kind)                                   # [O/16, D/32, 8, 64]
+    nibbles = (steps[:, :, 0::2] & 15) | ((steps[:, :, 1::2] & 15) << 4)           # [O/16, D/32, 4, 64]
+    fifth = ((steps >> 4) << np.arange(8, dtype=np.uint8)[:, None]).sum(axis=2, dtype=np.uint8)   # [.., 64]
+    assert fifth.shape[-1] == FIVE_BITS_BYTES
+    return np.concatenate([nibbles.reshape(*scales.shape[:2], -1), fifth], axis=2), scales
+
+
+def pack_q5a8(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """q [D, O] uint8 (0..31), d and m [D/32, O] (float16 values) -> [O/16, D/32, 384] uint8: d[16] and m[16] as
+    float16, the low nibbles as pack_w4a8's, then the 8 steps' fifth bits (the 5-bit tile:
+    int4_dot.make_w4a8_tile(five_bits=True))."""
+    bits, scales = _five_bit_steps(q, d, m, "pack_q5a8")
+    return np.ascontiguousarray(np.concatenate([scales, bits], axis=2))
+
+
+def pack_s5a8(q: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """q [D, O] uint8 (0..31), d [D/32, O] of blocks whose minimum is -16 d (Q5_0) -> [O/16, D/32, 352] uint8:
+    pack_q5a8's layout without m (the tile forms it: int4_dot.FIVE_MIN_PER_D)."""
+    bits, scales = _five_bit_steps(q, d, d, "pack_s5a8")
+    return np.ascontiguousarray(np.concatenate([scales[:, :, :2 * BLOCK], bits], axis=2))
 
 
 @njit(cache=True, inline="always")
@@ -557,17 +642,79 @@ def b8a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc):
     _store_tile(acc, out, accumulate, r0, nr, b0, nc)
 
 
+@njit(cache=True, inline="always")
+def s8a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc):
+    """w4a8_tile with the byte tile without a minimum (S8A8Weights)."""
+    nb = D // GROUP
+    step = nb * SYM_BYTE_GROUP_BYTES
+    CB = COLS * BLOCK
+    sf, xsf = sx.ravel(), xs.ravel()
+    if nr == ROWS and nc == COLS:
+        _s8_RC(xf, r0 * D, D, wf, b0 * step, step, nb, sf, xsf, r0 * nb, nb, acc, 0, CB)
+    elif nc == COLS:
+        for r in range(nr):
+            _s8_1C(xf, (r0 + r) * D, D, wf, b0 * step, step, nb, sf, xsf, (r0 + r) * nb, nb, acc, r * CB, CB)
+    else:
+        for r in range(nr):
+            for c in range(nc):
+                _s8_11(xf, (r0 + r) * D, D, wf, (b0 + c) * step, step, nb, sf, xsf, (r0 + r) * nb, nb, acc,
+                      r * CB + c * BLOCK, CB)
+    _store_tile(acc, out, accumulate, r0, nr, b0, nc)
+
+
+@njit(cache=True, inline="always")
+def q5a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc):
+    """w4a8_tile with the 5-bit tile (Q5A8Weights)."""
+    nb = D // GROUP
+    step = nb * Q5_GROUP_BYTES
+    CB = COLS * BLOCK
+    sf, xsf = sx.ravel(), xs.ravel()
+    if nr == ROWS and nc == COLS:
+        _q5_RC(xf, r0 * D, D, wf, b0 * step, step, nb, sf, xsf, r0 * nb, nb, acc, 0, CB)
+    elif nc == COLS:
+        for r in range(nr):
+            _q5_1C(xf, (r0 + r) * D, D, wf, b0 * step, step, nb, sf, xsf, (r0 + r) * nb, nb, acc, r * CB, CB)
+    else:
+        for r in range(nr):
+            for c in range(nc):
+                _q5_11(xf, (r0 + r) * D, D, wf, (b0 + c) * step, step, nb, sf, xsf, (r0 + r) * nb, nb, acc,
+                      r * CB + c * BLOCK, CB)
+    _store_tile(acc, out, accumulate, r0, nr, b0, nc)
+
+
+@njit(cache=True, inline="always")
+def s5a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc):
+    """w4a8_tile with the 5-bit tile without a minimum (S5A8Weights)."""
+    nb = D // GROUP
+    step = nb * SYM_Q5_GROUP_BYTES
+    CB = COLS * BLOCK
+    sf, xsf = sx.ravel(), xs.ravel()
+    if nr == ROWS and nc == COLS:
+        _s5_RC(xf, r0 * D, D, wf, b0 * step, step, nb, sf, xsf, r0 * nb, nb, acc, 0, CB)
+    elif nc == COLS:
+        for r in range(nr):
+            _s5_1C(xf, (r0 + r) * D, D, wf, b0 * step, step, nb, sf, xsf, (r0 + r) * nb, nb, acc, r * CB, CB)
+    else:
+        for r in range(nr):
+            for c in range(nc):
+                _s5_11(xf, (r0 + r) * D, D, wf, (b0 + c) * step, step, nb, sf, xsf, (r0 + r) * nb, nb, acc,
+                      r * CB + c * BLOCK, CB)
+    _store_tile(acc, out, accumulate, r0, nr, b0, nc)
+
+
 def matmul_w4a8(xu: np.ndarray, sx: np.ndarray, wp: np.ndarray, out: np.ndarray | None = None,
                 accumulate: bool = False) -> np.ndarray:
     """xu [T, D] uint8 (+128), sx [T, D/32] (one scale per block of 32 inputs), wp = pack_w4a8(q, d, m) -> [T, O];
     or wp = pack_b8a8(q, d, m) (its last axis 576 bytes, not 320): the byte tile; or pack_s4a8(q, d) (288): the
-    symmetric nibble tile; or pack_q6a8(q, sc, d) (3360 per 256 inputs): the 6-bit tile."""
+    symmetric nibble tile; or pack_q6a8(q, sc, d) (3360 per 256 inputs): the 6-bit tile; or pack_s8a8 (544), pack_q5a8
+    (384), pack_s5a8 (352): the byte tile without m, the 5-bit tile, and it without m."""
     T, D = xu.shape
     if out is None:
         out = np.empty((T, wp.shape[0] * BLOCK), np.float32)
     sx = np.ascontiguousarray(sx, np.float32).reshape(T, D // GROUP)
     kinds = {BYTE_GROUP_BYTES: b8a8_weights, SYM_GROUP_BYTES: s4a8_weights, GROUP_BYTES: w4a8_weights,
-             Q6_SUPER_BYTES: q6a8_weights}
+             Q6_SUPER_BYTES: q6a8_weights, SYM_BYTE_GROUP_BYTES: s8a8_weights, Q5_GROUP_BYTES: q5a8_weights,
+             SYM_Q5_GROUP_BYTES: s5a8_weights}
     wt = kinds[wp.shape[-1]](wp)
     _matmul_int8(wt, xu, sx, out, accumulate)
     return out
@@ -612,11 +759,15 @@ def _layer(wt, i):
     raise NotImplementedError("called from Numba-compiled code only")
 
 
+KINDS = (W8A8Weights, W8A32Weights, W4A8Weights, S4A8Weights, Q6A8Weights, B8A8Weights, S8A8Weights, Q5A8Weights,
+         S5A8Weights)
+
+
 def _kind(wt):
     kind = getattr(wt, "instance_class", None)
-    if kind not in (W8A8Weights, W8A32Weights, W4A8Weights, S4A8Weights, Q6A8Weights, B8A8Weights):
-        raise TypeError(f"the matmuls take W8A8Weights, W8A32Weights, W4A8Weights, S4A8Weights, Q6A8Weights or "
-                        f"B8A8Weights, not {wt}")
+    if kind not in KINDS:
+        raise TypeError(f"the matmuls take {', '.join(k.__name__ for k in KINDS[:-1])} or {KINDS[-1].__name__}, "
+                        f"not {wt}")
     return kind
 
 
@@ -685,6 +836,15 @@ def _tile_of_kind(wt, wf, xf, sx, xs, out, accumulate, D, r0, nr, b0, nc, acc):
     elif kind is B8A8Weights:
         def tile(wt, wf, xf, sx, xs, out, accumulate, D, r0, nr, b0, nc, acc):
             b8a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc)
+    elif kind is S8A8Weights:
+        def tile(wt, wf, xf, sx, xs, out, accumulate, D, r0, nr, b0, nc, acc):
+            s8a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc)
+    elif kind is Q5A8Weights:
+        def tile(wt, wf, xf, sx, xs, out, accumulate, D, r0, nr, b0, nc, acc):
+            q5a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc)
+    elif kind is S5A8Weights:
+        def tile(wt, wf, xf, sx, xs, out, accumulate, D, r0, nr, b0, nc, acc):
+            s5a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc)
     else:
         def tile(wt, wf, xf, sx, xs, out, accumulate, D, r0, nr, b0, nc, acc):
             w8a32_tile(xf, wf, wt.scale, out, accumulate, D, r0, nr, b0, nc, acc)
