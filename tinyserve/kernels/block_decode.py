@@ -13,7 +13,14 @@ kernels/decode_step.py does for LLaMA's whole step. A layer's work is cut where 
     region A (head)      x += (norm of) act(L-1) @ Wdown(L-1) -> final RMSNorm -> the LM head's matmul
 
 So a step forks 2 L + 1 times (37 for Gemma 3), and each layer's last matmul shares its fork with the next layer's
-first. Inside a region:
+first. When the step says where its K/V live (a KVLayout: the engine's pools, local and global, or the contiguous
+cache), attention needs no Python either, and a layer is one region (region_layer), L + 1 forks a step (19):
+
+    region (layer i)     region A's steps -> the rows' K/V into their slots -> barrier -> attention, the (row,
+                         query head) pairs split between the threads -> barrier -> region B's steps
+    (NumPy: np.tanh(u) or np.exp(u))
+
+Inside a region:
 
     every thread                         for itself, all rows: quantise the matmul's input (cheaper than a barrier)
     thread i                             output blocks [i/n, (i+1)/n) of the matmul (each column one writer)

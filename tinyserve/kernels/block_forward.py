@@ -21,7 +21,8 @@ activation's tanh or exp): at decode a layer written op by op is ~7 matmul launc
 overhead costs more than their arithmetic (docs/sliding-window.md, "Where a decode step's time goes"). Same bits as
 the reference over the tiles (tests/test_block_forward.py). A decode step's few rows run those steps as
 kernels/block_decode.py's two parallel regions a layer instead (threads meeting at spin barriers, not a fork and a
-join for every matmul): same bits again.
+join for every matmul), or one region a layer when backend.forward is told where the K/V live (a KVLayout: the
+region writes them and attends itself): same bits again.
 """
 from __future__ import annotations
 
