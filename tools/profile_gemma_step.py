@@ -6,7 +6,8 @@ run), on each path of `--paths` in turn (fused: kernels/block_layer.py's calls, 
 reference's steps over TileMatrix). Around every part of each step a timer reads both clocks:
 - layers' matmuls: tiles, every TileMatrix product of the layers (activation quantisation + the tile); fused, the
   four block_layer calls a layer (their norms, RoPE and activation included); regions, block_decode's two regions
-  a layer (the same, plus the last layer's down matmul, which shares the head's region);
+  a layer (the same, plus the last layer's down matmul, which shares the head's region); layer, block_decode's
+  one region a layer (the same with the K/V write and attention inside: the forward gets the Engine's KVLayout);
 - LM head: the final norm and the [R, D] x [D, V] product (regions: with the last layer's MLP down half);
 - attention: the strategy's attention function (K/V write + the paged Numba kernel, masked by window);
 - the rest of the forward: what else the forward does (NumPy calls, Python);
@@ -170,9 +171,10 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=64, help="timed decode steps per batch size")
     ap.add_argument("--paths", nargs="+", default=["layer"], choices=["layer", "regions", "fused", "tiles"],
                     help="layer: kernels/block_decode.py's one region a layer, attention inside (the default below "
-                         "32 rows); regions: its two regions a layer, attention between them; fused: kernels/block_layer.py's calls; tiles: the reference's steps over the tiles")
+                         "32 rows); regions: its two regions a layer, attention between them; fused: "
+                         "kernels/block_layer.py's calls; tiles: the reference's steps over the tiles")
     ap.add_argument("--planes", type=int, nargs="+", default=[2], choices=[1, 2],
-                    help="the int8 planes of gate|up's input (quant.two_planes) on the fused and regions paths, each "
+                    help="the int8 planes of gate|up's input (quant.two_planes) on the fused, regions and layer paths, "
                          "in turn: 2 as the model packs them (Gemma 3: a second one for up), 1 none; 1 against 2 "
                          "weighs the second plane's work")
     ap.add_argument("--prefill", type=int, default=0,
