@@ -177,3 +177,59 @@ def test_regions_whose_threads_do_not_meet_fall_back_to_the_calls(gemma_like, mo
         numba.set_num_threads(old)
     assert np.array_equal(got, want)
     assert bf._regions_disabled is not None and not bf.block_decode_usable(1, None)
+
+
+def _region_forks(monkeypatch):
+    """Spy on kernels/block_decode.py's regions: [(layout given, parallel regions run)] per decode step (each region
+    is one parallel loop: one fork and join of the thread pool)."""
+    from tinyserve.kernels import block_decode, block_forward as bf
+    steps, count = [], [0]
+    for name in ("region_a", "region_b", "region_layer"):
+        real = getattr(block_decode, name)
+        monkeypatch.setattr(block_decode, name, lambda *a, _real=real: (count.__setitem__(0, count[0] + 1), _real(*a)))
+    real_steps = bf._decode_regions
+
+    def spy(*a, **kw):
+        count[0] = 0
+        out = real_steps(*a, **kw)
+        steps.append((a[-1] is not None, count[0]))
+        return out
+    monkeypatch.setattr(bf, "_decode_regions", spy)
+    return steps
+
+
+def test_a_layer_in_one_region_gives_the_bits_of_attention_between_two(gemma_like, monkeypatch):
+    """Given where the K/V live (a KVLayout: the engine's two pools, local and global, or the contiguous cache), a
+    decode step runs each layer as one parallel region that writes its K/V and attends between barriers
+    (block_decode.region_layer): L + 1 forks a step, where attention called between two regions a layer takes
+    2 L + 1. Same sampled logits, bit for bit; chunked prefill frees local blocks behind the window meanwhile."""
+    from tinyserve import engine as engine_mod, kv_cache
+    from tests.test_sliding_window import run
+    fast = backend.set_backend(gemma_like, "w8a8-64", "numba")
+    L = fast.config.n_layers
+    ps = prompts(n=3, seed=8, lo=10, hi=30)
+    steps = _region_forks(monkeypatch)
+    _, got = run(Engine(fast, num_blocks=128, block_size=4, max_batch_tokens=7), ps, GREEDY, monkeypatch)
+    assert steps and set(steps) == {(True, L + 1)}, f"(layout, forks) per decode step: {sorted(set(steps))}"
+    real_forward = engine_mod.forward
+    monkeypatch.setattr(engine_mod, "forward", lambda *a, kv_layout=None, **kw: real_forward(*a, **kw))
+    steps.clear()
+    _, want = run(Engine(fast, num_blocks=128, block_size=4, max_batch_tokens=7), ps, GREEDY, monkeypatch)
+    assert set(steps) == {(False, 2 * L + 1)}, f"(layout, forks) per decode step: {sorted(set(steps))}"
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert np.array_equal(g, w), f"prompt {i} differs"
+    # the contiguous cache: one row a step, then 3 rows of one sequence at once (they read each other's K/V)
+    ids = prompts(n=1, seed=9, lo=30, hi=31)[0]
+    outs = []
+    for with_layout in (True, False):
+        if not with_layout:
+            real = kv_cache.model_forward
+            monkeypatch.setattr(kv_cache, "model_forward", lambda *a, kv_layout=None, **kw: real(*a, **kw))
+        steps.clear()
+        cache = KVCache.allocate(fast.config, 64)
+        out = [forward_with_cache(fast, cache, ids[:12], all_logits=True)]
+        out += [forward_with_cache(fast, cache, [t]) for t in ids[12:-3]]
+        out.append(forward_with_cache(fast, cache, ids[-3:], all_logits=True))
+        outs.append(np.concatenate(out))
+        assert {s[0] for s in steps} == {with_layout}
+    assert np.array_equal(outs[0], outs[1])

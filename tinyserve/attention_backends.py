@@ -36,6 +36,13 @@ class KVLayout:
     block_tables: np.ndarray  # [B, max_blocks] int64: row b's sequence's block table
     block_size: int
     context_lens: np.ndarray  # [B] int64: the positions row b attends to after this step (its own is the last)
+    # Lesson 11: a model with sliding-window layers whose K/V live in a pool of their own (paged.LayerPools). None:
+    # every layer is row i of k and v (a contiguous cache keeps every position for every layer). Else k, v hold the
+    # global layers and these the local ones, each kind in layer order; a local row reads through its own tables
+    # (-1 where a block behind the window was freed) and sees its last `sliding_window` positions.
+    local_k: np.ndarray | None = None             # [L_local, num_local_slots, K, H]
+    local_v: np.ndarray | None = None             # [L_local, num_local_slots, K, H]
+    local_block_tables: np.ndarray | None = None  # [B, max_blocks] int64
 
 
 def get_paged_attention(backend: str = "numpy", checked: bool = True) -> Callable[..., np.ndarray]:

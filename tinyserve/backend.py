@@ -148,11 +148,12 @@ def forward(model: Model, tokens: np.ndarray, positions: np.ndarray, attention: 
 
     `kv_layout`: where the step's K/V live, given only with the strategy's default attention; it lets the kernels
     run a decode step of up to 16 rows as one call that writes the K/V itself instead of calling `attention`
-    (kernels/decode_step.py: LLaMA's block only). The reference has no use for it."""
+    (kernels/decode_step.py; another family's block: one region a layer, kernels/block_decode.py). The reference
+    has no use for it."""
     if runs_on_kernels(model):
         if block_switches(model):                  # another family's block: the reference's steps, on the tiles
             from .kernels.block_forward import block_forward
-            return block_forward(model, tokens, positions, attention, logit_rows)
+            return block_forward(model, tokens, positions, attention, logit_rows, kv_layout)
         from .kernels.forward import fast_forward
         return fast_forward(model, tokens, positions, attention, logit_rows, kv_layout)
     return reference_forward(model, tokens, positions, attention, logit_rows)

@@ -37,7 +37,7 @@ from .backend import check_threading_layer, forward, step_threads
 from .model import Model, check_token_ids
 from .kv_sizing import max_kv_blocks, max_kv_positions
 from .interrupts import interrupts_deferred, interrupts_held
-from .paged import LayerPools
+from .paged import LayerPools, local_step_tables
 from .sampling import SamplingParams, sample_tokens
 from .scheduler import bind, plan_step
 from .spec_step import OneTokenSteps, SpecConfig, Speculator, Verdict, step_strategy
@@ -227,13 +227,19 @@ class Engine:
 
         layout = None     # lesson 7: a few rows that all need logits (decodes, verifies) may run as one kernel
         every_row = len(batch.logit_rows) == len(batch.tokens)      # that also writes the K/V
-        # (not with a window: the fused step reads one pool for all L layers, and a windowed model has two)
-        if self.backend == "numba" and every_row and self.local_pool is None:   # row: its sequence's block table
+        if self.backend == "numba" and every_row:                   # row: its sequence's block table
             L, nb, bs, K, H = pool.k.shape
             one_each = batch.num_decode == len(batch.tokens)      # decodes only: row b is sequence b, no copy
             row_seq = slice(None) if one_each else np.repeat(np.arange(len(batch.seqs)), batch.counts)
+            local = {}
+            if self.local_pool is not None:    # lesson 11: the local layers' pool and tables (checked by attention_fn)
+                Ll, nl = self.local_pool.k.shape[:2]
+                tables, _ = local_step_tables([seq.local_table for seq in batch.seqs], batch.counts,
+                                              batch.positions, bs)
+                local = dict(local_k=self.local_pool.k.reshape(Ll, nl * bs, K, H),
+                             local_v=self.local_pool.v.reshape(Ll, nl * bs, K, H), local_block_tables=tables[row_seq])
             layout = KVLayout(pool.k.reshape(L, nb * bs, K, H), pool.v.reshape(L, nb * bs, K, H),
-                              batch.block_tables[row_seq], bs, batch.positions + 1)
+                              batch.block_tables[row_seq], bs, batch.positions + 1, **local)
         with step_threads(self.backend):   # logit_rows=None asks for every row, which is what logit_rows names
             logits = forward(self.model, batch.tokens, batch.positions, attention,      # when it has T
                              logit_rows=None if every_row else batch.logit_rows, kv_layout=layout)

@@ -6,7 +6,8 @@ run), on each path of `--paths` in turn (fused: kernels/block_layer.py's calls, 
 reference's steps over TileMatrix). Around every part of each step a timer reads both clocks:
 - layers' matmuls: tiles, every TileMatrix product of the layers (activation quantisation + the tile); fused, the
   four block_layer calls a layer (their norms, RoPE and activation included); regions, block_decode's two regions
-  a layer (the same, plus the last layer's down matmul, which shares the head's region);
+  a layer (the same, plus the last layer's down matmul, which shares the head's region); layer, block_decode's
+  one region a layer (the same with the K/V write and attention inside: the forward gets the Engine's KVLayout);
 - LM head: the final norm and the [R, D] x [D, V] product (regions: with the last layer's MLP down half);
 - attention: the strategy's attention function (K/V write + the paged Numba kernel, masked by window);
 - the rest of the forward: what else the forward does (NumPy calls, Python);
@@ -78,12 +79,17 @@ def instrument(clock: Clock, vocab: int):
             return region_a(*a)
     block_decode.region_a = timed_region_a
     block_decode.region_b = timed(clock, "layers' matmuls", block_decode.region_b)
+    block_decode.region_layer = timed(clock, "layers' matmuls", block_decode.region_layer)   # attention included
     whole = bf.block_forward
 
-    def timed_forward(model, tokens, positions, attention, logit_rows=None):
+    def timed_forward(model, tokens, positions, attention, logit_rows=None, kv_layout=None):
         with clock.part("forward"):
-            return whole(model, tokens, positions, timed(clock, "attention", attention), logit_rows)
+            return whole(model, tokens, positions, timed(clock, "attention", attention), logit_rows,
+                         kv_layout if KEEP_LAYOUT[0] else None)
     bf.block_forward = timed_forward
+
+
+KEEP_LAYOUT = [True]     # False: the forward is not told where the K/V live (two regions a layer)
 
 
 def timed(clock: Clock, part: str, fn):
@@ -163,11 +169,12 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--prompt", type=int, default=32, help="prompt tokens per sequence (32, as bench_peers)")
     ap.add_argument("--steps", type=int, default=64, help="timed decode steps per batch size")
-    ap.add_argument("--paths", nargs="+", default=["regions"], choices=["regions", "fused", "tiles"],
-                    help="regions: kernels/block_decode.py's two parallel regions a layer (the default below 32 "
-                         "rows); fused: kernels/block_layer.py's calls; tiles: the reference's steps over the tiles")
+    ap.add_argument("--paths", nargs="+", default=["layer"], choices=["layer", "regions", "fused", "tiles"],
+                    help="layer: kernels/block_decode.py's one region a layer, attention inside (the default below "
+                         "32 rows); regions: its two regions a layer, attention between them; fused: "
+                         "kernels/block_layer.py's calls; tiles: the reference's steps over the tiles")
     ap.add_argument("--planes", type=int, nargs="+", default=[2], choices=[1, 2],
-                    help="the int8 planes of gate|up's input (quant.two_planes) on the fused and regions paths, each "
+                    help="the int8 planes of gate|up's input (quant.two_planes) on the fused, regions and layer paths, "
                          "in turn: 2 as the model packs them (Gemma 3: a second one for up), 1 none; 1 against 2 "
                          "weighs the second plane's work")
     ap.add_argument("--prefill", type=int, default=0,
@@ -182,7 +189,7 @@ def main(argv=None) -> None:
 
     model = prepare(ts.load_model(args.model, quant=args.quant, backend="numba"))
     tiles = bf.prepare(model, fuse=False) if "tiles" in args.paths else None
-    packed = {"regions": model.fast, "fused": model.fast, "tiles": tiles}
+    packed = {"layer": model.fast, "regions": model.fast, "fused": model.fast, "tiles": tiles}
     cpu = cpu_info()
     print(f"{Path(args.model).name}, quant {model.quant}; {cpu['model']} ({', '.join(cpu['flags'])}); "
           f"commit {git_commit()}")
@@ -212,7 +219,8 @@ def main(argv=None) -> None:
         return
     for B in args.batch:
         for path in runs():                                # interleaved: the same load on both, as far as it goes
-            bf._regions_disabled = None if path.startswith("regions") else f"the {path} path is being profiled"
+            bf._regions_disabled = None if path.startswith(("layer", "regions")) else f"the {path} path is profiled"
+            KEEP_LAYOUT[0] = path.startswith("layer")
             res = profile(model, clock, B, args.prompt, args.steps)
             step_cpu, step_wall = res["rows"]["whole step"]
             print(f"\nB={B}, {path}: {res['steps']} decode steps after a {args.prompt}-token prompt; median ms per "

@@ -13,7 +13,14 @@ kernels/decode_step.py does for LLaMA's whole step. A layer's work is cut where 
     region A (head)      x += (norm of) act(L-1) @ Wdown(L-1) -> final RMSNorm -> the LM head's matmul
 
 So a step forks 2 L + 1 times (37 for Gemma 3), and each layer's last matmul shares its fork with the next layer's
-first. Inside a region:
+first. When the step says where its K/V live (a KVLayout: the engine's pools, local and global, or the contiguous
+cache), attention needs no Python either, and a layer is one region (region_layer), L + 1 forks a step (19):
+
+    region (layer i)     region A's steps -> the rows' K/V into their slots -> barrier -> attention, the (row,
+                         query head) pairs split between the threads -> barrier -> region B's steps
+    (NumPy: np.tanh(u) or np.exp(u))
+
+Inside a region:
 
     every thread                         for itself, all rows: quantise the matmul's input (cheaper than a barrier)
     thread i                             output blocks [i/n, (i+1)/n) of the matmul (each column one writer)
@@ -40,6 +47,7 @@ from numba import njit, prange
 from .block_layer import (GELU_C1, GELU_C2, PLANE_CHUNK, _rms_norm_into, _rms_norm_planes_row, _split_row, add_plane,
                           plane_blocks)
 from .layer import _rms_norm_quant_row
+from .attention import decode_attention_heads, decode_scratch
 from .matmul import BLOCK, COLS, ROWS, _quantize_row, matmul_blocks, thread_share
 from .spin import barrier
 
@@ -108,7 +116,8 @@ def _f_times_w(tid, n, fu, sf, w, x, y, post_norm, acc):
 def _region_a_thread(tid, n, sync, timeout, x, tail, gu, u, gelu, wd, post_mlp, y, eps, norm_w, w_next, out,
                      split, bias, q_norm, k_norm, cos, sin, q, k, v):
     """One thread of region A: [the MLP's down half of the layer before (tail)], RMSNorm, w_next's matmul into out;
-    then, if split, out's rows into q, k, v (block_layer._split_row, rows dealt round robin)."""
+    then, if split, out's rows into q, k, v (block_layer._split_row, rows dealt round robin). False if a barrier
+    failed."""
     T, D = x.shape
     acc = np.empty(ROWS * COLS * BLOCK, np.float32)
     xn = np.empty((T, D), np.float32)
@@ -126,15 +135,15 @@ def _region_a_thread(tid, n, sync, timeout, x, tail, gu, u, gelu, wd, post_mlp, 
         au, sa = _quantize_rows_here(act, wd.blocks.shape[0])
         _f_times_w(tid, n, au, sa, wd, x, y, post_mlp, acc)
         if not barrier(sync, n, timeout):
-            return
+            return False
         if not _residual_then_matmul(tid, n, sync, timeout, x, y, post_mlp, norm_w, eps, w_next, 0, 0, out, no_y2,
                                      xn, acc):
-            return
+            return False
     else:
         empty = np.zeros(0, np.float32)
         if not _residual_then_matmul(tid, n, sync, timeout, x, y, empty, norm_w, eps, w_next, 0, 0, out, no_y2,
                                      xn, acc):
-            return
+            return False
     if tid == 0 and tail:
         for t in range(T):                        # nobody reads x between the barrier and the region's join
             for i in range(D):
@@ -142,6 +151,7 @@ def _region_a_thread(tid, n, sync, timeout, x, tail, gu, u, gelu, wd, post_mlp, 
     if split:
         for t in range(tid, T, n):
             _split_row(out, t, bias, q_norm, k_norm, eps, cos, sin, q, k, v)
+    return True
 
 
 @njit(cache=True, parallel=True, error_model="numpy")
@@ -159,16 +169,17 @@ def region_a(n, sync, timeout, x, tail, gu, u, gelu, wd, post_mlp, eps, norm_w, 
 
 @njit(cache=True, error_model="numpy")
 def _region_b_thread(tid, n, sync, timeout, x, a, wo, post_attn, y, eps, norm_w, wgu, c_lo, c_hi, gu, y2, gelu, u):
+    """One thread of region B (see region_b); False if a barrier failed."""
     T, D = x.shape
     acc = np.empty(ROWS * COLS * BLOCK, np.float32)
     xn = np.empty((T, D), np.float32)
     au, sa = _quantize_rows_here(a, wo.blocks.shape[0])
     _f_times_w(tid, n, au, sa, wo, x, y, post_attn, acc)
     if not barrier(sync, n, timeout):
-        return
+        return False
     if not _residual_then_matmul(tid, n, sync, timeout, x, y, post_attn, norm_w, eps, wgu, c_lo, c_hi, gu, y2, xn,
                                  acc):
-        return
+        return False
     if tid == 0:
         for t in range(T):
             for i in range(D):
@@ -179,6 +190,7 @@ def _region_b_thread(tid, n, sync, timeout, x, a, wo, post_attn, y, eps, norm_w,
         for i in range(lo, hi):                   # block_layer._act_input_row's arithmetic
             g = gu[t, i]
             u[t, i] = GELU_C1 * (g + GELU_C2 * g * g * g) if gelu else -g
+    return True
 
 
 @njit(cache=True, parallel=True, error_model="numpy")
@@ -191,3 +203,64 @@ def region_b(n, sync, timeout, x, a, wo, post_attn, eps, norm_w, wgu, c_lo, c_hi
     for tid in prange(n):
         _region_b_thread(np.int64(tid), n, sync, timeout, x, a, wo, post_attn, y, eps, norm_w, wgu, c_lo, c_hi, gu,
                          y2, gelu, u)
+
+
+@njit(cache=True)
+def _attend_pairs(q, k_rows, v_rows, tables, bs, context_lens, window, lo, hi, a, fs, ints):
+    """Attention for the (row, query head) pairs lo .. hi of the T * N, row-major, into a [T, N, H]: each run of
+    them that shares a KV head is one decode_attention_heads call (its K/V rows read once for the run). Each head's
+    arithmetic is the same whichever others share its call, so a row's output is the engine's attention's bits
+    (kernels/attention.py: decode_attention_item, all g heads at once). window 0: a global layer."""
+    N, g = q.shape[1], q.shape[1] // k_rows.shape[1]
+    h = lo
+    while h < hi:
+        t, kh, r = h // N, h % N // g, h % g
+        r_end = min(g, r + hi - h)
+        decode_attention_heads(q, k_rows, v_rows, tables, bs, context_lens, t, kh, r, r_end, a, fs, ints, -1, 0,
+                               window)
+        h += r_end - r
+
+
+@njit(cache=True, error_model="numpy")
+def _layer_thread(tid, n, sync, timeout, x, tail, gu, u, gelu, wd, post_mlp, y, y2, eps, attn_norm, wqkv, qkv,
+                  bias, q_norm, k_norm, cos, sin, q, k, v, k_rows, v_rows, tables, bs, context_lens, window, a, wo,
+                  post_attn, mlp_norm, wgu, c_lo, c_hi):
+    """One thread of region_layer: region A's part, the K/V of the rows it split into their slots, a barrier,
+    its share of the attention heads, a barrier, region B's part."""
+    if not _region_a_thread(tid, n, sync, timeout, x, tail, gu, u, gelu, wd, post_mlp, y, eps, attn_norm, wqkv, qkv,
+                            True, bias, q_norm, k_norm, cos, sin, q, k, v):
+        return
+    K, H = k.shape[1], k.shape[2]
+    for t in range(tid, x.shape[0], n):           # the rows this thread split: their K/V still in its cache
+        pos = context_lens[t] - 1                 # the row's position: the last of its context
+        slot = tables[t, pos // bs] * bs + pos % bs
+        for h in range(K):
+            for i in range(H):
+                k_rows[slot, h, i] = k[t, h, i]
+                v_rows[slot, h, i] = v[t, h, i]
+    if not barrier(sync, n, timeout):             # the rows of a verify step (one sequence) read each other's K/V
+        return
+    N = q.shape[1]
+    fs, ints = decode_scratch(N // K, H)
+    lo, hi = thread_share(x.shape[0] * N, tid, n)  # Gemma 3 at batch 1: 4 query heads of one KV head, 2 a thread
+    _attend_pairs(q, k_rows, v_rows, tables, bs, context_lens, window, lo, hi, a, fs, ints)
+    if not barrier(sync, n, timeout):             # region B quantises every row of a
+        return
+    _region_b_thread(tid, n, sync, timeout, x, a.reshape(x.shape[0], N * H), wo, post_attn, y, eps, mlp_norm, wgu,
+                     c_lo, c_hi, gu, y2, gelu, u)
+
+
+@njit(cache=True, parallel=True, error_model="numpy")
+def region_layer(n, sync, timeout, x, tail, gu, u, gelu, wd, post_mlp, eps, attn_norm, wqkv, qkv, bias, q_norm,
+                 k_norm, cos, sin, q, k, v, k_rows, v_rows, tables, bs, context_lens, window, a, wo, post_attn,
+                 mlp_norm, wgu, c_lo, c_hi):
+    """A whole layer in one region when the step's K/V live where a KVLayout says: region_a (split into q, k, v),
+    the rows' K/V written at slot tables[t, pos // bs] * bs + pos % bs of k_rows, v_rows [num_slots, K, H] (pos =
+    context_lens[t] - 1), attention over each row's context (window > 0: its last `window` positions) into
+    a [T, N, H], then region_b. sync as in region_a."""
+    y = np.empty(x.shape, np.float32)
+    y2 = np.empty(gu.shape, np.float32)
+    for tid in prange(n):
+        _layer_thread(np.int64(tid), n, sync, timeout, x, tail, gu, u, gelu, wd, post_mlp, y, y2, eps, attn_norm,
+                      wqkv, qkv, bias, q_norm, k_norm, cos, sin, q, k, v, k_rows, v_rows, tables, bs, context_lens,
+                      window, a, wo, post_attn, mlp_norm, wgu, c_lo, c_hi)

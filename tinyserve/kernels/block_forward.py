@@ -21,7 +21,8 @@ activation's tanh or exp): at decode a layer written op by op is ~7 matmul launc
 overhead costs more than their arithmetic (docs/sliding-window.md, "Where a decode step's time goes"). Same bits as
 the reference over the tiles (tests/test_block_forward.py). A decode step's few rows run those steps as
 kernels/block_decode.py's two parallel regions a layer instead (threads meeting at spin barriers, not a fork and a
-join for every matmul): same bits again.
+join for every matmul), or one region a layer when backend.forward is told where the K/V live (a KVLayout: the
+region writes them and attends itself): same bits again.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ import numba
 import numpy as np
 from numba import njit
 
+from ..attention_backends import KVLayout
 from ..model import forward as reference_forward
 from ..quant import MATRICES, activation_residual
 from . import block_decode, block_layer
@@ -141,8 +143,9 @@ def fuse_layer(mode: str, w) -> FusedLayer:
 
 
 def fused_forward(model, fused: list[FusedLayer], head, tokens: np.ndarray, positions: np.ndarray, attention,
-                  logit_rows=None) -> np.ndarray:
-    """model.forward's steps with each layer as block_layer's calls; logits [len(logit_rows) or T, V] float32."""
+                  logit_rows=None, kv_layout: KVLayout | None = None) -> np.ndarray:
+    """model.forward's steps with each layer as block_layer's calls; logits [len(logit_rows) or T, V] float32.
+    kv_layout (the strategy's default attention): a decode step may write its K/V and attend inside its regions."""
     cfg = model.config
     T, N, K, H, F = len(tokens), cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate_size
     V = head.shape[1]
@@ -155,7 +158,8 @@ def fused_forward(model, fused: list[FusedLayer], head, tokens: np.ndarray, posi
         x = x * np.float32(cfg.embed_scale)
     gu, u = np.empty((T, 2 * F), np.float32), np.empty((T, F), np.float32)         # reused by every layer
     if block_decode_usable(T, logit_rows):
-        logits = _decode_regions(model, fused, head, x.copy(), cos_g, sin_g, cos_l, sin_l, gu, u, attention)
+        logits = _decode_regions(model, fused, head, x.copy(), cos_g, sin_g, cos_l, sin_l, gu, u, attention,
+                                 kv_layout)
         if logits is not None:
             return logits if logits.shape[1] == V else np.ascontiguousarray(logits[:, :V])
     for i, w in enumerate(fused):
@@ -187,10 +191,29 @@ def block_decode_usable(T: int, logit_rows) -> bool:
     return _regions_disabled is None and 1 <= T < block_layer.ROW_LOOPS_PARALLEL_FROM and regions_can_run(T, logit_rows)
 
 
-def _decode_regions(model, fused: list[FusedLayer], head, x, cos_g, sin_g, cos_l, sin_l, gu, u, attention):
-    """fused_forward's steps as block_decode's two regions a layer (the head's matmul in the last layer's second
-    region): logits [T, V padded to 16], or None if the threads failed to meet (x is then half-updated: the caller
-    runs the step again from the embedding, and every later step the three-call way)."""
+def _layer_kv(cfg, layout: KVLayout) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, int]]:
+    """Where layer i's K/V live, for each i: (k_rows, v_rows [num_slots, K, H], block_tables [T, max_blocks],
+    window or 0). With a local pool (layout.local_k) each kind is numbered in layer order, as paged.LayerPools'."""
+    out, n_local = [], 0
+    for i in range(cfg.n_layers):
+        window = cfg.layer_window(i)
+        if layout.local_k is None:
+            out.append((layout.k[i], layout.v[i], layout.block_tables, window or 0))
+        elif window is None:
+            out.append((layout.k[i - n_local], layout.v[i - n_local], layout.block_tables, 0))
+        else:
+            out.append((layout.local_k[n_local], layout.local_v[n_local], layout.local_block_tables, window))
+            n_local += 1
+    return out
+
+
+def _decode_regions(model, fused: list[FusedLayer], head, x, cos_g, sin_g, cos_l, sin_l, gu, u, attention,
+                    layout: KVLayout | None = None):
+    """fused_forward's steps as block_decode's regions (the head's matmul in a region of its own): logits [T, V
+    padded to 16], or None if the threads failed to meet (x is then half-updated: the caller runs the step again
+    from the embedding, and every later step the three-call way). With a KVLayout a layer is one region
+    (region_layer: it writes the K/V and attends itself), L + 1 forks a step; without, attention runs between a
+    layer's two regions (region_a, region_b), 2 L + 1."""
     global _regions_disabled
     cfg = model.config
     T, N, K, H = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -201,10 +224,23 @@ def _decode_regions(model, fused: list[FusedLayer], head, x, cos_g, sin_g, cos_l
     sync = np.zeros(SYNC_SIZE, np.int64)
     qkv = np.empty((T, fused[0].qkv.w.shape[0] * BLOCK), np.float32)                 # [T, (N + 2K) H]
     prev = fused[0]                                                                  # (layer 0 has no tail)
+    kv = _layer_kv(cfg, layout) if layout is not None and len(layout.context_lens) == T else None
     for i, w in enumerate(fused):
         local = cfg.layer_window(i) is not None
         cos, sin = (cos_l, sin_l) if local else (cos_g, sin_g)
         q, k, v = np.empty((T, N, H), np.float32), np.empty((T, K, H), np.float32), np.empty((T, K, H), np.float32)
+        if kv is not None:                      # attention inside the layer's one region: no Python between
+            k_rows, v_rows, tables, window = kv[i]
+            a = np.empty((T, N, H), np.float32)
+            block_decode.region_layer(n, sync, TIMEOUT_CYCLES, x, i > 0, gu, u, gelu, prev.down, prev.post_mlp_norm,
+                                      eps, w.attn_norm, w.qkv, qkv, w.qkv_bias, w.q_norm, w.k_norm, cos, sin, q, k,
+                                      v, k_rows, v_rows, tables, layout.block_size, layout.context_lens, window, a,
+                                      w.o, w.post_attn_norm, w.mlp_norm, w.gate_up, w.plane_lo, w.plane_hi)
+            if sync[FAILED]:
+                break
+            transcendental(u, out=u)                                                 # NumPy's, as layers.py's
+            prev = w
+            continue
         block_decode.region_a(n, sync, TIMEOUT_CYCLES, x, i > 0, gu, u, gelu, prev.down, prev.post_mlp_norm, eps,
                               w.attn_norm, w.qkv, qkv, True, w.qkv_bias, w.q_norm, w.k_norm, cos, sin, q, k, v)
         if sync[FAILED]:
@@ -228,10 +264,11 @@ def _decode_regions(model, fused: list[FusedLayer], head, x, cos_g, sin_g, cos_l
     return None
 
 
-def block_forward(model, tokens: np.ndarray, positions: np.ndarray, attention, logit_rows=None) -> np.ndarray:
+def block_forward(model, tokens: np.ndarray, positions: np.ndarray, attention, logit_rows=None,
+                  kv_layout: KVLayout | None = None) -> np.ndarray:
     """model.forward's contract (logits [len(logit_rows) or T, V] float32) for a quantised model whose block the
     fused LLaMA kernels lack: fused_forward for the int8-activation kinds, else the reference forward over the
-    packed matrices (model.fast, packed on first use)."""
+    packed matrices (model.fast, packed on first use). kv_layout: backend.forward's (where the step's K/V live)."""
     if model.fast is None:
         model.fast = prepare(model)
     bw: BlockWeights = model.fast
@@ -239,4 +276,4 @@ def block_forward(model, tokens: np.ndarray, positions: np.ndarray, attention, l
         return reference_forward(bw.tiled, tokens, positions, attention, logit_rows)
     if len(tokens) == 0:                                   # (a prefill chunk that samples no row: no logits)
         return np.zeros((0, bw.head.shape[1]), np.float32)
-    return fused_forward(model, bw.fused, bw.head, tokens, positions, attention, logit_rows)
+    return fused_forward(model, bw.fused, bw.head, tokens, positions, attention, logit_rows, kv_layout)
