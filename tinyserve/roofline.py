@@ -123,6 +123,8 @@ Q5_0 = BlockFormat("Q5_0", 32, 5, 2)
 Q4_0 = BlockFormat("Q4_0", 32, 4, 2)
 Q4_1 = BlockFormat("Q4_1", 32, 4, 2, 2)                # unsigned nibbles: a float16 minimum too
 BYTE_TILE = BlockFormat("byte tile", 32, 8, 2, 2)       # the fast path's bytes 0..255 (quant.B8Linear): scale and minimum
+# the byte tile without a minimum (quant.S8Linear): where m = -128 d throughout (Q8_0), the tile forms m from d
+BYTE_TILE_NO_MIN = BlockFormat("byte tile without a minimum", 32, 8, 2)
 NIBBLE_TILE = BlockFormat("nibble tile", 32, 4, 2, 2)   # the fast path's nibbles 0..15 (quant.Q4Linear)
 
 

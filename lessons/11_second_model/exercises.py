@@ -17,7 +17,7 @@ from tinyserve.kv_sizing import blocks_for  # noqa: F401
 from tinyserve.layers import rectangular_mask, softmax  # noqa: F401
 from tinyserve.paged import BlockAllocator  # noqa: F401
 # The block formats matrix_bytes prices: Q8_0 (Gemma's embedding in its file), the fast path's byte tile, ...
-from tinyserve.roofline import BYTE_TILE, NIBBLE_TILE, Q4_0, Q4_1, Q5_0, Q8_0, BlockFormat  # noqa: F401
+from tinyserve.roofline import BYTE_TILE, BYTE_TILE_NO_MIN, NIBBLE_TILE, Q4_0, Q4_1, Q5_0, Q8_0, BlockFormat  # noqa: F401
 
 
 def first_live_block(num_computed: int, window: int | None, block_size: int) -> int:
@@ -60,7 +60,8 @@ def matrix_bytes(rows: int, cols: int, fmt: BlockFormat) -> int:
     """Bytes of a [rows, cols] matrix stored as `fmt`: every run of fmt.block weights along a row is fmt.block
     integers of fmt.bits bits, plus one scale (fmt.scale_bytes) and one minimum (fmt.min_bytes, 0 for none) per
     block. A row of cols weights must be whole blocks: else a ValueError naming the sizes.
-    Gemma's LM head: matrix_bytes(262144, 640, Q8_0) is what the file holds; with BYTE_TILE, what the fast path reads.
+    Gemma's LM head: matrix_bytes(262144, 640, Q8_0) is what the file holds; with BYTE_TILE_NO_MIN, what the fast path
+    reads (the same: Q8_0's blocks as they are); BYTE_TILE is the byte tile that also stores a minimum.
     """
     raise NotImplementedError(
         "matrix_bytes: how many blocks in a row (cols // fmt.block), how many bytes one block takes (its integers' "

@@ -152,11 +152,13 @@ GGUF_FORMATS = ("Q8_0", "Q5_0", "Q4_0", "Q4_1")
 
 
 @pytest.mark.exercise("matrix_bytes")
-def test_gemma_lm_head_in_its_file_and_on_the_byte_tile():
-    from tinyserve.roofline import BYTE_TILE, Q8_0
+def test_gemma_lm_head_in_its_file_and_on_the_byte_tiles():
+    from tinyserve.roofline import BYTE_TILE, BYTE_TILE_NO_MIN, Q8_0
     V, D = 262144, 640
     assert impl.matrix_bytes(V, D, Q8_0) == V * D // 32 * 34, \
         "Q8_0: 32 weights a block as 32 bytes plus a 2-byte float16 scale, 34 bytes (8.5 bits a weight)"
+    assert impl.matrix_bytes(V, D, BYTE_TILE_NO_MIN) == V * D // 32 * 34, \
+        "the byte tile without a minimum: 32 bytes and a float16 scale per 32 weights, 34 bytes (Q8_0's own)"
     assert impl.matrix_bytes(V, D, BYTE_TILE) == V * D // 32 * 36, \
         "the byte tile: 32 bytes, a float16 scale and a float16 minimum per 32 weights, 36 bytes"
 
@@ -180,9 +182,11 @@ def test_matrix_bytes_is_what_gguf_stores(rows, blocks, name):
 def test_matrix_bytes_is_what_the_fast_path_holds(d_in, outputs):
     # the engine's own matrices: a [D_in, O] weight has O rows of D_in inputs, its blocks along the inputs
     from tinyserve import quant
-    from tinyserve.roofline import BYTE_TILE, NIBBLE_TILE
+    from tinyserve.roofline import BYTE_TILE, BYTE_TILE_NO_MIN, NIBBLE_TILE
     w = np.random.default_rng(d_in * 100 + outputs).standard_normal((d_in, outputs)).astype(np.float32)
-    for q, fmt in ((quant.quantize_q4_1(w), NIBBLE_TILE), (quant.quantize_q8_blocks(w), BYTE_TILE)):
+    s8 = quant.quantize_q8_blocks(w)                     # Q8_0's rule: m = -128 d, the tile without a minimum
+    b8 = quant.B8Linear(s8.q, s8.d, s8.m, s8.mode)       # the same blocks on the byte tile that reads m
+    for q, fmt in ((quant.quantize_q4_1(w), NIBBLE_TILE), (s8, BYTE_TILE_NO_MIN), (b8, BYTE_TILE)):
         want = quant.tile_nbytes(q, type(q))
         got = impl.matrix_bytes(outputs, d_in, fmt)
         assert got == want, f"a [{d_in}, {outputs}] weight on the {fmt.name}: the engine holds {want} bytes, got {got}"
