@@ -198,7 +198,7 @@ def _plan(R: int, C: int, v: int, regs: int, extra: int) -> tuple[int, int]:
 
 
 def make_w4a8_tile(R: int, C: int, name: str | None = None, whole_bytes: bool = False, symmetric: bool = False,
-                   six_bits: bool = False, five_bits: bool = False):
+                   six_bits: bool = False, five_bits: bool = False, min_per_d: float | None = None):
     """An R x C W4A8 tile, or with whole_bytes the byte tile (weights 0..255, matmul.pack_b8a8's layout: 576 bytes per
     block of 16 outputs and 32 inputs, the 8 steps a byte each), or with symmetric the nibble tile without a minimum
     (matmul.pack_s4a8: 288 bytes, d[16] and no m, which the tile forms as d * MIN_PER_D: exact, a power of two, so
@@ -215,7 +215,9 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None, whole_bytes: bool = 
     five_bits: the 5-bit tile (matmul.pack_q5a8: 384 bytes, the nibbles as pack_w4a8's then a byte of fifth bits
     per 8 steps; q = nibble | fifth bit << 4 formed in registers, then the byte tile's arithmetic). symmetric goes
     with whole_bytes or five_bits too: d[16] only, m formed as d * BYTE_MIN_PER_D (Q8_0, matmul.pack_s8a8: 544
-    bytes) or d * FIVE_MIN_PER_D (Q5_0, matmul.pack_s5a8: 352 bytes), exact as the nibble tile's."""
+    bytes) or d * FIVE_MIN_PER_D (Q5_0, matmul.pack_s5a8: 352 bytes), exact as the nibble tile's. min_per_d, with
+    symmetric, sets that factor itself: the byte tile with FIVE_MIN_PER_D runs Q5_0's values unpacked to whole bytes
+    (matmul's prefill of 5-bit matrices) with the 5-bit tile's arithmetic, so with its bits."""
     name = isa.NAME if name is None else name
     vb = isa.VARIANTS[name].vector_bytes
     parts, nl = 64 // vb, vb // 4
@@ -229,7 +231,8 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None, whole_bytes: bool = 
                    (True, False): BYTE_GROUP_BYTES, (True, True): SYM_BYTE_GROUP_BYTES}[whole_bytes, symmetric]
     group_bytes = (Q6_GROUP_BYTES if six_bits else (SYM_Q5_GROUP_BYTES if symmetric else Q5_GROUP_BYTES)
                    if five_bits else group_bytes)
-    min_per_d = BYTE_MIN_PER_D if whole_bytes else FIVE_MIN_PER_D if five_bits else MIN_PER_D
+    if min_per_d is None:
+        min_per_d = BYTE_MIN_PER_D if whole_bytes else FIVE_MIN_PER_D if five_bits else MIN_PER_D
     scale_bytes = SYM_SCALE_BYTES if symmetric else Q6_SC_BYTES if six_bits else SCALE_BYTES
     one_bit = ir.Constant(bytes_t, [ir.Constant(_I8, 0x10)] * vb)     # the fifth bit's place in q
     # the lines a block's prefetch touches: every 64 bytes, and the last byte (288 is not a whole number of lines);

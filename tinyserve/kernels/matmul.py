@@ -30,7 +30,8 @@ import numpy as np
 from numba import njit, prange
 from numba.extending import overload
 
-from .int4_dot import (BYTE_GROUP_BYTES, FIVE_BITS_BYTES, GROUP, GROUP_BYTES, Q5_GROUP_BYTES, Q6_SUPER,
+from .int4_dot import (BYTE_GROUP_BYTES, FIVE_BITS_BYTES, FIVE_MIN_PER_D, GROUP, GROUP_BYTES, Q5_GROUP_BYTES,
+                       Q6_SUPER,
                        Q6_SUPER_BYTES, SYM_BYTE_GROUP_BYTES, SYM_GROUP_BYTES, SYM_Q5_GROUP_BYTES, make_w4a8_tile)
 from .int8_dot import make_int8_tile
 from .simd import bits_float, float_bits, make_fma_microkernel
@@ -452,6 +453,8 @@ _q5_RC, _q5_1C, _q5_11 = (make_w4a8_tile(ROWS, COLS, five_bits=True), make_w4a8_
 _s5_RC, _s5_1C, _s5_11 = (make_w4a8_tile(ROWS, COLS, five_bits=True, symmetric=True),
                           make_w4a8_tile(1, COLS, five_bits=True, symmetric=True),
                           make_w4a8_tile(1, 1, five_bits=True, symmetric=True))
+# Q5_0's values unpacked to whole bytes, d only (pack_s8a8's layout), m = -16 d: the 5-bit tile's arithmetic
+_b5_RC = make_w4a8_tile(ROWS, COLS, whole_bytes=True, symmetric=True, min_per_d=FIVE_MIN_PER_D)
 
 
 def _block_steps(q: np.ndarray, d: np.ndarray, m: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
@@ -884,7 +887,88 @@ def matmul_blocks(wt, x, xu, sx, out, accumulate, b_lo, b_hi, acc):
             _tile(wt, wf, af, sx, xs, out, accumulate, D, r0, min(ROWS, T - r0), b0, min(COLS, b_hi - b0), acc)
 
 
+# --- a prefill of 5-bit weights: unpacked once per column group -------------------------------------------------
+# The 5-bit tile forms q = nibble | fifth bit << 4 in registers for every row tile it runs: free at batch 1, where
+# the weights' bytes set the pace, but a prefill is compute-bound and runs T / ROWS row tiles over each weight. From
+# UNPACK_ROWS rows on, each thread unpacks its column groups to whole bytes once (pack_b8a8's layout, or
+# pack_s8a8's for Q5_0) and runs the byte tile over every row tile: the same integers, d and m, and the same float32
+# operations in the same order (m = -16 d formed as the 5-bit tile forms it), so the same bits.
+UNPACK_ROWS = 4 * ROWS
+
+
+@njit(cache=True)
+def five_bits_to_bytes(w, b0, nc, with_m, scratch):
+    """Output blocks b0 .. b0 + nc - 1 of a 5-bit pack (w [O/16, nb, 384]: pack_q5a8, with_m; [O/16, nb, 352]:
+    pack_s5a8) -> scratch [nc, nb, 576 | 544] uint8 in pack_b8a8's (pack_s8a8's) layout: the scales as they are,
+    then step s's 64 bytes, q = its nibble (pair s // 2, the high one for odd s) | its fifth bit (bit s) << 4."""
+    sb = 2 * 2 * BLOCK if with_m else 2 * BLOCK
+    for c in range(nc):
+        for b in range(w.shape[1]):
+            src, dst = w[b0 + c, b], scratch[c, b]
+            dst[:sb] = src[:sb]
+            for s in range(GROUP // 4):
+                nib, shift = sb + (s // 2) * 64, 4 * (s % 2)
+                for p in range(64):
+                    dst[sb + 64 * s + p] = ((src[nib + p] >> shift) & 15) | (((src[sb + 256 + p] >> s) & 1) << 4)
+
+
+@njit(cache=True, parallel=True)
+def _five_bits_as_bytes(wt, xu, sx, out, accumulate, with_m):
+    """matmul_items for 5-bit kinds at many rows: each whole column group unpacked once (five_bits_to_bytes) and run
+    through the byte tile over every whole row tile, the groups in a parallel loop; the items left over (a last
+    partial row tile, a last partial column group) on the 5-bit tile itself."""
+    T, D = xu.shape
+    n_blocks, nb = wt.w.shape[0], wt.w.shape[1]
+    gb = BYTE_GROUP_BYTES if with_m else SYM_BYTE_GROUP_BYTES
+    row_tiles, col_groups = T // ROWS, n_blocks // COLS
+    xt, xs = _tile_inputs(wt, xu, sx)
+    xf, wf, sf, xsf = xt.ravel(), wt.w.ravel(), sx.ravel(), xs.ravel()
+    for g in prange(col_groups):
+        b0 = g * COLS
+        scratch = np.empty((COLS, nb, gb), np.uint8)
+        five_bits_to_bytes(wt.w, b0, COLS, with_m, scratch)
+        bf = scratch.ravel()
+        acc = np.empty(ROWS * COLS * BLOCK, np.float32)
+        for rt in range(row_tiles):
+            r0 = rt * ROWS
+            if with_m:
+                _b8_RC(xf, r0 * D, D, bf, 0, nb * gb, nb, sf, xsf, r0 * nb, nb, acc, 0, COLS * BLOCK)
+            else:
+                _b5_RC(xf, r0 * D, D, bf, 0, nb * gb, nb, sf, xsf, r0 * nb, nb, acc, 0, COLS * BLOCK)
+            _store_tile(acc, out, accumulate, r0, ROWS, b0, COLS)
+    acc = np.empty(ROWS * COLS * BLOCK, np.float32)
+    if T > row_tiles * ROWS:                                # the last rows, every column group
+        for g in range((n_blocks + COLS - 1) // COLS):
+            b0 = g * COLS
+            _tile(wt, wf, xf, sx, xs, out, accumulate, D, row_tiles * ROWS, T - row_tiles * ROWS, b0,
+                  min(COLS, n_blocks - b0), acc)
+    if n_blocks > col_groups * COLS:                        # the last blocks, every whole row tile
+        for rt in range(row_tiles):
+            _tile(wt, wf, xf, sx, xs, out, accumulate, D, rt * ROWS, ROWS, col_groups * COLS,
+                  n_blocks - col_groups * COLS, acc)
+
+
+def _matmul_int8_of(wt, xu, sx, out, accumulate):
+    pass
+
+
+@overload(_matmul_int8_of, inline="always")
+def _matmul_int8_of_kind(wt, xu, sx, out, accumulate):
+    kind = _kind(wt)
+    if kind is Q5A8Weights or kind is S5A8Weights:
+        with_m = kind is Q5A8Weights
+
+        def impl(wt, xu, sx, out, accumulate):
+            if xu.shape[0] >= UNPACK_ROWS:
+                _five_bits_as_bytes(wt, xu, sx, out, accumulate, with_m)
+            else:
+                matmul_items(wt, xu, sx, out, accumulate)
+        return impl
+    return lambda wt, xu, sx, out, accumulate: matmul_items(wt, xu, sx, out, accumulate)
+
+
 @njit(cache=True, parallel=True)
 def _matmul_int8(wt, xu, sx, out, accumulate):
-    """The int8-activation matmul of layer.py's kernels, W8A8 or W4A8 by the weights' kind."""
-    matmul_items(wt, xu, sx, out, accumulate)
+    """The int8-activation matmul of layer.py's kernels, W8A8 or W4A8 by the weights' kind (5-bit kinds at many rows
+    on bytes unpacked once: _five_bits_as_bytes)."""
+    _matmul_int8_of(wt, xu, sx, out, accumulate)
