@@ -108,14 +108,9 @@ def set_backend(model: Model, quant: str = NONE.name, backend: str = "numpy", we
 
 def block_switches(model: Model) -> list[str]:
     """The switches of this model's block that the fused LLaMA kernels (kernels/forward.py) do not implement: []
-    for LLaMA's block. A model with any runs kernels/block_forward.py instead: model.forward with its matrices on
-    the kernels' tiles and attention on the strategy's kernel (masked by window)."""
-    cfg = model.config
-    return [what for what, needed in (
-        ("Q/K/V biases", cfg.qkv_bias), ("Q/K norms", cfg.qk_norm), ("norms after attention and MLP", cfg.post_norms),
-        (f"the {cfg.activation} MLP", cfg.activation != "silu"), ("a scaled embedding", cfg.embed_scale != 1.0),
-        ("sliding windows", cfg.sliding_window > 0), ("a per-layer RoPE base", cfg.rope_theta_local is not None))
-        if needed]
+    for LLaMA's block (config.ModelConfig.block_switches). A model with any runs kernels/block_forward.py instead:
+    model.forward with its matrices on the kernels' tiles and attention on the strategy's kernel (masked by window)."""
+    return model.config.block_switches()
 
 
 def kernel_gaps(model: Model) -> list[str]:

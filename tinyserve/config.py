@@ -101,6 +101,16 @@ class ModelConfig:
             return self.rope_theta_local
         return self.rope_theta
 
+    def block_switches(self) -> list[str]:
+        """The switches of this block that LLaMA's does not have ([] for LLaMA's): the fused LLaMA kernels
+        (kernels/forward.py) run none of them, so a model with any runs kernels/block_forward.py (backend.py)."""
+        return [what for what, needed in (
+            ("Q/K/V biases", self.qkv_bias), ("Q/K norms", self.qk_norm),
+            ("norms after attention and MLP", self.post_norms),
+            (f"the {self.activation} MLP", self.activation != "silu"), ("a scaled embedding", self.embed_scale != 1.0),
+            ("sliding windows", self.sliding_window > 0), ("a per-layer RoPE base", self.rope_theta_local is not None))
+            if needed]
+
     @property
     def group_size(self) -> int:  # g: query heads that share one K/V head
         return self.n_heads // self.n_kv_heads

@@ -649,8 +649,7 @@ def bytes_per_decode_step(model: Model) -> int:
     """Weight bytes one decode step reads: every matmul weight once (the LM head included), norms aside, as the tile
     of its fused role holds it (role_tile): LLaMA's block packs a role's matrices of every layer alike (stacked for
     kernels/forward.py's decode step), another family's block each layer's on its own (kernels/block_forward.py)."""
-    from .backend import block_switches
-    groups = [[w] for w in model.layers] if block_switches(model) else [model.layers]
+    groups = [[w] for w in model.layers] if model.config.block_switches() else [model.layers]
     total = 0
     for role in FUSED_ROLES:
         for layers in groups:
