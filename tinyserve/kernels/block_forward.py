@@ -33,7 +33,6 @@ import warnings
 
 import numba
 import numpy as np
-from numba import njit
 
 from ..attention_backends import KVLayout
 from ..model import forward as reference_forward
@@ -41,16 +40,10 @@ from ..quant import MATRICES, activation_residual
 from . import block_decode, block_layer
 from .forward import _pack
 from .layer import lm_head
-from .matmul import BLOCK, W8A32Weights, matmul_items, matmul_w8a32, quantize_rows
+from .matmul import BLOCK, W8A32Weights, _matmul_int8, matmul_w8a32, quantize_rows
 from .spin import FAILED, SYNC_SIZE, TIMEOUT_CYCLES, regions_can_run
 
 NONE = np.zeros(0, np.float32)     # a switch that is off: block_layer reads an empty weight as "not there"
-
-
-@njit(cache=True, parallel=True)
-def _int8_matmul(wt, xu, sx, out):
-    """out [T, O] = xu [T, D] (uint8 + 128, scales sx [T, nb]) @ wt: the tile of wt's kind (matmul._kind)."""
-    matmul_items(wt, xu, sx, out, False)
 
 
 @dataclass(slots=True)
@@ -81,7 +74,7 @@ class TileMatrix:
             xu, sx = np.empty(x.shape, np.uint8), np.empty((T, self.w.blocks.shape[0]), np.float32)
             quantize_rows(x, xu, sx)
             out = np.empty((T, O), np.float32)
-            _int8_matmul(self.w, xu, sx, out)
+            _matmul_int8(self.w, xu, sx, out, False)    # the tile of the packed kind (matmul._kind)
         return out if O == self.shape[1] else out[:, :self.shape[1]]
 
 
