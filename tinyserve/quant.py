@@ -79,8 +79,9 @@ W8A8_64 = QuantMode("w8a8-64", "int8 weights and activations, a scale per 64 (W8
 W4A8 = QuantMode("w4a8", "the GGUF's 4-bit weights (Q4_1) and int8 activations (W4A8)", 20 / 32, True, Q4_GROUP,
                  "w4a8", top1_min=0.95, ppl_ratio_max=1.02)   # 16 bytes of nibbles + float16 d and m per 32
 GGUF = QuantMode("gguf", "a GGUF's own blocks, each matrix on the tile that holds it (4-bit or byte weights) and int8 "
-                 "activations", 36 / 32, True, Q4_GROUP, "gguf", top1_min=0.95, ppl_ratio_max=1.02)
-#                (bytes_per_weight: the byte tile's 32 bytes + float16 d and m per 32; the nibble tile's are W4A8's)
+                 "activations", 34 / 32, True, Q4_GROUP, "gguf", top1_min=0.95, ppl_ratio_max=1.02)
+#                (bytes_per_weight: a float matrix requantized by Q8_0's rule, on the byte tile without a minimum:
+#                32 bytes + a float16 d per 32; a file's own blocks take their tile's, W4A8's for nibbles)
 MODES = {m.name: m for m in (NONE, INT8, W8A8, W8A8_64, W4A8, GGUF)}
 QUANT_MODES = tuple(MODES)                                      # the names, float32's first
 KERNEL_MODES = tuple(m.name for m in MODES.values() if m.kernels)   # the modes the Numba kernels run
