@@ -108,3 +108,18 @@ def test_the_contiguous_cache_window_attention_is_a_paged_row():
                                   np.array([0, m]), window=window)
     assert np.array_equal(got, paged)
     assert np.array_equal(window_attention(q[-1:], k, v, window), got[-1:])      # a decode row alone
+
+
+@pytest.mark.parametrize("S, m, H", [(150, 150, 32), (300, 40, 256), (90, 3, 256)])
+def test_a_contiguous_window_that_does_not_bind_is_the_paged_row(S, m, H):
+    """window >= S: window_attention runs the row-tiled causal kernel (a prefill's), which must give the bits the
+    paged kernel gives the same rows with the window, at a prefill's row counts and at Gemma's head size."""
+    from tinyserve.kernels.dense_attention import window_attention
+    rng = np.random.default_rng(S + m)
+    k, v = (rng.standard_normal((S, 1, H)).astype(np.float32) for _ in range(2))
+    q = rng.standard_normal((m, 4, H)).astype(np.float32)
+    table = np.arange(blocks_for(S, 2))[None]
+    paged = paged_attention_numba(q, k.reshape(-1, 2, 1, H), v.reshape(-1, 2, 1, H), table, np.array([S]),
+                                  np.array([0, m]), window=S)
+    assert np.array_equal(window_attention(q, k, v, S), paged)
+    assert np.array_equal(window_attention(q, k, v, S + 100), paged)

@@ -37,7 +37,7 @@ ROWS = 16                        # query rows per work item
 
 _qk_4x4 = make_fma_microkernel(4, 4, b_int8=False)   # 4 rows x 64 keys
 _qk_1x4 = make_fma_microkernel(1, 4, b_int8=False)
-_pv_4x4 = make_fma_microkernel(4, 4, b_int8=False)   # 4 rows x 64 of the head dim (H = 64, SmolLM2)
+_pv_4x4 = make_fma_microkernel(4, 4, b_int8=False)   # 4 rows x 64 of the head dim
 _pv_4x1 = make_fma_microkernel(4, 1, b_int8=False)   # 4 rows x 16 of the head dim
 _pv_1x1 = make_fma_microkernel(1, 1, b_int8=False)
 
@@ -92,8 +92,10 @@ def _attention(q, k, v, out):
                 four = nr - r >= 4
                 n_keys = min(CHUNK, S - m + r0 + r + (4 if four else 1) - c0)   # the group's last row's keys
                 if n_keys > 0:
-                    if H == 64 and four:
-                        _pv_4x4(pf, r * width + c0, width, vf, c0 * K * H + kh * H, 16, n_keys, K * H, pvf, r * H, H)
+                    if H % 64 == 0 and four:                   # 16 accumulators: enough chains to fill the FMA pipes
+                        for c in range(H // 64):
+                            _pv_4x4(pf, r * width + c0, width, vf, c0 * K * H + kh * H + c * 64, 16, n_keys, K * H,
+                                    pvf, r * H + c * 64, H)
                     else:
                         for c in range(H // 16):
                             if four:
@@ -143,8 +145,12 @@ def window_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int) -
     """A sliding-window layer's attention over a contiguous cache (Gemma 3's local layers on the numba backend):
     q [m, N, H], k, v [S, K, H] (the last m keys are the new rows) -> [m, N, H], row i seeing only its last `window`
     keys. The cache is one block of S positions for the paged kernels, so a row adds its terms in key_chunks' order
-    with a window: the bits of the same row in the paged engine."""
+    with a window: the bits of the same row in the paged engine. While the cache holds no more than `window`
+    positions the window hides nothing (the paged kernels then take the same steps as for a global layer), so the
+    row-tiled causal kernel runs instead: the same bits, at a prefill's speed."""
     S, m = k.shape[0], q.shape[0]
+    if S <= window:
+        return causal_attention(q, k, v)
     return paged_attention_numba_unchecked(q, np.ascontiguousarray(k, np.float32)[None],
                                            np.ascontiguousarray(v, np.float32)[None], np.zeros((1, 1), np.int64),
                                            np.array([S], np.int64), np.array([0, m], np.int64), window)
