@@ -3,6 +3,7 @@
     .venv-llama/bin/python tools/check_gguf.py llama FILE.gguf OUT.npz     # llama.cpp: ids + logits (its venv)
     .venv/bin/python tools/check_gguf.py compare FILE.gguf OUT.npz [QUANT] # tinyserve: float, fast, llama.cpp
     .venv/bin/python tools/check_gguf.py stages FILE.gguf OUT.npz          # which stage costs the agreement
+    .venv/bin/python tools/check_gguf.py heads FILE.gguf OUT.npz           # the LM head in fewer bits
 
 Step 1 tokenizes tests/fixtures/perplexity_text.txt with llama.cpp's own tokenizer (so any family works, whatever
 tinyserve's tokenizer does) and teacher-forces PPL_TOKENS of it in windows of PPL_WINDOW (tests/quant_accuracy.py's
@@ -164,10 +165,91 @@ def stages(gguf: str, npz: str) -> list[dict]:
     return rows
 
 
+def requantize(w: np.ndarray, bits: int, with_min: bool) -> np.ndarray:
+    """[D, O] float32 -> its values after llama.cpp's rule per 32 inputs (Q4_1/Q5_1 with_min: d = (max - min) /
+    (2^bits - 1), m = min; Q4_0/Q5_0: d = the largest-magnitude value / -2^(bits-1), m = -2^(bits-1) d), d and m
+    rounded to float16 as the files keep them."""
+    D, O = w.shape
+    b = w.reshape(D // 32, 32, O)
+    top = 2 ** bits - 1
+    f16 = lambda a: a.astype(np.float16).astype(np.float32)            # noqa: E731
+    if with_min:
+        lo = b.min(axis=1)
+        d, m = f16((b.max(axis=1) - lo) / np.float32(top)), f16(lo)
+    else:
+        big = np.take_along_axis(b, np.abs(b).argmax(axis=1)[:, None], axis=1)[:, 0]
+        d = f16(big / np.float32(-(top + 1) // 2))
+        m = f16(np.float32(-(top + 1) // 2) * d)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(d[:, None] != 0, np.rint((b - m[:, None]) / d[:, None]), 0)
+    return (d[:, None] * np.clip(q, 0, top) + m[:, None]).reshape(D, O)
+
+
+HEAD_RULES = {"Q5_1's rule": (5, True), "Q5_0's rule": (5, False), "Q4_1's rule": (4, True),
+              "Q4_0's rule": (4, False)}
+
+
+def heads(gguf: str, npz: str) -> list[dict]:
+    """The fast path with its LM head requantized to fewer bits (HEAD_RULES), everything else as it runs: the head's
+    input is recorded once on the reference's steps over the tiles (as in stages), rounded to int8 per 32 as the
+    tiles round it, and multiplied by each narrower head's values (in float32: the tile adds the same exact integer
+    products, in another order)."""
+    sys.path.insert(0, str(ROOT))
+    import dataclasses
+    import tinyserve as ts
+    from tinyserve import naive
+    from tinyserve.kernels.block_forward import prepare as prepare_tiles
+    from tinyserve.model import forward
+    from tinyserve.quant import quantize_blocks
+
+    data = np.load(npz)
+    ids = data["ids"].tolist()
+    float_model = ts.load_model(gguf)
+    quantised = ts.load_model(gguf, quant="auto", backend="numba")
+    tiled = prepare_tiles(quantised, fuse=False).tiled
+    attention = naive._attention(float_model)
+    head_inputs = []
+
+    class Recorder:                          # the tiled head, keeping what it is given
+        __array_ufunc__ = None
+        shape = tiled.lm_head_q.shape
+
+        def __rmatmul__(self, x):
+            head_inputs.append(np.array(x))
+            return x @ tiled.lm_head_q
+
+    def stats(logits: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        both = [window_stats(lg, w) for lg, (_, w) in zip(logits, windows(ids))]
+        return np.concatenate([t for t, _ in both]), np.concatenate([n for _, n in both])
+
+    def as_tiles_round(x: np.ndarray) -> np.ndarray:       # [T, D] -> its int8-per-32 values
+        xq, sx = quantize_blocks(x, x.shape[1] // 32)
+        return (xq.reshape(len(x), -1, 32) * sx[:, :, None]).reshape(x.shape).astype(np.float32)
+
+    float_top1, float_nll = stats([naive.forward(float_model, w) for _, w in windows(ids)])
+    recording = dataclasses.replace(tiled, lm_head_q=Recorder())
+    now = stats([forward(recording, np.asarray(w), np.arange(len(w)), attention) for _, w in windows(ids)])
+    head = quantised.lm_head_q.dequantize()                                      # [D, V]
+    rows = []
+    for name, (bits, with_min) in [("the file's", (None, None)), *HEAD_RULES.items()]:
+        if bits is None:
+            top1, nll = now
+        else:
+            w = requantize(head, bits, with_min)
+            top1, nll = stats([as_tiles_round(x) @ w for x in head_inputs])
+        rows.append({"head": name, "top1_vs_float": float(np.mean(top1 == float_top1)),
+                     "ppl_ratio": perplexity(nll) / perplexity(float_nll),
+                     "top1_vs_llama": float(np.mean(top1 == llama_stats(data)[0]))})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "llama":
         llama_side(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "stages":
         stages(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "heads":
+        heads(sys.argv[2], sys.argv[3])
     else:
         print(json.dumps(compare(sys.argv[2], sys.argv[3], *sys.argv[4:5])))
