@@ -30,7 +30,7 @@ import numpy as np
 from numba import njit, prange
 
 from .layer import _pairwise_sum, _rms_norm_quant_rows
-from .matmul import BLOCK, COLS, ROWS, _matmul_int8, _quantize_row, matmul_blocks
+from .matmul import BLOCK, COLS, ROWS, UNPACK_ROWS, _matmul_int8, _quantize_row, column_blocks, matmul_blocks
 
 NO_FLOATS = np.zeros((0, 0), np.float32)     # matmul_blocks' float32 input, which the int8 kinds never read
 PLANE_CHUNK = 8    # output blocks a second plane's product runs at a time: a work item, and a run of weights that
@@ -189,8 +189,15 @@ def _norm_matmul(x, norm_w, eps, w, c_lo, c_hi, out):
         for t in range(T):
             _rms_norm_planes_row(x, t, norm_w, eps, xu, sx, xu2, sx2)
     _matmul_int8(w, xu, sx, out, False)
-    y2 = np.empty(out.shape, np.float32)                  # the second plane's product, its blocks only
     b_lo, b_hi = plane_blocks(c_lo, c_hi)
+    if T >= UNPACK_ROWS:           # a prefill: the plane's blocks as a matmul of their own (5-bit ones on bytes)
+        y2 = np.empty((T, (b_hi - b_lo) * BLOCK), np.float32)
+        _matmul_int8(column_blocks(w, b_lo, b_hi), xu2, sx2, y2, False)
+        for t in prange(T):
+            for c in range(c_lo, c_hi):
+                out[t, c] = out[t, c] + y2[t, c - b_lo * BLOCK]
+        return
+    y2 = np.empty(out.shape, np.float32)                  # the second plane's product, its blocks only
     n = (b_hi - b_lo + PLANE_CHUNK - 1) // PLANE_CHUNK
     for g in prange(n):
         lo, hi = b_lo + g * PLANE_CHUNK, min(b_hi, b_lo + (g + 1) * PLANE_CHUNK)

@@ -967,6 +967,20 @@ def _matmul_int8_of_kind(wt, xu, sx, out, accumulate):
     return lambda wt, xu, sx, out, accumulate: matmul_items(wt, xu, sx, out, accumulate)
 
 
+def column_blocks(wt, b_lo, b_hi):
+    pass
+
+
+@overload(column_blocks, inline="always")
+def _column_blocks_of_kind(wt, b_lo, b_hi):
+    """Output blocks b_lo .. b_hi of a packed matrix, as a matrix of the same kind (a view: its packs are rows of w,
+    and the per-output scales of W8A8/W8A32 are cut alike). Each block's tile adds what it adds on the whole matrix."""
+    kind = _kind(wt)
+    if kind is W8A8Weights or kind is W8A32Weights:
+        return lambda wt, b_lo, b_hi: kind(wt.w[b_lo:b_hi], wt.blocks, wt.scale[b_lo * BLOCK:b_hi * BLOCK])
+    return lambda wt, b_lo, b_hi: kind(wt.w[b_lo:b_hi], wt.blocks, wt.scale)
+
+
 @njit(cache=True, parallel=True)
 def _matmul_int8(wt, xu, sx, out, accumulate):
     """The int8-activation matmul of layer.py's kernels, W8A8 or W4A8 by the weights' kind (5-bit kinds at many rows
