@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .layer import _pairwise_sum, _rms_norm_quant_rows
+from .layer import _rms_norm_into, _rms_norm_quant_rows
 from .matmul import BLOCK, COLS, ROWS, UNPACK_ROWS, _matmul_int8, _quantize_row, column_blocks, matmul_blocks
 
 NO_FLOATS = np.zeros((0, 0), np.float32)     # matmul_blocks' float32 input, which the int8 kinds never read
@@ -39,18 +39,6 @@ ROW_LOOPS_PARALLEL_FROM = 32      # rows; a decode step (B <= 16) stays below it
 
 GELU_C1 = np.float32(np.sqrt(2.0 / np.pi))   # layers.gelu_tanh's constants, the same float32 values
 GELU_C2 = np.float32(0.044715)
-
-
-@njit(cache=True, inline="always")
-def _rms_norm_into(src, lo, n, weight, eps, dst, dlo):
-    """dst[dlo:dlo+n] = layers.rms_norm(src[lo:lo+n], weight): the mean of squares as NumPy sums it."""
-    sq = np.empty(n, np.float32)
-    for i in range(n):
-        sq[i] = src[lo + i] * src[lo + i]
-    ms = _pairwise_sum(sq, 0, n) / np.float32(n)
-    inv = np.float32(1.0) / np.sqrt(ms + eps)
-    for i in range(n):
-        dst[dlo + i] = src[lo + i] * inv * weight[i]
 
 
 @njit(cache=True, inline="always")
@@ -141,13 +129,8 @@ def _rms_norm_planes_row(x, t, weight, eps, xu, sx, xu2, sx2):
     D = x.shape[1]
     nb = sx.shape[1]
     kb = D // nb
-    sq, h = np.empty(D, np.float32), np.empty(D, np.float32)
-    for i in range(D):
-        sq[i] = x[t, i] * x[t, i]
-    ms = _pairwise_sum(sq, 0, D) / np.float32(D)
-    inv = np.float32(1.0) / np.sqrt(ms + eps)
-    for i in range(D):
-        h[i] = x[t, i] * inv * weight[i]
+    h = np.empty(D, np.float32)
+    _rms_norm_into(x[t], 0, D, weight, eps, h, 0)
     _quantize_row(h, xu[t], sx[t])
     for b in range(nb):
         lo, s = b * kb, sx[t, b]

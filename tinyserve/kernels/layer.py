@@ -86,16 +86,23 @@ def _pairwise_sum(a, lo, n):
 
 
 @njit(cache=True, inline="always")
+def _rms_norm_into(src, lo, n, weight, eps, dst, dlo):
+    """dst[dlo:dlo+n] = layers.rms_norm(src[lo:lo+n], weight): the mean of squares as NumPy sums it."""
+    sq = np.empty(n, np.float32)
+    for i in range(n):
+        sq[i] = src[lo + i] * src[lo + i]
+    ms = _pairwise_sum(sq, 0, n) / np.float32(n)
+    inv = np.float32(1.0) / np.sqrt(ms + eps)
+    for i in range(n):
+        dst[dlo + i] = src[lo + i] * inv * weight[i]
+
+
+@njit(cache=True, inline="always")
 def _rms_norm_quant_row(x, t, weight, eps, xu, sx):
     """layers.rms_norm then quant.quantize_blocks for row t: x [T, D] -> xu[t] [D] uint8 (+128), sx[t] [nb]."""
     D = x.shape[1]
-    sq, h = np.empty(D, np.float32), np.empty(D, np.float32)
-    for i in range(D):
-        sq[i] = x[t, i] * x[t, i]
-    ms = _pairwise_sum(sq, 0, D) / np.float32(D)
-    inv = np.float32(1.0) / np.sqrt(ms + eps)
-    for i in range(D):
-        h[i] = x[t, i] * inv * weight[i]
+    h = np.empty(D, np.float32)
+    _rms_norm_into(x[t], 0, D, weight, eps, h, 0)
     _quantize_row(h, xu[t], sx[t])
 
 

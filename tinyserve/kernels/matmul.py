@@ -438,22 +438,9 @@ def matmul_w8a32(x: np.ndarray, wp: np.ndarray, sw: np.ndarray, out: np.ndarray 
 # 4-bit weights as the GGUF ships them (Q4_1: w = d * q + m per run of 32 inputs), int8 activations per run of 32:
 # the tile is kernels/int4_dot.py's; the rest mirrors W8A8 above.
 
-_q4_RC, _q4_1C, _q4_11 = make_w4a8_tile(ROWS, COLS), make_w4a8_tile(1, COLS), make_w4a8_tile(1, 1)
-_b8_RC, _b8_1C, _b8_11 = (make_w4a8_tile(ROWS, COLS, whole_bytes=True), make_w4a8_tile(1, COLS, whole_bytes=True),
-                          make_w4a8_tile(1, 1, whole_bytes=True))
-_s4_RC, _s4_1C, _s4_11 = (make_w4a8_tile(ROWS, COLS, symmetric=True), make_w4a8_tile(1, COLS, symmetric=True),
-                          make_w4a8_tile(1, 1, symmetric=True))
-_q6_RC, _q6_1C, _q6_11 = (make_w4a8_tile(ROWS, COLS, six_bits=True), make_w4a8_tile(1, COLS, six_bits=True),
-                          make_w4a8_tile(1, 1, six_bits=True))
-_s8_RC, _s8_1C, _s8_11 = (make_w4a8_tile(ROWS, COLS, whole_bytes=True, symmetric=True),
-                          make_w4a8_tile(1, COLS, whole_bytes=True, symmetric=True),
-                          make_w4a8_tile(1, 1, whole_bytes=True, symmetric=True))
-_q5_RC, _q5_1C, _q5_11 = (make_w4a8_tile(ROWS, COLS, five_bits=True), make_w4a8_tile(1, COLS, five_bits=True),
-                          make_w4a8_tile(1, 1, five_bits=True))
-_s5_RC, _s5_1C, _s5_11 = (make_w4a8_tile(ROWS, COLS, five_bits=True, symmetric=True),
-                          make_w4a8_tile(1, COLS, five_bits=True, symmetric=True),
-                          make_w4a8_tile(1, 1, five_bits=True, symmetric=True))
-# Q5_0's values unpacked to whole bytes, d only (pack_s8a8's layout), m = -16 d: the 5-bit tile's arithmetic
+# the prefill of 5-bit matrices (_five_bits_as_bytes) runs their values unpacked to whole bytes through the byte tile:
+# Q5_1's and Q5_K's as they are, Q5_0's (d only: pack_s8a8's layout) with m = -16 d, the 5-bit tile's arithmetic
+_b8_RC = make_w4a8_tile(ROWS, COLS, whole_bytes=True)
 _b5_RC = make_w4a8_tile(ROWS, COLS, whole_bytes=True, symmetric=True, min_per_d=FIVE_MIN_PER_D)
 
 
@@ -564,145 +551,46 @@ def _store_tile(acc, out, accumulate, r0, nr, b0, nc):
                 out[r0 + r, o] = acc[r * CB + j]
 
 
-@njit(cache=True, inline="always")
-def w4a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc):
-    """One work item of the W4A8 matmul: rows r0 .. r0+nr (nr <= ROWS) x packed blocks b0 .. b0+nc (nc <= COLS);
-    xf: the signed activation bytes (_tile_inputs), sx, xs [T, D/32]; acc: float32 scratch [ROWS * COLS * 16]."""
-    nb = D // GROUP
-    step = nb * GROUP_BYTES                          # bytes of one packed block (of 16 outputs)
-    CB = COLS * BLOCK
-    sf, xsf = sx.ravel(), xs.ravel()
-    if nr == ROWS and nc == COLS:
-        _q4_RC(xf, r0 * D, D, wf, b0 * step, step, nb, sf, xsf, r0 * nb, nb, acc, 0, CB)
-    elif nc == COLS:
-        for r in range(nr):
-            _q4_1C(xf, (r0 + r) * D, D, wf, b0 * step, step, nb, sf, xsf, (r0 + r) * nb, nb, acc, r * CB, CB)
-    else:
-        for r in range(nr):
-            for c in range(nc):
-                _q4_11(xf, (r0 + r) * D, D, wf, (b0 + c) * step, step, nb, sf, xsf, (r0 + r) * nb, nb, acc,
-                       r * CB + c * BLOCK, CB)
-    _store_tile(acc, out, accumulate, r0, nr, b0, nc)
+def make_tile_driver(unit_bytes: int, unit_groups: int = 1, **tile_kind):
+    """The work item of one packed kind: rows r0 .. r0+nr (nr <= ROWS) x packed blocks b0 .. b0+nc (nc <= COLS), run
+    by the kind's tiles (int4_dot.make_w4a8_tile(R, C, **tile_kind)) at the three shapes an item can have: whole,
+    one row of COLS blocks, one block. A packed block (of 16 outputs) takes unit_bytes per unit_groups groups of 32
+    inputs (Q6_K: a super-block of 8 groups). The function returned is
+    tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc): xf the signed activation bytes (_tile_inputs),
+    sx, xs [T, D/32] (Q6_K's xs [T, D/16]), wf the raveled packed weights, acc float32 scratch [ROWS * COLS * 16]."""
+    full, row, one = (make_w4a8_tile(ROWS, COLS, **tile_kind), make_w4a8_tile(1, COLS, **tile_kind),
+                      make_w4a8_tile(1, 1, **tile_kind))
+
+    # inlined into its callers, which Numba caches; called from Python on its own it would compile again in every
+    # process (Numba's cache key hashes a closure's values, and a tile's pickle differs from process to process)
+    @njit(cache=True, inline="always")
+    def tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc):
+        nb = D // GROUP
+        step = nb // unit_groups * unit_bytes        # bytes of one packed block (of 16 outputs)
+        CB = COLS * BLOCK
+        sf, xsf = sx.ravel(), xs.ravel()
+        if nr == ROWS and nc == COLS:
+            full(xf, r0 * D, D, wf, b0 * step, step, nb, sf, xsf, r0 * nb, nb, acc, 0, CB)
+        elif nc == COLS:
+            for r in range(nr):
+                row(xf, (r0 + r) * D, D, wf, b0 * step, step, nb, sf, xsf, (r0 + r) * nb, nb, acc, r * CB, CB)
+        else:
+            for r in range(nr):
+                for c in range(nc):
+                    one(xf, (r0 + r) * D, D, wf, (b0 + c) * step, step, nb, sf, xsf, (r0 + r) * nb, nb, acc,
+                        r * CB + c * BLOCK, CB)
+        _store_tile(acc, out, accumulate, r0, nr, b0, nc)
+    return tile
 
 
-@njit(cache=True, inline="always")
-def s4a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc):
-    """w4a8_tile with the symmetric nibble tile (S4A8Weights)."""
-    nb = D // GROUP
-    step = nb * SYM_GROUP_BYTES
-    CB = COLS * BLOCK
-    sf, xsf = sx.ravel(), xs.ravel()
-    if nr == ROWS and nc == COLS:
-        _s4_RC(xf, r0 * D, D, wf, b0 * step, step, nb, sf, xsf, r0 * nb, nb, acc, 0, CB)
-    elif nc == COLS:
-        for r in range(nr):
-            _s4_1C(xf, (r0 + r) * D, D, wf, b0 * step, step, nb, sf, xsf, (r0 + r) * nb, nb, acc, r * CB, CB)
-    else:
-        for r in range(nr):
-            for c in range(nc):
-                _s4_11(xf, (r0 + r) * D, D, wf, (b0 + c) * step, step, nb, sf, xsf, (r0 + r) * nb, nb, acc,
-                       r * CB + c * BLOCK, CB)
-    _store_tile(acc, out, accumulate, r0, nr, b0, nc)
-
-
-@njit(cache=True, inline="always")
-def q6a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc):
-    """w4a8_tile with the 6-bit tile (Q6A8Weights); xs: each row's int32 activation sums per 16 [T, D/16]."""
-    nb = D // GROUP
-    step = nb // Q6_SUPER * Q6_SUPER_BYTES
-    CB = COLS * BLOCK
-    sf, xsf = sx.ravel(), xs.ravel()
-    if nr == ROWS and nc == COLS:
-        _q6_RC(xf, r0 * D, D, wf, b0 * step, step, nb, sf, xsf, r0 * nb, nb, acc, 0, CB)
-    elif nc == COLS:
-        for r in range(nr):
-            _q6_1C(xf, (r0 + r) * D, D, wf, b0 * step, step, nb, sf, xsf, (r0 + r) * nb, nb, acc, r * CB, CB)
-    else:
-        for r in range(nr):
-            for c in range(nc):
-                _q6_11(xf, (r0 + r) * D, D, wf, (b0 + c) * step, step, nb, sf, xsf, (r0 + r) * nb, nb, acc,
-                       r * CB + c * BLOCK, CB)
-    _store_tile(acc, out, accumulate, r0, nr, b0, nc)
-
-
-@njit(cache=True, inline="always")
-def b8a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc):
-    """w4a8_tile with the byte tile (B8A8Weights)."""
-    nb = D // GROUP
-    step = nb * BYTE_GROUP_BYTES
-    CB = COLS * BLOCK
-    sf, xsf = sx.ravel(), xs.ravel()
-    if nr == ROWS and nc == COLS:
-        _b8_RC(xf, r0 * D, D, wf, b0 * step, step, nb, sf, xsf, r0 * nb, nb, acc, 0, CB)
-    elif nc == COLS:
-        for r in range(nr):
-            _b8_1C(xf, (r0 + r) * D, D, wf, b0 * step, step, nb, sf, xsf, (r0 + r) * nb, nb, acc, r * CB, CB)
-    else:
-        for r in range(nr):
-            for c in range(nc):
-                _b8_11(xf, (r0 + r) * D, D, wf, (b0 + c) * step, step, nb, sf, xsf, (r0 + r) * nb, nb, acc,
-                       r * CB + c * BLOCK, CB)
-    _store_tile(acc, out, accumulate, r0, nr, b0, nc)
-
-
-@njit(cache=True, inline="always")
-def s8a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc):
-    """w4a8_tile with the byte tile without a minimum (S8A8Weights)."""
-    nb = D // GROUP
-    step = nb * SYM_BYTE_GROUP_BYTES
-    CB = COLS * BLOCK
-    sf, xsf = sx.ravel(), xs.ravel()
-    if nr == ROWS and nc == COLS:
-        _s8_RC(xf, r0 * D, D, wf, b0 * step, step, nb, sf, xsf, r0 * nb, nb, acc, 0, CB)
-    elif nc == COLS:
-        for r in range(nr):
-            _s8_1C(xf, (r0 + r) * D, D, wf, b0 * step, step, nb, sf, xsf, (r0 + r) * nb, nb, acc, r * CB, CB)
-    else:
-        for r in range(nr):
-            for c in range(nc):
-                _s8_11(xf, (r0 + r) * D, D, wf, (b0 + c) * step, step, nb, sf, xsf, (r0 + r) * nb, nb, acc,
-                      r * CB + c * BLOCK, CB)
-    _store_tile(acc, out, accumulate, r0, nr, b0, nc)
-
-
-@njit(cache=True, inline="always")
-def q5a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc):
-    """w4a8_tile with the 5-bit tile (Q5A8Weights)."""
-    nb = D // GROUP
-    step = nb * Q5_GROUP_BYTES
-    CB = COLS * BLOCK
-    sf, xsf = sx.ravel(), xs.ravel()
-    if nr == ROWS and nc == COLS:
-        _q5_RC(xf, r0 * D, D, wf, b0 * step, step, nb, sf, xsf, r0 * nb, nb, acc, 0, CB)
-    elif nc == COLS:
-        for r in range(nr):
-            _q5_1C(xf, (r0 + r) * D, D, wf, b0 * step, step, nb, sf, xsf, (r0 + r) * nb, nb, acc, r * CB, CB)
-    else:
-        for r in range(nr):
-            for c in range(nc):
-                _q5_11(xf, (r0 + r) * D, D, wf, (b0 + c) * step, step, nb, sf, xsf, (r0 + r) * nb, nb, acc,
-                      r * CB + c * BLOCK, CB)
-    _store_tile(acc, out, accumulate, r0, nr, b0, nc)
-
-
-@njit(cache=True, inline="always")
-def s5a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc):
-    """w4a8_tile with the 5-bit tile without a minimum (S5A8Weights)."""
-    nb = D // GROUP
-    step = nb * SYM_Q5_GROUP_BYTES
-    CB = COLS * BLOCK
-    sf, xsf = sx.ravel(), xs.ravel()
-    if nr == ROWS and nc == COLS:
-        _s5_RC(xf, r0 * D, D, wf, b0 * step, step, nb, sf, xsf, r0 * nb, nb, acc, 0, CB)
-    elif nc == COLS:
-        for r in range(nr):
-            _s5_1C(xf, (r0 + r) * D, D, wf, b0 * step, step, nb, sf, xsf, (r0 + r) * nb, nb, acc, r * CB, CB)
-    else:
-        for r in range(nr):
-            for c in range(nc):
-                _s5_11(xf, (r0 + r) * D, D, wf, (b0 + c) * step, step, nb, sf, xsf, (r0 + r) * nb, nb, acc,
-                      r * CB + c * BLOCK, CB)
-    _store_tile(acc, out, accumulate, r0, nr, b0, nc)
+# one driver per packed kind: its bytes per group of 32 inputs (Q6_K: per super-block of 8) and its tile's flags
+w4a8_tile = make_tile_driver(GROUP_BYTES)                                             # W4A8Weights (Q4_1)
+s4a8_tile = make_tile_driver(SYM_GROUP_BYTES, symmetric=True)                         # S4A8Weights (Q4_0)
+q6a8_tile = make_tile_driver(Q6_SUPER_BYTES, Q6_SUPER, six_bits=True)                 # Q6A8Weights (Q6_K)
+b8a8_tile = make_tile_driver(BYTE_GROUP_BYTES, whole_bytes=True)                      # B8A8Weights
+s8a8_tile = make_tile_driver(SYM_BYTE_GROUP_BYTES, whole_bytes=True, symmetric=True)  # S8A8Weights (Q8_0)
+q5a8_tile = make_tile_driver(Q5_GROUP_BYTES, five_bits=True)                          # Q5A8Weights (Q5_1, Q5_K)
+s5a8_tile = make_tile_driver(SYM_Q5_GROUP_BYTES, five_bits=True, symmetric=True)      # S5A8Weights (Q5_0)
 
 
 def matmul_w4a8(xu: np.ndarray, sx: np.ndarray, wp: np.ndarray, out: np.ndarray | None = None,
@@ -821,36 +709,25 @@ def _tile_inputs_of_kind(wt, xu, sx):
     return scaled_sums
 
 
+# the kinds whose scales travel inside w: one driver each (make_tile_driver), all called alike
+GROUP_TILES = {W4A8Weights: w4a8_tile, S4A8Weights: s4a8_tile, Q6A8Weights: q6a8_tile, B8A8Weights: b8a8_tile,
+               S8A8Weights: s8a8_tile, Q5A8Weights: q5a8_tile, S5A8Weights: s5a8_tile}
+
+
 @overload(_tile, inline="always")
 def _tile_of_kind(wt, wf, xf, sx, xs, out, accumulate, D, r0, nr, b0, nc, acc):
     kind = _kind(wt)
     if kind is W8A8Weights:
         def tile(wt, wf, xf, sx, xs, out, accumulate, D, r0, nr, b0, nc, acc):
             w8a8_tile(xf, sx, xs, wf, wt.scale, out, accumulate, D, r0, nr, b0, nc, acc)
-    elif kind is W4A8Weights:
-        def tile(wt, wf, xf, sx, xs, out, accumulate, D, r0, nr, b0, nc, acc):
-            w4a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc)
-    elif kind is S4A8Weights:
-        def tile(wt, wf, xf, sx, xs, out, accumulate, D, r0, nr, b0, nc, acc):
-            s4a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc)
-    elif kind is Q6A8Weights:
-        def tile(wt, wf, xf, sx, xs, out, accumulate, D, r0, nr, b0, nc, acc):
-            q6a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc)
-    elif kind is B8A8Weights:
-        def tile(wt, wf, xf, sx, xs, out, accumulate, D, r0, nr, b0, nc, acc):
-            b8a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc)
-    elif kind is S8A8Weights:
-        def tile(wt, wf, xf, sx, xs, out, accumulate, D, r0, nr, b0, nc, acc):
-            s8a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc)
-    elif kind is Q5A8Weights:
-        def tile(wt, wf, xf, sx, xs, out, accumulate, D, r0, nr, b0, nc, acc):
-            q5a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc)
-    elif kind is S5A8Weights:
-        def tile(wt, wf, xf, sx, xs, out, accumulate, D, r0, nr, b0, nc, acc):
-            s5a8_tile(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc)
-    else:
+    elif kind is W8A32Weights:
         def tile(wt, wf, xf, sx, xs, out, accumulate, D, r0, nr, b0, nc, acc):
             w8a32_tile(xf, wf, wt.scale, out, accumulate, D, r0, nr, b0, nc, acc)
+    else:
+        driver = GROUP_TILES[kind]
+
+        def tile(wt, wf, xf, sx, xs, out, accumulate, D, r0, nr, b0, nc, acc):
+            driver(xf, sx, xs, wf, out, accumulate, D, r0, nr, b0, nc, acc)
     return tile
 
 
