@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -119,24 +120,40 @@ class FloatInput:
         return x @ self.w
 
 
+class OnTiles(NamedTuple):
+    """What stages and heads start from: llama.cpp's file (step 1), its ids, the float path, the quantised model,
+    the reference's steps over its tiles (kernels/block_forward.py, fuse=False: the fast path's bits) and the
+    float path's attention (naive's NumPy, as compare)."""
+    data: object
+    ids: list
+    float_model: object
+    quantised: object
+    tiled: object
+    attention: object
+
+
+def on_tiles(gguf: str, npz: str) -> OnTiles:
+    sys.path.insert(0, str(ROOT))
+    import tinyserve as ts
+    from tinyserve import naive
+    from tinyserve.kernels.block_forward import prepare as prepare_tiles
+
+    data = np.load(npz)
+    float_model = ts.load_model(gguf)
+    quantised = ts.load_model(gguf, quant="auto", backend="numba")
+    return OnTiles(data, data["ids"].tolist(), float_model, quantised, prepare_tiles(quantised, fuse=False).tiled,
+                   naive._attention(float_model))
+
+
 def stages(gguf: str, npz: str) -> list[dict]:
     """The fast path's agreement with the float path with one stage at a time taken away: each role's activations
     in float32 (FloatInput) on the reference's steps over the tiles (kernels/block_forward.py, fuse=False: the fast
     path's bits), and gate|up's input in one int8 plane (the path before quant.two_planes). Same windows, same
     attention (naive's NumPy) as compare."""
-    sys.path.insert(0, str(ROOT))
     import dataclasses
-    import tinyserve as ts
-    from tinyserve import naive
-    from tinyserve.kernels.block_forward import prepare as prepare_tiles
     from tinyserve.model import forward
 
-    data = np.load(npz)
-    ids = data["ids"].tolist()
-    float_model = ts.load_model(gguf)
-    quantised = ts.load_model(gguf, quant="auto", backend="numba")
-    tiled = prepare_tiles(quantised, fuse=False).tiled
-    attention = naive._attention(float_model)
+    data, ids, float_model, quantised, tiled, attention = on_tiles(gguf, npz)
 
     def run(model) -> tuple[np.ndarray, np.ndarray]:
         stats = [window_stats(forward(model, np.asarray(w), np.arange(len(w)), attention), w) for _, w in windows(ids)]
@@ -194,20 +211,12 @@ def heads(gguf: str, npz: str) -> list[dict]:
     input is recorded once on the reference's steps over the tiles (as in stages), rounded to int8 per 32 as the
     tiles round it, and multiplied by each narrower head's values (in float32: the tile adds the same exact integer
     products, in another order)."""
-    sys.path.insert(0, str(ROOT))
     import dataclasses
-    import tinyserve as ts
     from tinyserve import naive
-    from tinyserve.kernels.block_forward import prepare as prepare_tiles
     from tinyserve.model import forward
     from tinyserve.quant import quantize_blocks
 
-    data = np.load(npz)
-    ids = data["ids"].tolist()
-    float_model = ts.load_model(gguf)
-    quantised = ts.load_model(gguf, quant="auto", backend="numba")
-    tiled = prepare_tiles(quantised, fuse=False).tiled
-    attention = naive._attention(float_model)
+    data, ids, float_model, quantised, tiled, attention = on_tiles(gguf, npz)
     head_inputs = []
 
     class Recorder:                          # the tiled head, keeping what it is given
