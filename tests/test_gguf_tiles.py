@@ -156,23 +156,49 @@ def test_the_byte_tile_takes_every_byte_value_at_the_activation_extremes():
     assert got[0, 0] == 32 * (255 * 0.5 - 64) * 2                                  # 2 blocks of 32 ones
 
 
-def test_the_5_bit_tiles_take_every_value_at_the_activation_extremes():
+def _extreme_rows(D: int, T: int) -> np.ndarray:
+    """T rows of activations that quantise to +-127 in every position: all +1, all -1, alternating, and a ramp."""
+    x = np.array([[1.0] * D, [-1.0] * D, [(-1.0) ** i for i in range(D)], np.linspace(-1, 1, D)], np.float32)
+    return np.tile(x, (T // 4, 1))
+
+
+@pytest.mark.parametrize("T", [4, 20])          # 20: a prefill's rows, the 5-bit values unpacked to bytes
+def test_the_5_bit_tiles_take_every_value_at_the_activation_extremes(T):
     """q = 0 and 31 (both fifth bits, every step's) against activations of +-127: the 5-bit tile forms q from its
-    nibble and its fifth bit in registers; with m and without it (m = -16 d formed from d), as the byte tile."""
-    D, O, T = 64, 32, 4
+    nibble and its fifth bit in registers; with m and without it (m = -16 d formed from d), as the byte tile. The
+    largest sums avx2's 16-bit pairs hold before they are widened (4 steps of 2 x 31 x 127)."""
+    D, O = 64, 32
     q = np.where(np.arange(D * O).reshape(D, O) % 3 == 0, 31, 0).astype(np.uint8)
     q[:, :16] = 31
     q[::5, 16:] = 16                                                               # a fifth bit alone
     d = np.full((D // 32, O), 0.5, np.float32)
-    x = np.array([[1.0] * D, [-1.0] * D, [(-1.0) ** i for i in range(D)], np.linspace(-1, 1, D)], np.float32)
+    x = _extreme_rows(D, T)
     xu, sx = np.empty(x.shape, np.uint8), np.empty((T, D // 32), np.float32)
     km.quantize_rows(x, xu, sx)
     for m, wp in ((np.full_like(d, -3.0), km.pack_q5a8(q, d, np.full_like(d, -3.0))), (-16 * d, km.pack_s5a8(q, d))):
         got = km.matmul_w4a8(xu, sx, wp)
         np.testing.assert_array_equal(got, quant.matmul_reference_w4a8(x, quant.Q5Linear(q, d, m)))
-        assert got[0, 0] == 2 * (32 * 31 * 0.5 + 32 * m[0, 0])                     # 2 blocks of 32 ones
+        assert np.all(got[::4, 0] == 2 * (32 * 31 * 0.5 + 32 * m[0, 0]))          # 2 blocks of 32 ones
     with pytest.raises(ValueError, match="5-bit values"):
         km.pack_q5a8(q + 1, d, d)
+
+
+@pytest.mark.parametrize("T", [4, 20])
+def test_the_6_bit_tile_takes_every_value_at_the_activation_extremes(T):
+    """Q6_K's q = 0 and 63 against activations of +-127, scales at the ends of int8: the largest sums the 6-bit tile
+    forms (avx2 widens its 16-bit pairs after every 2 steps: 2 x 2 x 63 x 127 fits, 4 steps would not)."""
+    D, O = 256, 32
+    q = np.where(np.arange(D * O).reshape(D, O) % 3 == 0, 63, 0).astype(np.uint8)
+    q[:, :16] = 63
+    sc = np.where(np.arange(D // 16 * O).reshape(D // 16, O) % 2 == 0, 127, -128).astype(np.int8)
+    d = np.full((D // 256, O), 2.0 ** -10, np.float32)
+    x = _extreme_rows(D, T)
+    xu, sx = np.empty(x.shape, np.uint8), np.empty((T, D // 32), np.float32)
+    km.quantize_rows(x, xu, sx)
+    got = km.matmul_w4a8(xu, sx, km.pack_q6a8(q, sc, d))
+    np.testing.assert_array_equal(got, quant.matmul_reference_q6(x, quant.Q6Linear(q, sc, d)))
+    ones = 16 * (63 - 32) * sc[:, 0].astype(np.int64).sum()                      # every half of 16: q 63, x 127
+    np.testing.assert_allclose(got[::4, 0], ones * 127 * 2.0 ** -10 * sx[0, 0], rtol=1e-6)
 
 
 # --- a model of every format --------------------------------------------------------------------------------------

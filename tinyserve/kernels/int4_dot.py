@@ -197,8 +197,20 @@ def _plan(R: int, C: int, v: int, regs: int, extra: int) -> tuple[int, int]:
     return max(fits or [(1, 1)], key=lambda rc: (rc[0] * rc[1], -abs(rc[0] - rc[1])))
 
 
+def sixteen_bit_pairs(name: str, max_q: int) -> int:
+    """How many pairs of 4-input steps avx2's 16-bit sums may add before they are widened, for weights 0..max_q (the
+    activations' bytes are at most 128 in size): a pair of products per lane and step, 2 x max_q x 128 each, so
+    32767 // (256 max_q) steps. 0 where not even one pair fits (whole bytes: the step splits them into nibbles,
+    _split_step). Other instruction sets sum into 32 bits: a block's 4 pairs at once, and they split only what
+    their byte multiply cannot take (neon's signed bytes: whole bytes)."""
+    if name == "avx2":
+        return 32767 // (256 * max_q) // 2
+    return GROUP // 8 if name != "neon" or max_q <= 127 else 0
+
+
 def make_w4a8_tile(R: int, C: int, name: str | None = None, whole_bytes: bool = False, symmetric: bool = False,
-                   six_bits: bool = False, five_bits: bool = False, min_per_d: float | None = None):
+                   six_bits: bool = False, five_bits: bool = False, min_per_d: float | None = None,
+                   max_q: int | None = None):
     """An R x C W4A8 tile, or with whole_bytes the byte tile (weights 0..255, matmul.pack_b8a8's layout: 576 bytes per
     block of 16 outputs and 32 inputs, the 8 steps a byte each), or with symmetric the nibble tile without a minimum
     (matmul.pack_s4a8: 288 bytes, d[16] and no m, which the tile forms as d * MIN_PER_D: exact, a power of two, so
@@ -217,15 +229,23 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None, whole_bytes: bool = 
     with whole_bytes or five_bits too: d[16] only, m formed as d * BYTE_MIN_PER_D (Q8_0, matmul.pack_s8a8: 544
     bytes) or d * FIVE_MIN_PER_D (Q5_0, matmul.pack_s5a8: 352 bytes), exact as the nibble tile's. min_per_d, with
     symmetric, sets that factor itself: the byte tile with FIVE_MIN_PER_D runs Q5_0's values unpacked to whole bytes
-    (matmul's prefill of 5-bit matrices) with the 5-bit tile's arithmetic, so with its bits."""
+    (matmul's prefill of 5-bit matrices) with the 5-bit tile's arithmetic, so with its bits. max_q: the largest
+    weight value the tile will meet (default: the kind's, 15, 31, 63 or 255), which sets how often avx2's 16-bit
+    sums are widened (sixteen_bit_pairs): the byte tile running 5-bit values takes 31, so it needs no nibble split."""
     name = isa.NAME if name is None else name
     vb = isa.VARIANTS[name].vector_bytes
     parts, nl = 64 // vb, vb // 4
     bytes_t, lanes_t, float_t = ir.VectorType(_I8, vb), ir.VectorType(_I32, nl), ir.VectorType(_F32, nl)
     half_t = ir.VectorType(_I16, nl)
-    # six_bits: q is 0..63, whole bytes to the step (avx2's 16-bit pairs would overflow over 4 steps: split there)
-    # five_bits: q is 0..31, whose avx2 16-bit pairs would overflow over a block's 8 steps: split there too
-    acc_t, extra, setup, per_row, step, finish = _step(name, vb, whole_bytes or six_bits or five_bits)
+    # q is 0..15, 0..31 (five_bits), 0..63 (six_bits) or whole bytes: on avx2 the 16-bit sums of the wider values
+    # are widened every 2 pairs (0..31) or every pair (0..63) of a block's 4; whole bytes are split into nibbles
+    if max_q is None:
+        max_q = 63 if six_bits else 31 if five_bits else 255 if whole_bytes else 15
+    per_sum = sixteen_bit_pairs(name, max_q)
+    acc_t, extra, setup, per_row, step, finish = _step(name, vb, per_sum == 0)
+    per_sum = per_sum or GROUP // 8
+    if name == "avx2" and (five_bits or six_bits):     # 16 registers: keep two for the top bits' vector and its
+        extra += 2                                      # shifted copy (as the split step's accumulators did)
     assert whole_bytes + six_bits + five_bits <= 1 and not (six_bits and symmetric), "one tile at a time"
     group_bytes = {(False, False): GROUP_BYTES, (False, True): SYM_GROUP_BYTES,
                    (True, False): BYTE_GROUP_BYTES, (True, True): SYM_BYTE_GROUP_BYTES}[whole_bytes, symmetric]
@@ -336,6 +356,15 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None, whole_bytes: bool = 
                                 builder.store(acc[key], slot[key])
                         return {key: builder.load(slot[key]) for key in keys}
 
+                    def block_sums(b, base, keys, first_pair, n_pairs):  # the pairs' exact sums, in 32-bit lanes
+                        sums = {}
+                        for p0 in range(first_pair, first_pair + n_pairs, per_sum):
+                            acc = pair_loop(b, base, keys, p0, min(per_sum, first_pair + n_pairs - p0))
+                            for key in keys:
+                                v = finish(builder, st, acc[key])
+                                sums[key] = builder.add(sums[key], v) if key in sums else v
+                        return sums
+
                     def block_base(b):                          # block b's first byte within its output block
                         if not six_bits:
                             return builder.mul(b, k(group_bytes))
@@ -354,7 +383,7 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None, whole_bytes: bool = 
                         if six_bits:
                             six_bit_block(b, first, base, keys)
                             return
-                        acc = pair_loop(b, base, keys, 0, GROUP // 8)
+                        acc = block_sums(b, base, keys, 0, GROUP // 8)
                         for c in sub_c:                                     # the block's scales, as float32
                             dm = {}
                             for p in range(parts):
@@ -371,7 +400,7 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None, whole_bytes: bool = 
                                 sxv = bcast(builder.load(builder.gep(sx_base, [s_at])))
                                 xsv = bcast(builder.load(builder.gep(xs_base, [s_at])))
                                 for p in range(parts):
-                                    dot = builder.sitofp(finish(builder, st, acc[r, c, p]), float_t)
+                                    dot = builder.sitofp(acc[r, c, p], float_t)
                                     t = builder.fadd(builder.fmul(dot, builder.fmul(dm[p, 0], sxv)),
                                                      builder.fmul(dm[p, 1], xsv))
                                     add_to_out(builder, out_rows[r], k(BLOCK * c + nl * p), t, first)
@@ -382,7 +411,7 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None, whole_bytes: bool = 
                             ir.Constant(lanes_t, None))
                         total = {}
                         for h in (0, 1):                        # steps 0-3, then 4-7: one loop of 2 pairs each
-                            acc = pair_loop(b, base, keys, 2 * h, GROUP // 16)
+                            acc = block_sums(b, base, keys, 2 * h, GROUP // 16)
                             for c in sub_c:
                                 sc = {p: builder.sext(builder.load(builder.bitcast(builder.gep(
                                     w_cols[c], [builder.add(base, k(h * BLOCK + nl * p))]),
@@ -392,7 +421,7 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None, whole_bytes: bool = 
                                     off = ibcast(builder.shl(builder.load(builder.gep(xs_base, [s_at])),
                                                              ir.Constant(_I32, 5)))
                                     for p in range(parts):
-                                        v = builder.mul(sc[p], builder.sub(finish(builder, st, acc[r, c, p]), off))
+                                        v = builder.mul(sc[p], builder.sub(acc[r, c, p], off))
                                         total[r, c, p] = v if h == 0 else builder.add(total[r, c, p], v)
                         d_at = builder.sub(base, builder.add(k(2 * BLOCK), builder.mul(
                             builder.urem(b, k(Q6_SUPER)), k(group_bytes))))  # the super-block's d[16]

@@ -440,8 +440,9 @@ def matmul_w8a32(x: np.ndarray, wp: np.ndarray, sw: np.ndarray, out: np.ndarray 
 
 # the prefill of 5-bit matrices (_five_bits_as_bytes) runs their values unpacked to whole bytes through the byte tile:
 # Q5_1's and Q5_K's as they are, Q5_0's (d only: pack_s8a8's layout) with m = -16 d, the 5-bit tile's arithmetic
-_b8_RC = make_w4a8_tile(ROWS, COLS, whole_bytes=True)
-_b5_RC = make_w4a8_tile(ROWS, COLS, whole_bytes=True, symmetric=True, min_per_d=FIVE_MIN_PER_D)
+# (values 0..31: max_q tells avx2's byte tile it need not split them into nibbles)
+_b8_RC = make_w4a8_tile(ROWS, COLS, whole_bytes=True, max_q=31)
+_b5_RC = make_w4a8_tile(ROWS, COLS, whole_bytes=True, symmetric=True, min_per_d=FIVE_MIN_PER_D, max_q=31)
 
 
 def _block_steps(q: np.ndarray, d: np.ndarray, m: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
