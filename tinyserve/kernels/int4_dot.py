@@ -71,6 +71,10 @@ Q6_GROUP_BYTES = Q6_SC_BYTES + GROUP * BLOCK // 2 + GROUP * BLOCK // 4      # 41
 Q6_SUPER = 8                                                                # blocks of 32 per super-block of 256
 Q6_SUPER_BYTES = BLOCK * 2 + Q6_SUPER * Q6_GROUP_BYTES                      # 3360: 6.5625 bits a weight
 Q6_OFFSET = 32                                                              # Q6_K's w = d sc (q - 32)
+# Q6_K's values unpacked to whole bytes (a prefill's, matmul.six_bits_to_bytes): per block of 32 inputs sc[2][16],
+# then the 8 steps' 64 bytes as pack_b8a8's; per super-block d[16] first, as pack_q6a8's
+Q6B_GROUP_BYTES = Q6_SC_BYTES + GROUP * BLOCK                               # 544
+Q6B_SUPER_BYTES = BLOCK * 2 + Q6_SUPER * Q6B_GROUP_BYTES                    # 4384
 _I1, _I8, _I16, _I32 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32)
 _F32 = ir.FloatType()
 
@@ -229,7 +233,9 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None, whole_bytes: bool = 
     with whole_bytes or five_bits too: d[16] only, m formed as d * BYTE_MIN_PER_D (Q8_0, matmul.pack_s8a8: 544
     bytes) or d * FIVE_MIN_PER_D (Q5_0, matmul.pack_s5a8: 352 bytes), exact as the nibble tile's. min_per_d, with
     symmetric, sets that factor itself: the byte tile with FIVE_MIN_PER_D runs Q5_0's values unpacked to whole bytes
-    (matmul's prefill of 5-bit matrices) with the 5-bit tile's arithmetic, so with its bits. max_q: the largest
+    (matmul's prefill of 5-bit matrices) with the 5-bit tile's arithmetic, so with its bits; six_bits with whole_bytes
+    runs Q6_K's values unpacked to whole bytes (matmul.six_bits_to_bytes: Q6B_SUPER_BYTES per block of 16 outputs
+    and 256 inputs) with the 6-bit tile's arithmetic. max_q: the largest
     weight value the tile will meet (default: the kind's, 15, 31, 63 or 255), which sets how often avx2's 16-bit
     sums are widened (sixteen_bit_pairs): the byte tile running 5-bit values takes 31, so it needs no nibble split."""
     name = isa.NAME if name is None else name
@@ -244,13 +250,15 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None, whole_bytes: bool = 
     per_sum = sixteen_bit_pairs(name, max_q)
     acc_t, extra, setup, per_row, step, finish = _step(name, vb, per_sum == 0)
     per_sum = per_sum or GROUP // 8
-    if name == "avx2" and (five_bits or six_bits):     # 16 registers: keep two for the top bits' vector and its
-        extra += 2                                      # shifted copy (as the split step's accumulators did)
-    assert whole_bytes + six_bits + five_bits <= 1 and not (six_bits and symmetric), "one tile at a time"
+    if name == "avx2" and (five_bits or six_bits) and not whole_bytes:  # 16 registers: keep two for the top bits'
+        extra += 2                                      # vector and its shifted copy (as the split step's did)
+    assert whole_bytes + five_bits <= 1 and six_bits + five_bits <= 1 and not (six_bits and symmetric), \
+        "one tile at a time (six_bits with whole_bytes: Q6_K unpacked)"
     group_bytes = {(False, False): GROUP_BYTES, (False, True): SYM_GROUP_BYTES,
                    (True, False): BYTE_GROUP_BYTES, (True, True): SYM_BYTE_GROUP_BYTES}[whole_bytes, symmetric]
-    group_bytes = (Q6_GROUP_BYTES if six_bits else (SYM_Q5_GROUP_BYTES if symmetric else Q5_GROUP_BYTES)
-                   if five_bits else group_bytes)
+    group_bytes = ((Q6B_GROUP_BYTES if whole_bytes else Q6_GROUP_BYTES) if six_bits else
+                   (SYM_Q5_GROUP_BYTES if symmetric else Q5_GROUP_BYTES) if five_bits else group_bytes)
+    super_bytes = Q6B_SUPER_BYTES if whole_bytes else Q6_SUPER_BYTES      # (six_bits: a super-block's bytes)
     if min_per_d is None:
         min_per_d = BYTE_MIN_PER_D if whole_bytes else FIVE_MIN_PER_D if five_bits else MIN_PER_D
     scale_bytes = SYM_SCALE_BYTES if symmetric else Q6_SC_BYTES if six_bits else SCALE_BYTES
@@ -293,7 +301,7 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None, whole_bytes: bool = 
                 return builder.load(builder.bitcast(builder.gep(w_cols[c], [off]), bytes_t.as_pointer()), align=1)
 
             def weights(j, c, p, base):                         # steps 2j and 2j + 1 of part p of block c: [(0,
-                if six_bits:                                    # q), (1, q)], a vector each
+                if six_bits and not whole_bytes:                # q), (1, q)], a vector each
                     v = load_bytes(c, builder.add(base, builder.add(builder.mul(j, k(64)), k(scale_bytes + vb * p))))
                     top = load_bytes(c, builder.add(base, builder.add(builder.mul(builder.lshr(j, k(1)), k(64)),
                                                                       k(scale_bytes + 256 + vb * p))))
@@ -369,7 +377,7 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None, whole_bytes: bool = 
                         if not six_bits:
                             return builder.mul(b, k(group_bytes))
                         sup = builder.udiv(b, k(Q6_SUPER))
-                        return builder.add(builder.mul(sup, k(Q6_SUPER_BYTES)), builder.add(
+                        return builder.add(builder.mul(sup, k(super_bytes)), builder.add(
                             k(2 * BLOCK), builder.mul(builder.urem(b, k(Q6_SUPER)), k(group_bytes))))
 
                     def one_block(b, first):                    # input block b (first: b == 0, an i1)

@@ -31,8 +31,8 @@ from numba import njit, prange
 from numba.extending import overload
 
 from .int4_dot import (BYTE_GROUP_BYTES, FIVE_BITS_BYTES, FIVE_MIN_PER_D, GROUP, GROUP_BYTES, Q5_GROUP_BYTES,
-                       Q6_SUPER,
-                       Q6_SUPER_BYTES, SYM_BYTE_GROUP_BYTES, SYM_GROUP_BYTES, SYM_Q5_GROUP_BYTES, make_w4a8_tile)
+                       Q6_GROUP_BYTES, Q6_SC_BYTES, Q6_SUPER, Q6_SUPER_BYTES, Q6B_GROUP_BYTES, Q6B_SUPER_BYTES,
+                       SYM_BYTE_GROUP_BYTES, SYM_GROUP_BYTES, SYM_Q5_GROUP_BYTES, make_w4a8_tile)
 from .int8_dot import make_int8_tile
 from .simd import bits_float, float_bits, make_fma_microkernel
 
@@ -438,11 +438,12 @@ def matmul_w8a32(x: np.ndarray, wp: np.ndarray, sw: np.ndarray, out: np.ndarray 
 # 4-bit weights as the GGUF ships them (Q4_1: w = d * q + m per run of 32 inputs), int8 activations per run of 32:
 # the tile is kernels/int4_dot.py's; the rest mirrors W8A8 above.
 
-# the prefill of 5-bit matrices (_five_bits_as_bytes) runs their values unpacked to whole bytes through the byte tile:
+# the prefill of 5- and 6-bit matrices (_as_bytes) runs their values unpacked to whole bytes through the byte tile:
 # Q5_1's and Q5_K's as they are, Q5_0's (d only: pack_s8a8's layout) with m = -16 d, the 5-bit tile's arithmetic
-# (values 0..31: max_q tells avx2's byte tile it need not split them into nibbles)
+# (values 0..31: max_q tells avx2's byte tile it need not split them into nibbles); Q6_K's with the 6-bit tile's
 _b8_RC = make_w4a8_tile(ROWS, COLS, whole_bytes=True, max_q=31)
 _b5_RC = make_w4a8_tile(ROWS, COLS, whole_bytes=True, symmetric=True, min_per_d=FIVE_MIN_PER_D, max_q=31)
+_q6b_RC = make_w4a8_tile(ROWS, COLS, whole_bytes=True, six_bits=True)
 
 
 def _block_steps(q: np.ndarray, d: np.ndarray, m: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
@@ -765,12 +766,13 @@ def matmul_blocks(wt, x, xu, sx, out, accumulate, b_lo, b_hi, acc):
             _tile(wt, wf, af, sx, xs, out, accumulate, D, r0, min(ROWS, T - r0), b0, min(COLS, b_hi - b0), acc)
 
 
-# --- a prefill of 5-bit weights: unpacked once per column group -------------------------------------------------
-# The 5-bit tile forms q = nibble | fifth bit << 4 in registers for every row tile it runs: free at batch 1, where
-# the weights' bytes set the pace, but a prefill is compute-bound and runs T / ROWS row tiles over each weight. From
-# UNPACK_ROWS rows on, each thread unpacks its column groups to whole bytes once (pack_b8a8's layout, or
-# pack_s8a8's for Q5_0) and runs the byte tile over every row tile: the same integers, d and m, and the same float32
-# operations in the same order (m = -16 d formed as the 5-bit tile forms it), so the same bits.
+# --- a prefill of 5- and 6-bit weights: unpacked once per column group --------------------------------------------
+# The 5-bit tile forms q = nibble | fifth bit << 4 in registers for every row tile it runs (the 6-bit tile, q =
+# nibble | top two bits << 4): free at batch 1, where the weights' bytes set the pace, but a prefill is
+# compute-bound and runs T / ROWS row tiles over each weight. From UNPACK_ROWS rows on, each thread unpacks its
+# column groups to whole bytes once (pack_b8a8's layout, pack_s8a8's for Q5_0, Q6B_SUPER_BYTES' for Q6_K) and runs
+# the byte tile over every row tile: the same integers, d and m (Q6_K: sc and d), and the same float32 operations in
+# the same order (m = -16 d formed as the 5-bit tile forms it), so the same bits.
 UNPACK_ROWS = 4 * ROWS
 
 
@@ -790,29 +792,88 @@ def five_bits_to_bytes(w, b0, nc, with_m, scratch):
                     dst[sb + 64 * s + p] = ((src[nib + p] >> shift) & 15) | (((src[sb + 256 + p] >> s) & 1) << 4)
 
 
+@njit(cache=True)
+def six_bits_to_bytes(w, b0, nc, scratch):
+    """Output blocks b0 .. b0 + nc - 1 of a Q6_K pack (w [O/16, D/256, 3360]: pack_q6a8) -> scratch [nc, D/256,
+    Q6B_SUPER_BYTES] uint8: d[16] and each block's sc as they are, then step s's 64 bytes, q = its nibble (pair
+    s // 2, the high one for odd s) | its top two bits (vector s // 4, bits 2 (s % 4)) << 4."""
+    for c in range(nc):
+        for u in range(w.shape[1]):
+            src, dst = w[b0 + c, u], scratch[c, u]
+            dst[:2 * BLOCK] = src[:2 * BLOCK]
+            for g in range(Q6_SUPER):
+                s0, d0 = 2 * BLOCK + g * Q6_GROUP_BYTES, 2 * BLOCK + g * Q6B_GROUP_BYTES
+                dst[d0:d0 + Q6_SC_BYTES] = src[s0:s0 + Q6_SC_BYTES]
+                nib, top = s0 + Q6_SC_BYTES, s0 + Q6_SC_BYTES + GROUP * BLOCK // 2
+                for s in range(GROUP // 4):
+                    n_at, n_shift = nib + (s // 2) * 64, 4 * (s % 2)
+                    t_at, t_shift = top + (s // 4) * 64, 2 * (s % 4)
+                    for p in range(64):
+                        dst[d0 + Q6_SC_BYTES + 64 * s + p] = (((src[n_at + p] >> n_shift) & 15)
+                                                              | (((src[t_at + p] >> t_shift) & 3) << 4))
+
+
+def _unpacked_bytes(wt):
+    pass
+
+
+@overload(_unpacked_bytes, inline="always")
+def _unpacked_bytes_of_kind(wt):
+    """Bytes of one packed block (16 outputs, every input) unpacked to whole bytes."""
+    kind = _kind(wt)
+    if kind is Q6A8Weights:
+        return lambda wt: wt.w.shape[1] * Q6B_SUPER_BYTES
+    gb = BYTE_GROUP_BYTES if kind is Q5A8Weights else SYM_BYTE_GROUP_BYTES
+    return lambda wt: wt.w.shape[1] * gb
+
+
+def _unpack(wt, b0, scratch):
+    pass
+
+
+@overload(_unpack, inline="always")
+def _unpack_of_kind(wt, b0, scratch):
+    """Output blocks b0 .. b0 + COLS - 1 of wt unpacked into scratch (flat: COLS x _unpacked_bytes)."""
+    kind = _kind(wt)
+    if kind is Q6A8Weights:
+        return lambda wt, b0, scratch: six_bits_to_bytes(
+            wt.w, b0, COLS, scratch.reshape((COLS, wt.w.shape[1], Q6B_SUPER_BYTES)))
+    with_m, gb = kind is Q5A8Weights, BYTE_GROUP_BYTES if kind is Q5A8Weights else SYM_BYTE_GROUP_BYTES
+    return lambda wt, b0, scratch: five_bits_to_bytes(wt.w, b0, COLS, with_m,
+                                                      scratch.reshape((COLS, wt.w.shape[1], gb)))
+
+
+def _bytes_tile(wt, xf, x_off, D, bf, step, nb, sf, xsf, s_off, acc):
+    pass
+
+
+@overload(_bytes_tile, inline="always")
+def _bytes_tile_of_kind(wt, xf, x_off, D, bf, step, nb, sf, xsf, s_off, acc):
+    """The ROWS x COLS byte tile of wt's kind over unpacked blocks (block c at c * step of bf)."""
+    tile = {Q5A8Weights: _b8_RC, S5A8Weights: _b5_RC, Q6A8Weights: _q6b_RC}[_kind(wt)]
+    return lambda wt, xf, x_off, D, bf, step, nb, sf, xsf, s_off, acc: tile(
+        xf, x_off, D, bf, 0, step, nb, sf, xsf, s_off, nb, acc, 0, COLS * BLOCK)
+
+
 @njit(cache=True, parallel=True)
-def _five_bits_as_bytes(wt, xu, sx, out, accumulate, with_m):
-    """matmul_items for 5-bit kinds at many rows: each whole column group unpacked once (five_bits_to_bytes) and run
+def _as_bytes(wt, xu, sx, out, accumulate):
+    """matmul_items for 5- and 6-bit kinds at many rows: each whole column group unpacked once (_unpack) and run
     through the byte tile over every whole row tile, the groups in a parallel loop; the items left over (a last
-    partial row tile, a last partial column group) on the 5-bit tile itself."""
+    partial row tile, a last partial column group) on the kind's own tile."""
     T, D = xu.shape
-    n_blocks, nb = wt.w.shape[0], wt.w.shape[1]
-    gb = BYTE_GROUP_BYTES if with_m else SYM_BYTE_GROUP_BYTES
+    n_blocks, nb = wt.w.shape[0], D // GROUP
+    step = _unpacked_bytes(wt)
     row_tiles, col_groups = T // ROWS, n_blocks // COLS
     xt, xs = _tile_inputs(wt, xu, sx)
     xf, wf, sf, xsf = xt.ravel(), wt.w.ravel(), sx.ravel(), xs.ravel()
     for g in prange(col_groups):
         b0 = g * COLS
-        scratch = np.empty((COLS, nb, gb), np.uint8)
-        five_bits_to_bytes(wt.w, b0, COLS, with_m, scratch)
-        bf = scratch.ravel()
+        scratch = np.empty(COLS * step, np.uint8)
+        _unpack(wt, b0, scratch)
         acc = np.empty(ROWS * COLS * BLOCK, np.float32)
         for rt in range(row_tiles):
             r0 = rt * ROWS
-            if with_m:
-                _b8_RC(xf, r0 * D, D, bf, 0, nb * gb, nb, sf, xsf, r0 * nb, nb, acc, 0, COLS * BLOCK)
-            else:
-                _b5_RC(xf, r0 * D, D, bf, 0, nb * gb, nb, sf, xsf, r0 * nb, nb, acc, 0, COLS * BLOCK)
+            _bytes_tile(wt, xf, r0 * D, D, scratch, step, nb, sf, xsf, r0 * nb, acc)
             _store_tile(acc, out, accumulate, r0, ROWS, b0, COLS)
     acc = np.empty(ROWS * COLS * BLOCK, np.float32)
     if T > row_tiles * ROWS:                                # the last rows, every column group
@@ -833,12 +894,10 @@ def _matmul_int8_of(wt, xu, sx, out, accumulate):
 @overload(_matmul_int8_of, inline="always")
 def _matmul_int8_of_kind(wt, xu, sx, out, accumulate):
     kind = _kind(wt)
-    if kind is Q5A8Weights or kind is S5A8Weights:
-        with_m = kind is Q5A8Weights
-
+    if kind is Q5A8Weights or kind is S5A8Weights or kind is Q6A8Weights:
         def impl(wt, xu, sx, out, accumulate):
             if xu.shape[0] >= UNPACK_ROWS:
-                _five_bits_as_bytes(wt, xu, sx, out, accumulate, with_m)
+                _as_bytes(wt, xu, sx, out, accumulate)
             else:
                 matmul_items(wt, xu, sx, out, accumulate)
         return impl
