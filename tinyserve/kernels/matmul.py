@@ -921,5 +921,5 @@ def _column_blocks_of_kind(wt, b_lo, b_hi):
 @njit(cache=True, parallel=True)
 def _matmul_int8(wt, xu, sx, out, accumulate):
     """The int8-activation matmul of layer.py's kernels, W8A8 or W4A8 by the weights' kind (5-bit kinds at many rows
-    on bytes unpacked once: _five_bits_as_bytes)."""
+    on bytes unpacked once, Q6_K too: _as_bytes)."""
     _matmul_int8_of(wt, xu, sx, out, accumulate)
