@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,29 @@ settings.load_profile("tinyserve")
 # ignored one), so the CLI's Ctrl-C test sees what a terminal user sees.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+_VARIANTS_TEST = "tests/test_isa_variants.py::test_variant_is_exact_and_agrees_with_this_cpus_own"
+_variants_module = None       # tests/test_isa_variants.py once its compiles have started, and their folder
+_variants_folder: Path | None = None
+
+
+def pytest_collection_finish(session):
+    """The kernel variants other than this CPU's own compile from an empty cache for minutes, each in one thread:
+    start them now, at idle priority, so they compile while the rest of the suite runs instead of holding it up when
+    their test comes (tests/test_isa_variants.py)."""
+    global _variants_module, _variants_folder
+    item = next((i for i in session.items if i.nodeid.startswith(_VARIANTS_TEST)), None)
+    if item is not None and not session.config.option.collectonly:
+        _variants_module, _variants_folder = item.module, Path(tempfile.mkdtemp(prefix="tinyserve-variants-"))
+        _variants_module.start_variants(_variants_folder, only_others=True)
+
+
+def pytest_sessionfinish(session):
+    """No variant outlives the suite (the run stopped before their test, or it was deselected after collection)."""
+    if _variants_module is not None:
+        _variants_module.stop_variants()
+        shutil.rmtree(_variants_folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
