@@ -120,11 +120,11 @@ SCRIPT = textwrap.dedent("""
 
 
 # variant -> its process and its results' file. Each compiles every kernel in a single thread, from an empty cache
-# for any variant but this CPU's own (~13 minutes for `generic` on a 2-core Zen 3): the others start when the suite's
-# collection ends (conftest.py), in the scheduler's idle class, so they compile on whatever core the suite leaves
-# idle and a parallel kernel of the suite keeps both its cores. At equal priority a compile beside it made a
-# multi-threaded test 12x slower (a thread at a barrier waits out the compiler's time slice), at nice 19 1.3x slower,
-# in the idle class not measurably.
+# for any variant but this CPU's own (minutes): the others start when the suite's collection ends (conftest.py), in
+# the scheduler's idle class, so they compile on whatever core the suite leaves idle while a parallel kernel of the
+# suite keeps both its cores (at equal priority, or merely niced, a compile beside a multi-threaded test slows it
+# several times over: a thread at a barrier waits out the compiler's time slice; docs/performance.md, "Spinning
+# while the partner has no core").
 _runs: dict[str, tuple[subprocess.Popen, Path]] = {}
 _results: dict[str, dict] = {}       # variant -> its results: the CPU's own variant is compared against and tested,
                                      # but run once
@@ -178,9 +178,8 @@ def run_variant(variant: str) -> dict:
 
 @pytest.fixture(scope="module")
 def native(tmp_path_factory) -> Iterator[dict]:
-    """The results of this CPU's own variant (the fastest it runs), computed the same way; every other variant's
-    process has been compiling since the suite's collection ended (or starts beside it, if this module runs alone
-    under a plugin that skips conftest's hook)."""
+    """The results of this CPU's own variant (the fastest it runs), computed the same way; the other variants'
+    processes have been compiling since the suite's collection ended (conftest.py), any not started yet start here."""
     start_variants(tmp_path_factory.mktemp("variants"))
     yield run_variant(isa.supported()[0])
     stop_variants()
