@@ -142,10 +142,12 @@ def test_the_tiles_are_bit_identical_to_the_reference_on_every_format(type_name,
 
 def test_the_byte_tile_takes_every_byte_value_at_the_activation_extremes():
     """q = 0 and 255 against activations of +-127 in every position of a block: the largest sums the tile forms
-    (where avx2's 16-bit pairs would saturate without the nibble split)."""
+    (where avx2's 16-bit pairs would saturate as they stand: its sign trick runs q - 128, -128 and 127, and adds 128
+    times the activations' sum back), with m and without it (Q8_0's bytes: m = -128 d formed from d)."""
     D, O, T = 64, 32, 4
     q = np.where(np.arange(D * O).reshape(D, O) % 3 == 0, 255, 0).astype(np.uint8)
     q[:, :16] = 255
+    q[:, 30:] = 0                                                                   # w = -128: |w| is 128 unsigned
     d = np.full((D // 32, O), 0.5, np.float32)
     m = np.full((D // 32, O), -64.0, np.float32)
     x = np.array([[1.0] * D, [-1.0] * D, [(-1.0) ** i for i in range(D)], np.linspace(-1, 1, D)], np.float32)
@@ -154,6 +156,10 @@ def test_the_byte_tile_takes_every_byte_value_at_the_activation_extremes():
     got = km.matmul_w4a8(xu, sx, km.pack_b8a8(q, d, m))
     np.testing.assert_array_equal(got, quant.matmul_reference_w4a8(x, quant.B8Linear(q, d, m)))
     assert got[0, 0] == 32 * (255 * 0.5 - 64) * 2                                  # 2 blocks of 32 ones
+    assert got[1, 31] == -32 * (0 * 0.5 - 64) * 2                                  # q = 0 against -1s
+    got = km.matmul_w4a8(xu, sx, km.pack_s8a8(q, d))
+    np.testing.assert_array_equal(got, quant.matmul_reference_w4a8(x, quant.S8Linear(q, d, np.float32(-128) * d)))
+    assert got[1, 31] == -32 * (0 - 128) * 0.5 * 2 and got[0, 0] == 32 * (255 - 128) * 0.5 * 2
 
 
 def _extreme_rows(D: int, T: int) -> np.ndarray:

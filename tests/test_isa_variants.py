@@ -283,8 +283,9 @@ COMPILE_TILES = textwrap.dedent("""
         def run(x, w, sx, xs, out):
             tile(x, 0, nb * 32, w, 0, nb * gb, nb, sx, xs, 0, nb, out, 0, 16 * C)
         out = np.ones(R * 16 * C, np.float32)
+        sums = np.ones(R * nb, np.int32 if whole else np.float32)  # (the byte tile's: the sums, int32)
         run(np.zeros(R * nb * 32, np.uint8), np.zeros(C * nb * gb + 4096, np.uint8),
-            np.ones(R * nb, np.float32), np.ones(R * nb, np.float32), out)
+            np.ones(R * nb, np.float32), sums, out)
         assert not out.any()                         # zero activations and weights: every output is 0
     print("done")
 """)

@@ -27,7 +27,8 @@ Layout (kernels.matmul.pack_w4a8): for each block of 16 outputs, per input block
 as float16 (64 bytes), then 4 pairs of 4-input steps, 64 bytes a pair: byte 4l + k holds step 2j's q[4(2j) + k, l] in
 its low nibble and step 2j+1's in its high one (pack_vnni's byte order, two steps per byte). More layouts run
 on the same tile (make_w4a8_tile's switches): Q4_0's blocks without m (symmetric: 288 bytes, m = -8 d formed from d,
-exact); whole bytes (576 bytes, or 544 without m for Q8_0: m = -128 d); 5-bit values (Q5_0, Q5_1, Q5_K: the
+exact); whole bytes (576 bytes, or 544 without m for Q8_0: m = -128 d; on avx2 the int8 tile's sign trick on
+q - 128, with 128 times the block's activation sum added back: _sign_step); 5-bit values (Q5_0, Q5_1, Q5_K: the
 nibbles as above, then a byte of fifth bits per 8 steps, q = nibble | bit << 4 formed in registers: 384 bytes, or
 352 without m for Q5_0: m = -16 d), all with the arithmetic above; and Q6_K's own blocks (six_bits: q = its low nibble | its top 2 bits << 4, 0..63, and per half of 16 inputs
 an int8 scale applied to that half's exact integer sum, then d per 256 inputs: no minimum, the offset 32 subtracted
@@ -40,6 +41,7 @@ from __future__ import annotations
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
+from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
 from . import isa
@@ -91,8 +93,9 @@ EXTRA_REGISTERS = 3
 def _step(name: str, vb: int, whole_bytes: bool = False) -> IsaStep:
     """The W4A8 step of an instruction set (int8_dot.IsaStep's contract): w the nibbles as bytes (0..15), x the signed
     activation bytes, already broadcast (per_row passes them on). whole_bytes: w is 0..255 (the byte tile), which
-    vpdpbusd and the plain loops take as they are; avx2's vpmaddubsw would saturate its 16-bit pairs and neon's sdot
-    reads signed bytes, so there the step splits each byte into its nibbles (_split_step)."""
+    vpdpbusd and the plain loops take as they are; neon's sdot reads signed bytes, so there the step splits each
+    byte into its nibbles (_split_step); avx2's vpmaddubsw would saturate its 16-bit pairs: make_w4a8_tile takes
+    _sign_step there instead."""
     nl = vb // 4
     bytes_t, lanes_t = ir.VectorType(_I8, vb), ir.VectorType(_I32, nl)
     if whole_bytes and name in ("avx2", "neon"):
@@ -139,6 +142,33 @@ def _step(name: str, vb: int, whole_bytes: bool = False) -> IsaStep:
             return builder.add(builder.add(k[0], k[1]), builder.add(k[2], k[3]))
         return IsaStep(wide_t, EXTRA_REGISTERS, lambda builder: None, unchanged, step, finish)
     raise ValueError(f"no W4A8 tile for {name!r}")
+
+
+def _sign_step(vb: int) -> IsaStep:
+    """avx2's byte tile step: q is w + 128 (0..255), the weight's own byte with its top bit flipped. Its product with
+    x as it stands would saturate vpmaddubsw's 16-bit pairs (2 x 255 x 127 > 32767), so the step takes the int8 tile's
+    sign trick (int8_dot.py, llama.cpp's mul_sum_i8_pairs) on w = q ^ 0x80 instead: |w| (u8, <= 128) times x with
+    w's sign moved onto it (vpsignb; x is -127..127, so its negation fits), a pair at most 2 x 128 x 127 = 32512;
+    then vpmaddwd by ones adds the pairs into 32 bits. That sums (q - 128) x; the tile adds 128 times the block's
+    activation sum back (exact in int32), so the integer is dot(q, x) as every other instruction set forms it. 5 ops
+    for 32 multiply-adds, where splitting q into nibbles took two multiply-adds, two masks and a shift."""
+    nl = vb // 4
+    bytes_t, lanes_t, s16_t = ir.VectorType(_I8, vb), ir.VectorType(_I32, nl), ir.VectorType(_I16, vb // 2)
+    flip = ir.Constant(bytes_t, [ir.Constant(_I8, -128)] * vb)
+
+    def setup(builder):
+        return (_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", s16_t, [bytes_t, bytes_t]),
+                _fn(builder, "llvm.x86.avx2.pmadd.wd", lanes_t, [s16_t, s16_t]),
+                _fn(builder, "llvm.x86.avx2.psign.b", bytes_t, [bytes_t, bytes_t]),
+                _fn(builder, "llvm.abs.v32i8", bytes_t, [bytes_t, _I1]),
+                ir.Constant(s16_t, [ir.Constant(_I16, 1)] * (vb // 2)))
+
+    def step(builder, st, acc, q, x):             # (w and |w| are the same for every row: LLVM forms them once)
+        maddubs, maddwd, psign, abs_, ones = st
+        w = builder.xor(q, flip)
+        pairs = builder.call(maddubs, [builder.call(abs_, [w, ir.Constant(_I1, 0)]), builder.call(psign, [x, w])])
+        return builder.add(acc, builder.call(maddwd, [pairs, ones]))
+    return IsaStep(lanes_t, EXTRA_REGISTERS + 1, setup, unchanged, step, unchanged)
 
 
 def _split_step(name: str, vb: int) -> IsaStep:
@@ -204,8 +234,8 @@ def _plan(R: int, C: int, v: int, regs: int, extra: int) -> tuple[int, int]:
 def sixteen_bit_pairs(name: str, max_q: int) -> int:
     """How many pairs of 4-input steps avx2's 16-bit sums may add before they are widened, for weights 0..max_q (the
     activations' bytes are at most 128 in size): a pair of products per lane and step, 2 x max_q x 128 each, so
-    32767 // (256 max_q) steps. 0 where not even one pair fits (whole bytes: the step splits them into nibbles,
-    _split_step). Other instruction sets sum into 32 bits: a block's 4 pairs at once, and they split only what
+    32767 // (256 max_q) steps. 0 where not even one pair fits (whole bytes: the step is the sign trick instead,
+    _sign_step). Other instruction sets sum into 32 bits: a block's 4 pairs at once, and they split only what
     their byte multiply cannot take (neon's signed bytes: whole bytes)."""
     if name == "avx2":
         return 32767 // (256 * max_q) // 2
@@ -226,7 +256,9 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None, whole_bytes: bool = 
     other kinds' tiles: so a row's 4 bytes go from memory straight into the broadcast, which vpdpbusd takes as its
     memory operand, where a flip of the sign bits first cost a third of the inner loop's instructions; the caller
     converts them once per matmul: matmul._tile_inputs), w: pack_w4a8's bytes (block c
-    at w_off + c*w_stride), nb input blocks of 32, sx / xs: float32 [rows, nb] (row r at s_off + r*s_stride), out:
+    at w_off + c*w_stride), nb input blocks of 32, sx / xs: float32 [rows, nb] (row r at s_off + r*s_stride; xs
+    int32, the sums themselves, for the byte kinds, and the tile forms sx * float32(sum), the reference's product:
+    avx2's sign trick needs the integers, _sign_step), out:
     float32 (row r, output block c at o_off + r*o_stride + 16c), overwritten.
     five_bits: the 5-bit tile (matmul.pack_q5a8: 384 bytes, the nibbles as pack_w4a8's then a byte of fifth bits
     per 8 steps; q = nibble | fifth bit << 4 formed in registers, then the byte tile's arithmetic). symmetric goes
@@ -244,11 +276,12 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None, whole_bytes: bool = 
     bytes_t, lanes_t, float_t = ir.VectorType(_I8, vb), ir.VectorType(_I32, nl), ir.VectorType(_F32, nl)
     half_t = ir.VectorType(_I16, nl)
     # q is 0..15, 0..31 (five_bits), 0..63 (six_bits) or whole bytes: on avx2 the 16-bit sums of the wider values
-    # are widened every 2 pairs (0..31) or every pair (0..63) of a block's 4; whole bytes are split into nibbles
+    # are widened every 2 pairs (0..31) or every pair (0..63) of a block's 4; whole bytes take the sign trick
     if max_q is None:
         max_q = 63 if six_bits else 31 if five_bits else 255 if whole_bytes else 15
     per_sum = sixteen_bit_pairs(name, max_q)
-    acc_t, extra, setup, per_row, step, finish = _step(name, vb, per_sum == 0)
+    signed_bytes = name == "avx2" and per_sum == 0      # whole bytes on avx2: the sign trick, on q - 128 (_sign_step)
+    acc_t, extra, setup, per_row, step, finish = _sign_step(vb) if signed_bytes else _step(name, vb, per_sum == 0)
     per_sum = per_sum or GROUP // 8
     if name == "avx2" and (five_bits or six_bits) and not whole_bytes:  # 16 registers: keep two for the top bits'
         extra += 2                                      # vector and its shifted copy (as the split step's did)
@@ -275,6 +308,9 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None, whole_bytes: bool = 
     @intrinsic
     def tile(typingctx, x, x_off, x_stride, w, w_off, w_stride, nb, sx, xs, s_off, s_stride, out, o_off, o_stride):
         sig = types.void(x, x_off, x_stride, w, w_off, w_stride, nb, sx, xs, s_off, s_stride, out, o_off, o_stride)
+        int_sums = isinstance(xs.dtype, types.Integer)  # xs: the blocks' activation sums themselves (int32), or
+        if signed_bytes and not int_sums:               # times sx already (float32)
+            raise TypingError("avx2's byte tile adds 128 x the activation sums back: it takes xs as int32 sums")
 
         def codegen(context, builder, signature, args):
             (x_arr, x_off, x_stride, w_arr, w_off, w_stride, nb, sx_arr, xs_arr, s_off, s_stride, out_arr, o_off,
@@ -334,6 +370,10 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None, whole_bytes: bool = 
             def bcast(value):                                   # one float in every lane
                 one = builder.insert_element(ir.Constant(float_t, None), value, ir.Constant(_I32, 0))
                 return builder.shuffle_vector(one, ir.Constant(float_t, None), ir.Constant(lanes_t, None))
+
+            def ibcast(value):                                  # one int32 in every lane
+                one = builder.insert_element(ir.Constant(lanes_t, None), value, ir.Constant(_I32, 0))
+                return builder.shuffle_vector(one, ir.Constant(lanes_t, None), ir.Constant(lanes_t, None))
 
             for c0 in range(0, C, cs):                          # one pass over the input per sub-tile
                 for r0 in range(0, R, rs):
@@ -405,18 +445,19 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None, whole_bytes: bool = 
                                         _F32, min_per_d)] * nl))
                             for r in sub_r:
                                 s_at = builder.add(s_rows[r], b)
-                                sxv = bcast(builder.load(builder.gep(sx_base, [s_at])))
-                                xsv = bcast(builder.load(builder.gep(xs_base, [s_at])))
-                                for p in range(parts):
-                                    dot = builder.sitofp(acc[r, c, p], float_t)
+                                s = builder.load(builder.gep(sx_base, [s_at]))
+                                xs = builder.load(builder.gep(xs_base, [s_at]))
+                                sxv = bcast(s)
+                                xsv = bcast(builder.fmul(s, builder.sitofp(xs, _F32)) if int_sums else xs)
+                                back = ibcast(builder.shl(xs, ir.Constant(_I32, 7))) if signed_bytes else None
+                                for p in range(parts):          # (signed_bytes: dot(q - 128, x) + 128 x the sum)
+                                    dot = builder.add(acc[r, c, p], back) if signed_bytes else acc[r, c, p]
+                                    dot = builder.sitofp(dot, float_t)
                                     t = builder.fadd(builder.fmul(dot, builder.fmul(dm[p, 0], sxv)),
                                                      builder.fmul(dm[p, 1], xsv))
                                     add_to_out(builder, out_rows[r], k(BLOCK * c + nl * p), t, first)
 
                     def six_bit_block(b, first, base, keys):    # Q6_K: each half of 16 inputs by its own scale
-                        ibcast = lambda v: builder.shuffle_vector(builder.insert_element(   # noqa: E731
-                            ir.Constant(lanes_t, None), v, ir.Constant(_I32, 0)), ir.Constant(lanes_t, None),
-                            ir.Constant(lanes_t, None))
                         total = {}
                         for h in (0, 1):                        # steps 0-3, then 4-7: one loop of 2 pairs each
                             acc = block_sums(b, base, keys, 2 * h, GROUP // 16)

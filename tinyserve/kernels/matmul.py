@@ -637,8 +637,9 @@ def _tile_inputs(wt, xu, sx):
     """What the kind's tile reads besides the weights: (its activations, xs). The int8-activation kinds: the
     activations as signed bytes (uint8 + 128 with the sign bits flipped back: the tiles broadcast them straight from
     memory) and xs [T, nb], each row's int8 values summed over each block: W8A8 as int32 (the term the weights'
-    + 128 adds, int8_dot.py), W4A8 times the block's scale (the term Q4_1's minimum multiplies, int4_dot.py).
-    W8A32: x as it is, and sx back (unread)."""
+    + 128 adds, int8_dot.py), W4A8 times the block's scale (the term Q4_1's minimum multiplies, int4_dot.py), the
+    byte kinds (B8A8, S8A8) as int32 again (avx2's byte tile adds 128 times them back: int4_dot._sign_step; the tile
+    multiplies them by sx itself). W8A32: x as it is, and sx back (unread)."""
     raise NotImplementedError("called from Numba-compiled code only")
 
 
@@ -700,7 +701,7 @@ def _tile_inputs_of_kind(wt, xu, sx):
     kind = _kind(wt)
     if kind is W8A32Weights:
         return lambda wt, xu, sx: (xu, sx)
-    if kind is W8A8Weights:
+    if kind is W8A8Weights or kind is B8A8Weights or kind is S8A8Weights:   # (the byte tile: int4_dot._sign_step)
         return lambda wt, xu, sx: signed_and_sums(xu, sx.shape[1])
     if kind is Q6A8Weights:                          # the integer sums per 16 (the halves Q6_K's scales cover)
         return lambda wt, xu, sx: signed_and_sums(xu, 2 * sx.shape[1])
