@@ -45,7 +45,7 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
 from . import isa
-from .int8_dot import IsaStep, add_to_out, for_each_block, unchanged
+from .int8_dot import IsaStep, _isa_step, add_to_out, for_each_block, unchanged
 from .simd import _data_pointer
 
 BLOCK = 16                      # outputs per packed block
@@ -152,23 +152,15 @@ def _sign_step(vb: int) -> IsaStep:
     then vpmaddwd by ones adds the pairs into 32 bits. That sums (q - 128) x; the tile adds 128 times the block's
     activation sum back (exact in int32), so the integer is dot(q, x) as every other instruction set forms it. 5 ops
     for 32 multiply-adds, where splitting q into nibbles took two multiply-adds, two masks and a shift."""
-    nl = vb // 4
-    bytes_t, lanes_t, s16_t = ir.VectorType(_I8, vb), ir.VectorType(_I32, nl), ir.VectorType(_I16, vb // 2)
-    flip = ir.Constant(bytes_t, [ir.Constant(_I8, -128)] * vb)
-
-    def setup(builder):
-        return (_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", s16_t, [bytes_t, bytes_t]),
-                _fn(builder, "llvm.x86.avx2.pmadd.wd", lanes_t, [s16_t, s16_t]),
-                _fn(builder, "llvm.x86.avx2.psign.b", bytes_t, [bytes_t, bytes_t]),
-                _fn(builder, "llvm.abs.v32i8", bytes_t, [bytes_t, _I1]),
-                ir.Constant(s16_t, [ir.Constant(_I16, 1)] * (vb // 2)))
+    int8 = _isa_step("avx2", vb)                  # the int8 tile's: its instructions (setup), its accumulator
+    flip = ir.Constant(ir.VectorType(_I8, vb), [ir.Constant(_I8, -128)] * vb)
 
     def step(builder, st, acc, q, x):             # (w and |w| are the same for every row: LLVM forms them once)
         maddubs, maddwd, psign, abs_, ones = st
         w = builder.xor(q, flip)
         pairs = builder.call(maddubs, [builder.call(abs_, [w, ir.Constant(_I1, 0)]), builder.call(psign, [x, w])])
         return builder.add(acc, builder.call(maddwd, [pairs, ones]))
-    return IsaStep(lanes_t, EXTRA_REGISTERS + 1, setup, unchanged, step, unchanged)
+    return IsaStep(int8.acc_type, EXTRA_REGISTERS + 1, int8.setup, unchanged, step, unchanged)
 
 
 def _split_step(name: str, vb: int) -> IsaStep:
