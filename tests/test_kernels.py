@@ -213,6 +213,25 @@ def test_thread_share_gives_every_unit_to_one_thread_in_order(n, n_threads):
     assert max(hi - lo for lo, hi in parts) - min(hi - lo for lo, hi in parts) <= 1
 
 
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(0, 300), cut=st.tuples(st.integers(0, 300), st.integers(0, 300)), n_threads=st.integers(1, 9),
+       costs=st.sampled_from([(1, 1), (1, 2), (2, 3), (3, 1)]))
+def test_weighted_share_gives_every_unit_to_one_thread_and_evens_the_cost(n, cut, n_threads, costs):
+    """A decode thread's share of gate|up when the up half's blocks also multiply a second plane: every block to
+    one thread, in order, and each thread's cost within one block's cost of an even split (equal costs: thread_share's
+    counts)."""
+    from tinyserve.kernels.matmul import thread_share, weighted_share
+    lo, hi = sorted(min(c, n) for c in cut)
+    parts = [weighted_share(n, lo, hi, *costs, t, n_threads) for t in range(n_threads)]
+    assert parts[0][0] == 0 and parts[-1][1] == n
+    assert all(a[1] == b[0] and a[0] <= a[1] for a, b in zip(parts, parts[1:] + [(n, n)])), parts
+    cost = lambda a, b: sum(costs[1] if lo <= u < hi else costs[0] for u in range(a, b))        # noqa: E731
+    total = cost(0, n)
+    assert all(abs(cost(a, b) * n_threads - total) < max(costs) * n_threads for a, b in parts), (parts, total)
+    if costs[0] == costs[1]:
+        assert parts == [thread_share(n, t, n_threads) for t in range(n_threads)]
+
+
 def _packed_kinds(T: int, D: int, O: int, seed: int):
     """kind -> (its packed weights, the float rows x [T, D], the quantised rows xu and their scales sx, the whole
     matmul through its public entry), for one random matrix of each kind."""

@@ -48,10 +48,13 @@ from .block_layer import (GELU_C1, GELU_C2, PLANE_CHUNK, _rms_norm_into, _rms_no
                           plane_blocks)
 from .layer import _rms_norm_quant_row
 from .attention import decode_attention_heads, decode_scratch
-from .matmul import BLOCK, COLS, ROWS, _quantize_row, matmul_blocks, thread_share
+from .matmul import BLOCK, COLS, ROWS, _quantize_row, matmul_blocks, thread_share, weighted_share
 from .spin import barrier
 
 NO_FLOATS = np.zeros((0, 0), np.float32)     # matmul_blocks' float32 input, which the int8 kinds never read
+# a decode thread's share of gate|up: an output block that multiplies the input's second plane too (Gemma 3's up
+# half) costs PLANE_COST[1] to the others' PLANE_COST[0], so the threads' shares take as long, not as many blocks
+PLANE_COST = (1, 2)
 
 
 @njit(cache=True, inline="always")
@@ -80,8 +83,9 @@ def _residual_then_matmul(tid, n, sync, timeout, x, y, post_norm, norm_w, eps, w
         else:
             for i in range(D):
                 xn[t, i] = x[t, i]
-    lo, hi = thread_share(w_next.w.shape[0], tid, n)
     nb = w_next.blocks.shape[0]
+    p_lo, p_hi = plane_blocks(c_lo, c_hi) if c_lo < c_hi else (0, 0)
+    lo, hi = weighted_share(w_next.w.shape[0], p_lo, p_hi, PLANE_COST[0], PLANE_COST[1], tid, n)
     xu, sx = np.empty((T, D), np.uint8), np.empty((T, nb), np.float32)
     if c_lo == c_hi:
         for t in range(T):
@@ -91,7 +95,6 @@ def _residual_then_matmul(tid, n, sync, timeout, x, y, post_norm, norm_w, eps, w
         xu2, sx2 = np.empty((T, D), np.uint8), np.empty((T, nb), np.float32)
         for t in range(T):
             _rms_norm_planes_row(xn, t, norm_w, eps, xu, sx, xu2, sx2)
-        p_lo, p_hi = plane_blocks(c_lo, c_hi)
         for b0 in range(lo, hi, PLANE_CHUNK):
             b1 = min(hi, b0 + PLANE_CHUNK)
             matmul_blocks(w_next, NO_FLOATS, xu, sx, out, False, b0, b1, acc)

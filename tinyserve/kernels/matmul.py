@@ -628,6 +628,26 @@ def thread_share(n, tid, n_threads):
     return n * tid // n_threads, n * (tid + 1) // n_threads
 
 
+@njit(cache=True, inline="always")
+def weighted_share(n, lo, hi, cost_out, cost_in, tid, n_threads):
+    """thread_share of n units in order where units lo .. hi each cost cost_in and the others cost_out (integers):
+    each thread's cost as even as whole units allow (a gate|up matmul whose up half also multiplies the input's
+    second plane: block_decode._residual_then_matmul)."""
+    return (_weighted_start(n, lo, hi, cost_out, cost_in, tid, n_threads),
+            _weighted_start(n, lo, hi, cost_out, cost_in, tid + 1, n_threads))
+
+
+@njit(cache=True, inline="always")
+def _weighted_start(n, lo, hi, cost_out, cost_in, k, n_threads):
+    """The last unit whose cost before it is at most k / n_threads of the total (equal costs: n k // n_threads)."""
+    total = cost_out * n + (cost_in - cost_out) * (hi - lo)
+    u = 0
+    while u < n and (cost_out * (u + 1) + (cost_in - cost_out) * min(max(u + 1 - lo, 0), hi - lo)) * n_threads \
+            <= total * k:
+        u += 1
+    return u
+
+
 def _input(wt, x, xu):
     """The rows the kind multiplies: x (float32, W8A32) or xu (uint8 + 128, the int8-activation kinds)."""
     raise NotImplementedError("called from Numba-compiled code only")
