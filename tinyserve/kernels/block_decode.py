@@ -23,7 +23,8 @@ cache), attention needs no Python either, and a layer is one region (region_laye
 Inside a region:
 
     every thread                         for itself, all rows: quantise the matmul's input (cheaper than a barrier)
-    thread i                             output blocks [i/n, (i+1)/n) of the matmul (each column one writer)
+    thread i                             output blocks [i/n, (i+1)/n) of the matmul (each column one writer; of
+                                         gate|up by cost: up's blocks that take a second plane count twice)
     --- barrier ---
     every thread                         the residual row x + norm(y) into its own buffer, normed, quantised
     thread i                             its blocks of the next matmul
