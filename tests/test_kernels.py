@@ -218,8 +218,8 @@ def test_thread_share_gives_every_unit_to_one_thread_in_order(n, n_threads):
        costs=st.sampled_from([(1, 1), (1, 2), (2, 3), (3, 1)]))
 def test_weighted_share_gives_every_unit_to_one_thread_and_evens_the_cost(n, cut, n_threads, costs):
     """A decode thread's share of gate|up when the up half's blocks also multiply a second plane: every block to
-    one thread, in order, and each thread's cost within one block's cost of an even split (equal costs: thread_share's
-    counts)."""
+    one thread, in order, and each thread's cost within one block's cost of an even split (equal costs, or no
+    second-plane blocks: thread_share's counts)."""
     from tinyserve.kernels.matmul import thread_share, weighted_share
     lo, hi = sorted(min(c, n) for c in cut)
     parts = [weighted_share(n, lo, hi, *costs, t, n_threads) for t in range(n_threads)]
@@ -228,7 +228,7 @@ def test_weighted_share_gives_every_unit_to_one_thread_and_evens_the_cost(n, cut
     cost = lambda a, b: sum(costs[1] if lo <= u < hi else costs[0] for u in range(a, b))        # noqa: E731
     total = cost(0, n)
     assert all(abs(cost(a, b) * n_threads - total) < max(costs) * n_threads for a, b in parts), (parts, total)
-    if costs[0] == costs[1]:
+    if costs[0] == costs[1] or lo == hi:
         assert parts == [thread_share(n, t, n_threads) for t in range(n_threads)]
 
 

@@ -632,7 +632,10 @@ def thread_share(n, tid, n_threads):
 def weighted_share(n, lo, hi, cost_out, cost_in, tid, n_threads):
     """thread_share of n units in order where units lo .. hi each cost cost_in and the others cost_out (integers):
     each thread's cost as even as whole units allow (a gate|up matmul whose up half also multiplies the input's
-    second plane: block_decode._residual_then_matmul)."""
+    second plane: block_decode._residual_then_matmul). Without such units (the LM head's call) it is thread_share's
+    split, found without walking the units."""
+    if lo >= hi or cost_in == cost_out:
+        return thread_share(n, tid, n_threads)
     return (_weighted_start(n, lo, hi, cost_out, cost_in, tid, n_threads),
             _weighted_start(n, lo, hi, cost_out, cost_in, tid + 1, n_threads))
 
