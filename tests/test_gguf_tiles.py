@@ -140,6 +140,29 @@ def test_the_tiles_are_bit_identical_to_the_reference_on_every_format(type_name,
         np.testing.assert_array_equal(km.matmul_w4a8(xu, sx, km.pack_q5a8(q.q, q.d, q.m)), want)
 
 
+@pytest.mark.parametrize("type_name", ["Q5_0", "Q5_1", "Q6_K"])
+@pytest.mark.parametrize("T", [16, 19])
+def test_a_threads_share_of_a_5_or_6_bit_matrix_from_16_rows_is_the_reference(type_name, T):
+    """A decode step's thread at batch 16 or more (matmul_blocks on its thread_share) runs its whole column groups
+    of a 5- or 6-bit matrix unpacked to bytes and the rest on the kind's tile: every split, unaligned starts and a
+    partial row tile included, gives the reference's bits."""
+    O, D = 13 * 16, 512
+    q = quant.file_matrix(info(type_name, O, D, seed=5))
+    x = np.random.default_rng(T).standard_normal((T, D)).astype(np.float32)
+    xu, sx = np.empty(x.shape, np.uint8), np.empty((T, D // 32), np.float32)
+    km.quantize_rows(x, xu, sx)
+    want = x @ q
+    wt = (km.q6a8_weights(km.pack_q6a8(q.q, q.sc, q.d)) if isinstance(q, quant.Q6Linear) else
+          km.s5a8_weights(km.pack_s5a8(q.q, q.d)) if isinstance(q, quant.S5Linear) else
+          km.q5a8_weights(km.pack_q5a8(q.q, q.d, q.m)))
+    for n_threads in (1, 2, 3):
+        parts = np.full((T, O), np.nan, np.float32)
+        for tid in range(n_threads):
+            lo, hi = km.thread_share(O // 16, tid, n_threads)
+            km.matmul_blocks(wt, x, xu, sx, parts, False, lo, hi, np.empty(km.ROWS * km.COLS * 16, np.float32))
+        np.testing.assert_array_equal(parts, want, err_msg=f"{n_threads} threads")
+
+
 def test_the_byte_tile_takes_every_byte_value_at_the_activation_extremes():
     """q = 0 and 255 against activations of +-127 in every position of a block: the largest sums the tile forms
     (where avx2's 16-bit pairs would saturate as they stand: its sign trick runs q - 128, -128 and 127, and adds 128

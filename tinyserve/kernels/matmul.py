@@ -780,12 +780,14 @@ def matmul_blocks(wt, x, xu, sx, out, accumulate, b_lo, b_hi, acc):
     """The matmul restricted to output blocks b_lo .. b_hi (every row), on the calling thread: one thread's share of
     a matmul in kernels/decode_step.py, which has both forms of its rows at hand (x float32, xu + sx quantised; the
     kind reads its own). acc: float32 scratch [ROWS * COLS * 16]. A function call, not inlined: the decode step has
-    5 matmuls per mode, and inlining the tiles into each would multiply its first compile's time."""
+    5 matmuls per mode, and inlining the tiles into each would multiply its first compile's time. From UNPACK_ROWS
+    rows on, a 5- or 6-bit kind's whole column groups are unpacked to bytes once each (_groups_as_bytes)."""
     a = _input(wt, x, xu)
     T, D = a.shape
     at, xs = _tile_inputs(wt, a, sx)
     af, wf = at.ravel(), wt.w.ravel()
-    for b0 in range(b_lo, b_hi, COLS):
+    b_from = _groups_as_bytes(wt, af, wf, sx, xs, out, accumulate, T, D, b_lo, b_hi, acc)  # 5-, 6-bit kinds
+    for b0 in range(b_from, b_hi, COLS):
         for r0 in range(0, T, ROWS):
             _tile(wt, wf, af, sx, xs, out, accumulate, D, r0, min(ROWS, T - r0), b0, min(COLS, b_hi - b0), acc)
 
@@ -909,6 +911,41 @@ def _as_bytes(wt, xu, sx, out, accumulate):
         for rt in range(row_tiles):
             _tile(wt, wf, xf, sx, xs, out, accumulate, D, rt * ROWS, ROWS, col_groups * COLS,
                   n_blocks - col_groups * COLS, acc)
+
+
+def _groups_as_bytes(wt, xf, wf, sx, xs, out, accumulate, T, D, b_lo, b_hi, acc):
+    pass
+
+
+@overload(_groups_as_bytes, inline="always")
+def _groups_as_bytes_of_kind(wt, xf, wf, sx, xs, out, accumulate, T, D, b_lo, b_hi, acc):
+    """matmul_blocks' whole column groups from b_lo on, for 5- and 6-bit kinds at UNPACK_ROWS rows or more (a decode
+    step's thread at batch 16 to 31): each group unpacked once and run through the byte tile over every whole row
+    tile, as _as_bytes does for a parallel matmul (the same bits); the last rows on the kind's own tile. Returns the
+    first block left to the caller (a last partial group; every kind else: b_lo, nothing done here)."""
+    kind = _kind(wt)
+    if not (kind is Q5A8Weights or kind is S5A8Weights or kind is Q6A8Weights):
+        return lambda wt, xf, wf, sx, xs, out, accumulate, T, D, b_lo, b_hi, acc: b_lo
+
+    def impl(wt, xf, wf, sx, xs, out, accumulate, T, D, b_lo, b_hi, acc):
+        if T < UNPACK_ROWS:
+            return b_lo
+        nb, step = D // GROUP, _unpacked_bytes(wt)
+        row_tiles = T // ROWS
+        sf, xsf = sx.ravel(), xs.ravel()
+        scratch = np.empty(COLS * step, np.uint8)
+        b0 = b_lo
+        while b0 + COLS <= b_hi:
+            _unpack(wt, b0, scratch)
+            for rt in range(row_tiles):
+                r0 = rt * ROWS
+                _bytes_tile(wt, xf, r0 * D, D, scratch, step, nb, sf, xsf, r0 * nb, acc)
+                _store_tile(acc, out, accumulate, r0, ROWS, b0, COLS)
+            if T > row_tiles * ROWS:
+                _tile(wt, wf, xf, sx, xs, out, accumulate, D, row_tiles * ROWS, T - row_tiles * ROWS, b0, COLS, acc)
+            b0 += COLS
+        return b0
+    return impl
 
 
 def _matmul_int8_of(wt, xu, sx, out, accumulate):
