@@ -145,7 +145,7 @@ def test_the_tiles_are_bit_identical_to_the_reference_on_every_format(type_name,
 def test_a_threads_share_of_a_5_or_6_bit_matrix_from_16_rows_is_the_reference(type_name, T):
     """A decode step's thread at batch 16 or more (matmul_blocks on its thread_share) runs its whole column groups
     of a 5- or 6-bit matrix unpacked to bytes and the rest on the kind's tile: every split, unaligned starts and a
-    partial row tile included, gives the reference's bits."""
+    partial row tile included, gives the reference's bits, written or added onto out."""
     O, D = 13 * 16, 512
     q = quant.file_matrix(info(type_name, O, D, seed=5))
     x = np.random.default_rng(T).standard_normal((T, D)).astype(np.float32)
@@ -161,6 +161,12 @@ def test_a_threads_share_of_a_5_or_6_bit_matrix_from_16_rows_is_the_reference(ty
             lo, hi = km.thread_share(O // 16, tid, n_threads)
             km.matmul_blocks(wt, x, xu, sx, parts, False, lo, hi, np.empty(km.ROWS * km.COLS * 16, np.float32))
         np.testing.assert_array_equal(parts, want, err_msg=f"{n_threads} threads")
+    base = np.random.default_rng(1).standard_normal((T, O)).astype(np.float32)    # and added onto out (x += f @ w)
+    added = base.copy()
+    for tid in range(2):
+        lo, hi = km.thread_share(O // 16, tid, 2)
+        km.matmul_blocks(wt, x, xu, sx, added, True, lo, hi, np.empty(km.ROWS * km.COLS * 16, np.float32))
+    np.testing.assert_array_equal(added, base + want)
 
 
 def test_the_byte_tile_takes_every_byte_value_at_the_activation_extremes():
