@@ -115,7 +115,8 @@ def test_each_format_lands_on_its_tile_without_loss(type_name):
 
 
 @pytest.mark.parametrize("type_name", FORMATS)
-@pytest.mark.parametrize("T", [1, 5, 16, 37])    # 16, 37: the 5-bit kinds unpacked to bytes (matmul.UNPACK_ROWS)
+@pytest.mark.parametrize("T", [1, 2, 7, 16, 37])  # 2, 7: row tiles of 2, 4 and 3 rows (avx2's 5-bit tile runs
+#                                                    sub-tiles of two rows); 16, 37: the 5-bit kinds unpacked to bytes
 def test_the_tiles_are_bit_identical_to_the_reference_on_every_format(type_name, T):
     O, D = 80, 512
     q = quant.file_matrix(info(type_name, O, D, seed=3))

@@ -216,10 +216,14 @@ def _half_to_float(builder, h, nl, native: bool):
     return builder.bitcast(builder.or_(builder.bitcast(mag, i32_t), sign), f_t)
 
 
-def _plan(R: int, C: int, v: int, regs: int, extra: int) -> tuple[int, int]:
+def _plan(R: int, C: int, v: int, regs: int, extra: int, rows_first: bool = False) -> tuple[int, int]:
     """The largest sub-tile (r, c) whose v*r*c accumulators (v registers a block of 16 outputs) + 2r activation
-    broadcasts + `extra` (a weight vector, its nibbles, the mask) fit the `regs` registers; ties: the squarer one."""
+    broadcasts + `extra` (a weight vector, its nibbles, the mask) fit the `regs` registers; ties: the squarer one.
+    rows_first: the most rows that fit, then the most columns: for weights that take many instructions to form
+    (the 5-bit tile's), which a sub-tile forms once for all its rows."""
     fits = [(r, c) for r in range(1, R + 1) for c in range(1, C + 1) if v * r * c + 2 * r + extra <= regs]
+    if rows_first:
+        return max(fits or [(1, 1)])
     return max(fits or [(1, 1)], key=lambda rc: (rc[0] * rc[1], -abs(rc[0] - rc[1])))
 
 
@@ -295,7 +299,11 @@ def make_w4a8_tile(R: int, C: int, name: str | None = None, whole_bytes: bool = 
     # live registers: the accumulators (a split step's are two registers wide), 2 activation broadcasts per row, one
     # weight vector and its nibbles, the mask
     acc_regs = 64 // vb * (acc_t.count * acc_t.element.width) // (8 * vb)
-    rs, cs = (1, 1) if name == "generic" else _plan(R, C, acc_regs, isa.VARIANTS[name].registers, extra)
+    # avx2's 5-bit tile forms each weight vector in about a dozen instructions and multiplies it in two per row:
+    # in 16 registers the largest sub-tile is one row by 4 blocks, which forms every weight again for each row; two
+    # rows by one block form it once for both (docs/sliding-window.md, "Two rows of the 5-bit tile")
+    rs, cs = (1, 1) if name == "generic" else _plan(R, C, acc_regs, isa.VARIANTS[name].registers, extra,
+                                                    rows_first=five_bits and name == "avx2")
 
     @intrinsic
     def tile(typingctx, x, x_off, x_stride, w, w_off, w_stride, nb, sx, xs, s_off, s_stride, out, o_off, o_stride):

@@ -562,6 +562,9 @@ def make_tile_driver(unit_bytes: int, unit_groups: int = 1, **tile_kind):
     sx, xs [T, D/32] (Q6_K's xs [T, D/16]), wf the raveled packed weights, acc float32 scratch [ROWS * COLS * 16]."""
     full, row, one = (make_w4a8_tile(ROWS, COLS, **tile_kind), make_w4a8_tile(1, COLS, **tile_kind),
                       make_w4a8_tile(1, 1, **tile_kind))
+    # the 5-bit kinds run a short row tile two rows at a time: their tile forms each weight once per sub-tile, and
+    # on avx2 a sub-tile holds two rows (int4_dot._plan's rows_first); others one row at a time, as `row`
+    pair, per_pair = (make_w4a8_tile(2, COLS, **tile_kind), 2) if tile_kind.get("five_bits") else (row, 1)
 
     # inlined into its callers, which Numba caches; called from Python on its own it would compile again in every
     # process (Numba's cache key hashes a closure's values, and a tile's pickle differs from process to process)
@@ -574,7 +577,10 @@ def make_tile_driver(unit_bytes: int, unit_groups: int = 1, **tile_kind):
         if nr == ROWS and nc == COLS:
             full(xf, r0 * D, D, wf, b0 * step, step, nb, sf, xsf, r0 * nb, nb, acc, 0, CB)
         elif nc == COLS:
-            for r in range(nr):
+            paired = nr // per_pair * per_pair
+            for r in range(0, paired, per_pair):
+                pair(xf, (r0 + r) * D, D, wf, b0 * step, step, nb, sf, xsf, (r0 + r) * nb, nb, acc, r * CB, CB)
+            for r in range(paired, nr):
                 row(xf, (r0 + r) * D, D, wf, b0 * step, step, nb, sf, xsf, (r0 + r) * nb, nb, acc, r * CB, CB)
         else:
             for r in range(nr):
@@ -881,35 +887,39 @@ def _bytes_tile_of_kind(wt, xf, x_off, D, bf, step, nb, sf, xsf, s_off, acc):
         xf, x_off, D, bf, 0, step, nb, sf, xsf, s_off, nb, acc, 0, COLS * BLOCK)
 
 
+@njit(cache=True, inline="always")
+def _group_on_bytes(wt, b0, scratch, xf, wf, sx, xs, sf, xsf, out, accumulate, T, D, acc):
+    """Output blocks b0 .. b0 + COLS - 1 of a 5- or 6-bit kind, every row: the group unpacked to whole bytes once
+    (_unpack, into scratch) and run through the byte tile over every whole row tile; the last rows (T not a multiple
+    of ROWS) on the kind's own tile. xf, sf, xsf: the rows' tile inputs and their scales and sums, flat."""
+    nb, step = D // GROUP, _unpacked_bytes(wt)
+    row_tiles = T // ROWS
+    _unpack(wt, b0, scratch)
+    for rt in range(row_tiles):
+        r0 = rt * ROWS
+        _bytes_tile(wt, xf, r0 * D, D, scratch, step, nb, sf, xsf, r0 * nb, acc)
+        _store_tile(acc, out, accumulate, r0, ROWS, b0, COLS)
+    if T > row_tiles * ROWS:
+        _tile(wt, wf, xf, sx, xs, out, accumulate, D, row_tiles * ROWS, T - row_tiles * ROWS, b0, COLS, acc)
+
+
 @njit(cache=True, parallel=True)
 def _as_bytes(wt, xu, sx, out, accumulate):
-    """matmul_items for 5- and 6-bit kinds at many rows: each whole column group unpacked once (_unpack) and run
-    through the byte tile over every whole row tile, the groups in a parallel loop; the items left over (a last
-    partial row tile, a last partial column group) on the kind's own tile."""
+    """matmul_items for 5- and 6-bit kinds at many rows: the whole column groups in a parallel loop, each unpacked
+    once (_group_on_bytes); a last partial column group on the kind's own tile."""
     T, D = xu.shape
-    n_blocks, nb = wt.w.shape[0], D // GROUP
-    step = _unpacked_bytes(wt)
-    row_tiles, col_groups = T // ROWS, n_blocks // COLS
+    n_blocks = wt.w.shape[0]
+    col_groups = n_blocks // COLS
     xt, xs = _tile_inputs(wt, xu, sx)
     xf, wf, sf, xsf = xt.ravel(), wt.w.ravel(), sx.ravel(), xs.ravel()
     for g in prange(col_groups):
-        b0 = g * COLS
-        scratch = np.empty(COLS * step, np.uint8)
-        _unpack(wt, b0, scratch)
+        scratch = np.empty(COLS * _unpacked_bytes(wt), np.uint8)
         acc = np.empty(ROWS * COLS * BLOCK, np.float32)
-        for rt in range(row_tiles):
-            r0 = rt * ROWS
-            _bytes_tile(wt, xf, r0 * D, D, scratch, step, nb, sf, xsf, r0 * nb, acc)
-            _store_tile(acc, out, accumulate, r0, ROWS, b0, COLS)
-    acc = np.empty(ROWS * COLS * BLOCK, np.float32)
-    if T > row_tiles * ROWS:                                # the last rows, every column group
-        for g in range((n_blocks + COLS - 1) // COLS):
-            b0 = g * COLS
-            _tile(wt, wf, xf, sx, xs, out, accumulate, D, row_tiles * ROWS, T - row_tiles * ROWS, b0,
-                  min(COLS, n_blocks - b0), acc)
-    if n_blocks > col_groups * COLS:                        # the last blocks, every whole row tile
-        for rt in range(row_tiles):
-            _tile(wt, wf, xf, sx, xs, out, accumulate, D, rt * ROWS, ROWS, col_groups * COLS,
+        _group_on_bytes(wt, g * COLS, scratch, xf, wf, sx, xs, sf, xsf, out, accumulate, T, D, acc)
+    if n_blocks > col_groups * COLS:                        # the last blocks, every row
+        acc = np.empty(ROWS * COLS * BLOCK, np.float32)
+        for r0 in range(0, T, ROWS):
+            _tile(wt, wf, xf, sx, xs, out, accumulate, D, r0, min(ROWS, T - r0), col_groups * COLS,
                   n_blocks - col_groups * COLS, acc)
 
 
@@ -920,9 +930,9 @@ def _groups_as_bytes(wt, xf, wf, sx, xs, out, accumulate, T, D, b_lo, b_hi, acc)
 @overload(_groups_as_bytes, inline="always")
 def _groups_as_bytes_of_kind(wt, xf, wf, sx, xs, out, accumulate, T, D, b_lo, b_hi, acc):
     """matmul_blocks' whole column groups from b_lo on, for 5- and 6-bit kinds at UNPACK_ROWS rows or more (a decode
-    step's thread at batch 16 to 31): each group unpacked once and run through the byte tile over every whole row
-    tile, as _as_bytes does for a parallel matmul (the same bits); the last rows on the kind's own tile. Returns the
-    first block left to the caller (a last partial group; every kind else: b_lo, nothing done here)."""
+    step's thread at batch 16 to 31): each group on _group_on_bytes, as _as_bytes runs a parallel matmul's (the
+    same bits). Returns the first block left to the caller (a last partial group; every kind else: b_lo, nothing
+    done here)."""
     kind = _kind(wt)
     if not (kind is Q5A8Weights or kind is S5A8Weights or kind is Q6A8Weights):
         return lambda wt, xf, wf, sx, xs, out, accumulate, T, D, b_lo, b_hi, acc: b_lo
@@ -930,19 +940,11 @@ def _groups_as_bytes_of_kind(wt, xf, wf, sx, xs, out, accumulate, T, D, b_lo, b_
     def impl(wt, xf, wf, sx, xs, out, accumulate, T, D, b_lo, b_hi, acc):
         if T < UNPACK_ROWS:
             return b_lo
-        nb, step = D // GROUP, _unpacked_bytes(wt)
-        row_tiles = T // ROWS
         sf, xsf = sx.ravel(), xs.ravel()
-        scratch = np.empty(COLS * step, np.uint8)
+        scratch = np.empty(COLS * _unpacked_bytes(wt), np.uint8)
         b0 = b_lo
         while b0 + COLS <= b_hi:
-            _unpack(wt, b0, scratch)
-            for rt in range(row_tiles):
-                r0 = rt * ROWS
-                _bytes_tile(wt, xf, r0 * D, D, scratch, step, nb, sf, xsf, r0 * nb, acc)
-                _store_tile(acc, out, accumulate, r0, ROWS, b0, COLS)
-            if T > row_tiles * ROWS:
-                _tile(wt, wf, xf, sx, xs, out, accumulate, D, row_tiles * ROWS, T - row_tiles * ROWS, b0, COLS, acc)
+            _group_on_bytes(wt, b0, scratch, xf, wf, sx, xs, sf, xsf, out, accumulate, T, D, acc)
             b0 += COLS
         return b0
     return impl
