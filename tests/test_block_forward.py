@@ -13,7 +13,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from tinyserve import backend
+from tinyserve import backend, gguf_quants, quant
 from tinyserve.engine import Engine
 from tinyserve.gqa import grouped_attention
 from tinyserve.kv_cache import KVCache, forward_with_cache
@@ -151,6 +151,40 @@ def test_decode_regions_give_the_references_bits(gemma_like, mode, monkeypatch):
     want, got = _decode_one_by_one(ref, ids, 40), _decode_one_by_one(fast, ids, 40)
     assert np.array_equal(got, want)
     assert sorted(set(calls)) == [1, 3], f"region calls by rows: {sorted(set(calls))}"
+
+
+def test_decode_regions_on_5_bit_weights_give_the_references_bits(monkeypatch):
+    """Gemma's block with every matrix Q5_0 as a GGUF holds it (the 5-bit tile, up with two int8 planes): decode
+    steps of one row (both planes as the two rows of one tile) and of three rows through the regions give the NumPy
+    reference's bits."""
+    from tinyserve.gguf_file import LAYER_TENSORS, unpermute_rope_rows
+    from tinyserve.kernels import block_decode
+    from tests.test_gguf_tiles import info
+    base = tiny_gemma(seed=3)
+    cfg, names, tensors, layers = base.config, {f: n for n, f in LAYER_TENSORS.items()}, {}, []
+    for i, w in enumerate(base.layers):
+        new = {}
+        for j, f in enumerate(quant.MATRICES):
+            D, O = getattr(w, f).shape
+            t = info("Q5_0", O, D, seed=10 * i + j, name=f"blk.{i}.{names[f]}")
+            tensors[t.name] = t
+            v = gguf_quants.dequantize(t.raw, t.type_name, t.shape)                 # [O, D]
+            if f in ("wq", "wk") and cfg.arch == "llama":
+                v = unpermute_rope_rows(v, cfg.n_heads if f == "wq" else cfg.n_kv_heads)
+            new[f] = np.ascontiguousarray(v.T)
+        layers.append(dataclasses.replace(w, **new))
+    model = dataclasses.replace(base, layers=layers, gguf_tensors=tensors)
+    ref = quantize_model(model, "gguf")
+    fast = backend.set_backend(model, "gguf", "numba")
+    calls = []
+    region_b = block_decode.region_b
+    monkeypatch.setattr(block_decode, "region_b", lambda *a: (calls.append(a[3].shape[0]), region_b(*a)))
+    ids = prompts(n=1, seed=4, lo=50, hi=51)[0]
+    want, got = _decode_one_by_one(ref, ids, 40), _decode_one_by_one(fast, ids, 40)
+    assert np.array_equal(got, want)
+    assert sorted(set(calls)) == [1, 3], f"region calls by rows: {sorted(set(calls))}"
+    up = fast.fast.fused[0]
+    assert type(up.gate_up).__name__ == "S5A8Weights" and up.plane_lo < up.plane_hi
 
 
 def test_regions_whose_threads_do_not_meet_fall_back_to_the_calls(gemma_like, monkeypatch):

@@ -45,7 +45,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .block_layer import (GELU_C1, GELU_C2, PLANE_CHUNK, _rms_norm_into, _rms_norm_planes_row, _split_row, add_plane,
+from .block_layer import (GELU_C1, GELU_C2, PLANE_CHUNK, _rms_norm_into, _rms_norm_planes_row, _split_row,
                           plane_blocks)
 from .layer import _rms_norm_quant_row
 from .attention import decode_attention_heads, decode_scratch
@@ -56,6 +56,9 @@ NO_FLOATS = np.zeros((0, 0), np.float32)     # matmul_blocks' float32 input, whi
 # a decode thread's share of gate|up: an output block that multiplies the input's second plane too (Gemma 3's up
 # half) costs PLANE_COST[1] to the others' PLANE_COST[0], so the threads' shares take as long, not as many blocks
 PLANE_COST = (1, 2)
+# at one row both planes run as the two rows of one tile, and on avx2's 5-bit tile the weights' forming (shared)
+# costs about as much as the multiplies: a second plane adds about half (docs/sliding-window.md)
+PLANE_COST_ONE_ROW = (2, 3)
 
 
 @njit(cache=True, inline="always")
@@ -72,9 +75,11 @@ def _residual_then_matmul(tid, n, sync, timeout, x, y, post_norm, norm_w, eps, w
                           acc):
     """After a barrier that completes y = f @ Wout (or x += f @ Wout when there is no post-norm): xn = x +
     rms_norm(y) (or x), then thread tid's blocks of out = quantise(rms_norm(xn, norm_w)) @ w_next, then a barrier.
-    Columns c_lo .. c_hi (none if equal) add the input's second int8 plane's product (quant.two_planes; y2 [T, O]
-    holds it), a run of PLANE_CHUNK blocks right after the first plane's, while their weights are in cache. Returns
-    False if a barrier failed. xn [T, D]: this thread's residual rows (written back to x by the caller)."""
+    Columns c_lo .. c_hi (none if equal) add the input's second int8 plane's product (quant.two_planes): a run of
+    PLANE_CHUNK blocks that holds such columns multiplies both planes as the 2T rows of one matmul into y2 [2T, O]
+    (the first plane's rows, then the second's), so a tile that forms its weights in registers (the 5-bit one)
+    forms each once for both; each row's product is the one a matmul of that plane alone gives. Returns False if a
+    barrier failed. xn [T, D]: this thread's residual rows (written back to x by the caller)."""
     T, D = x.shape
     for t in range(T):
         if post_norm.shape[0]:
@@ -86,23 +91,37 @@ def _residual_then_matmul(tid, n, sync, timeout, x, y, post_norm, norm_w, eps, w
                 xn[t, i] = x[t, i]
     nb = w_next.blocks.shape[0]
     p_lo, p_hi = plane_blocks(c_lo, c_hi) if c_lo < c_hi else (0, 0)
-    lo, hi = weighted_share(w_next.w.shape[0], p_lo, p_hi, PLANE_COST[0], PLANE_COST[1], tid, n)
+    cost = PLANE_COST_ONE_ROW if T == 1 else PLANE_COST
+    lo, hi = weighted_share(w_next.w.shape[0], p_lo, p_hi, cost[0], cost[1], tid, n)
     xu, sx = np.empty((T, D), np.uint8), np.empty((T, nb), np.float32)
     if c_lo == c_hi:
         for t in range(T):
             _rms_norm_quant_row(xn, t, norm_w, eps, xu, sx)
         matmul_blocks(w_next, NO_FLOATS, xu, sx, out, False, lo, hi, acc)
     else:
-        xu2, sx2 = np.empty((T, D), np.uint8), np.empty((T, nb), np.float32)
+        xu2, sx2 = np.empty((2 * T, D), np.uint8), np.empty((2 * T, nb), np.float32)   # both planes' rows
         for t in range(T):
-            _rms_norm_planes_row(xn, t, norm_w, eps, xu, sx, xu2, sx2)
+            _rms_norm_planes_row(xn, t, norm_w, eps, xu, sx, xu2[T:], sx2[T:])
+        xu2[:T] = xu
+        sx2[:T] = sx
         for b0 in range(lo, hi, PLANE_CHUNK):
             b1 = min(hi, b0 + PLANE_CHUNK)
-            matmul_blocks(w_next, NO_FLOATS, xu, sx, out, False, b0, b1, acc)
             if max(b0, p_lo) < min(b1, p_hi):
-                matmul_blocks(w_next, NO_FLOATS, xu2, sx2, y2, False, max(b0, p_lo), min(b1, p_hi), acc)
-                add_plane(y2, out, max(c_lo, b0 * BLOCK), min(c_hi, b1 * BLOCK))
+                matmul_blocks(w_next, NO_FLOATS, xu2, sx2, y2, False, b0, b1, acc)
+                take_planes(y2, out, b0 * BLOCK, b1 * BLOCK, max(c_lo, b0 * BLOCK), min(c_hi, b1 * BLOCK))
+            else:
+                matmul_blocks(w_next, NO_FLOATS, xu, sx, out, False, b0, b1, acc)
     return barrier(sync, n, timeout)
+
+
+@njit(cache=True, inline="always")
+def take_planes(y2, out, b_lo, b_hi, c_lo, c_hi):
+    """out[t, c] = y2[t, c] (the first plane's product) for columns b_lo .. b_hi, and for c_lo .. c_hi within them
+    y2[t, c] + y2[T + t, c] (the second plane's added: block_layer.add_plane's sum, in its order)."""
+    T = out.shape[0]
+    for t in range(T):
+        for c in range(b_lo, b_hi):
+            out[t, c] = y2[t, c] + y2[T + t, c] if c_lo <= c < c_hi else y2[t, c]
 
 
 @njit(cache=True)
@@ -203,7 +222,7 @@ def region_b(n, sync, timeout, x, a, wo, post_attn, eps, norm_w, wgu, c_lo, c_hi
     c_lo .. c_hi with the input's second int8 plane (quant.two_planes; c_lo = c_hi: none); u [T, F] = the
     activation's argument from the gate (block_layer.act_input). sync as in region_a."""
     y = np.empty(x.shape, np.float32)
-    y2 = np.empty(gu.shape, np.float32)                      # [T, 2F] the second plane's product, its columns only
+    y2 = np.empty((2 * x.shape[0], gu.shape[1]), np.float32)  # [2T, 2F] both planes' products, up's blocks only
     for tid in prange(n):
         _region_b_thread(np.int64(tid), n, sync, timeout, x, a, wo, post_attn, y, eps, norm_w, wgu, c_lo, c_hi, gu,
                          y2, gelu, u)
@@ -263,7 +282,7 @@ def region_layer(n, sync, timeout, x, tail, gu, u, gelu, wd, post_mlp, eps, attn
     context_lens[t] - 1), attention over each row's context (window > 0: its last `window` positions) into
     a [T, N, H], then region_b. sync as in region_a."""
     y = np.empty(x.shape, np.float32)
-    y2 = np.empty(gu.shape, np.float32)
+    y2 = np.empty((2 * x.shape[0], gu.shape[1]), np.float32)
     for tid in prange(n):
         _layer_thread(np.int64(tid), n, sync, timeout, x, tail, gu, u, gelu, wd, post_mlp, y, y2, eps, attn_norm,
                       wqkv, qkv, bias, q_norm, k_norm, cos, sin, q, k, v, k_rows, v_rows, tables, bs, context_lens,
