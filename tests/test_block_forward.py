@@ -141,16 +141,23 @@ def _decode_one_by_one(model, ids, n_prompt):
 def test_decode_regions_give_the_references_bits(gemma_like, mode, monkeypatch):
     """Decode steps run as two parallel regions a layer whose threads meet at barriers (kernels/block_decode.py):
     one row and three rows a step give the NumPy reference's bits, and the regions did run."""
+    _assert_regions_decode_the_references_bits(gemma_like, mode, 2, monkeypatch)
+
+
+def _assert_regions_decode_the_references_bits(model, mode, seed, monkeypatch):
+    """A prompt's decode steps of one row, then three, through kernels/block_decode.py's regions (which must run)
+    give the logits of the NumPy reference over the same quantised weights, bit for bit. Returns the fast model."""
     from tinyserve.kernels import block_decode
-    ref = quantize_model(gemma_like, mode)
-    fast = backend.set_backend(gemma_like, mode, "numba")
+    ref = quantize_model(model, mode)
+    fast = backend.set_backend(model, mode, "numba")
     calls = []
     region_b = block_decode.region_b
     monkeypatch.setattr(block_decode, "region_b", lambda *a: (calls.append(a[3].shape[0]), region_b(*a)))
-    ids = prompts(n=1, seed=2, lo=50, hi=51)[0]
+    ids = prompts(n=1, seed=seed, lo=50, hi=51)[0]
     want, got = _decode_one_by_one(ref, ids, 40), _decode_one_by_one(fast, ids, 40)
     assert np.array_equal(got, want)
     assert sorted(set(calls)) == [1, 3], f"region calls by rows: {sorted(set(calls))}"
+    return fast
 
 
 def test_decode_regions_on_5_bit_weights_give_the_references_bits(monkeypatch):
@@ -158,7 +165,6 @@ def test_decode_regions_on_5_bit_weights_give_the_references_bits(monkeypatch):
     steps of one row (both planes as the two rows of one tile) and of three rows through the regions give the NumPy
     reference's bits."""
     from tinyserve.gguf_file import LAYER_TENSORS, unpermute_rope_rows
-    from tinyserve.kernels import block_decode
     from tests.test_gguf_tiles import info
     base = tiny_gemma(seed=3)
     cfg, names, tensors, layers = base.config, {f: n for n, f in LAYER_TENSORS.items()}, {}, []
@@ -173,16 +179,8 @@ def test_decode_regions_on_5_bit_weights_give_the_references_bits(monkeypatch):
                 v = unpermute_rope_rows(v, cfg.n_heads if f == "wq" else cfg.n_kv_heads)
             new[f] = np.ascontiguousarray(v.T)
         layers.append(dataclasses.replace(w, **new))
-    model = dataclasses.replace(base, layers=layers, gguf_tensors=tensors)
-    ref = quantize_model(model, "gguf")
-    fast = backend.set_backend(model, "gguf", "numba")
-    calls = []
-    region_b = block_decode.region_b
-    monkeypatch.setattr(block_decode, "region_b", lambda *a: (calls.append(a[3].shape[0]), region_b(*a)))
-    ids = prompts(n=1, seed=4, lo=50, hi=51)[0]
-    want, got = _decode_one_by_one(ref, ids, 40), _decode_one_by_one(fast, ids, 40)
-    assert np.array_equal(got, want)
-    assert sorted(set(calls)) == [1, 3], f"region calls by rows: {sorted(set(calls))}"
+    fast = _assert_regions_decode_the_references_bits(dataclasses.replace(base, layers=layers, gguf_tensors=tensors),
+                                                      "gguf", 4, monkeypatch)
     up = fast.fast.fused[0]
     assert type(up.gate_up).__name__ == "S5A8Weights" and up.plane_lo < up.plane_hi
 
