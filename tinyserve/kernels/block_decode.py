@@ -49,15 +49,17 @@ from .block_layer import (GELU_C1, GELU_C2, PLANE_CHUNK, _rms_norm_into, _rms_no
                           plane_blocks)
 from .layer import _rms_norm_quant_row
 from .attention import decode_attention_heads, decode_scratch
-from .matmul import BLOCK, COLS, ROWS, _quantize_row, matmul_blocks, thread_share, weighted_share
+from .matmul import (BLOCK, COLS, ROWS, _quantize_row, matmul_blocks, pairs_share_weights, thread_share,
+                     weighted_share)
 from .spin import barrier
 
 NO_FLOATS = np.zeros((0, 0), np.float32)     # matmul_blocks' float32 input, which the int8 kinds never read
 # a decode thread's share of gate|up: an output block that multiplies the input's second plane too (Gemma 3's up
 # half) costs PLANE_COST[1] to the others' PLANE_COST[0], so the threads' shares take as long, not as many blocks
 PLANE_COST = (1, 2)
-# at one row both planes run as the two rows of one tile, and on avx2's 5-bit tile the weights' forming (shared)
-# costs about as much as the multiplies: a second plane adds about half (docs/sliding-window.md)
+# at one row both planes run as the two rows of one tile; where that tile forms each weight once for both rows (the
+# 5-bit kinds: matmul.pairs_share_weights) the forming costs about as much as the multiplies, and the second plane
+# adds about half (docs/sliding-window.md, "Two rows of the 5-bit tile")
 PLANE_COST_ONE_ROW = (2, 3)
 
 
@@ -91,7 +93,7 @@ def _residual_then_matmul(tid, n, sync, timeout, x, y, post_norm, norm_w, eps, w
                 xn[t, i] = x[t, i]
     nb = w_next.blocks.shape[0]
     p_lo, p_hi = plane_blocks(c_lo, c_hi) if c_lo < c_hi else (0, 0)
-    cost = PLANE_COST_ONE_ROW if T == 1 else PLANE_COST
+    cost = PLANE_COST_ONE_ROW if T == 1 and pairs_share_weights(w_next) else PLANE_COST
     lo, hi = weighted_share(w_next.w.shape[0], p_lo, p_hi, cost[0], cost[1], tid, n)
     xu, sx = np.empty((T, D), np.uint8), np.empty((T, nb), np.float32)
     if c_lo == c_hi:

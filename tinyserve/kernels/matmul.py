@@ -967,6 +967,18 @@ def _matmul_int8_of_kind(wt, xu, sx, out, accumulate):
     return lambda wt, xu, sx, out, accumulate: matmul_items(wt, xu, sx, out, accumulate)
 
 
+def pairs_share_weights(wt):
+    """Whether two rows of one tile form each of wt's weights once for both (the 5-bit kinds: make_tile_driver's
+    pair tile), so a second row costs less than the first."""
+    raise NotImplementedError("called from Numba-compiled code only")
+
+
+@overload(pairs_share_weights, inline="always")
+def _pairs_share_weights_of_kind(wt):
+    shares = _kind(wt) is Q5A8Weights or _kind(wt) is S5A8Weights
+    return lambda wt: shares
+
+
 def column_blocks(wt, b_lo, b_hi):
     pass
 
