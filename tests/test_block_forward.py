@@ -161,9 +161,10 @@ def _assert_regions_decode_the_references_bits(model, mode, seed, monkeypatch):
 
 
 def test_decode_regions_on_5_bit_weights_give_the_references_bits(monkeypatch):
-    """Gemma's block with every matrix Q5_0 as a GGUF holds it (the 5-bit tile, up with two int8 planes): decode
-    steps of one row (both planes as the two rows of one tile) and of three rows through the regions give the NumPy
-    reference's bits."""
+    """Gemma's block with q, k, v, gate and up Q5_0 as a GGUF holds them (the 5-bit tile, up with two int8 planes)
+    and o and down Q4_1 (the nibble tile, where Gemma 3 270M's file has Q4_K): decode steps of one row (both planes as
+    the two rows of one tile) and of three rows through the regions give the NumPy reference's bits. These are the
+    kinds of most of that file's layers, so the real model's tests reuse the functions compiled here."""
     from tinyserve.gguf_file import LAYER_TENSORS, unpermute_rope_rows
     from tests.test_gguf_tiles import info
     base = tiny_gemma(seed=3)
@@ -172,7 +173,7 @@ def test_decode_regions_on_5_bit_weights_give_the_references_bits(monkeypatch):
         new = {}
         for j, f in enumerate(quant.MATRICES):
             D, O = getattr(w, f).shape
-            t = info("Q5_0", O, D, seed=10 * i + j, name=f"blk.{i}.{names[f]}")
+            t = info("Q4_1" if f in ("wo", "w_down") else "Q5_0", O, D, seed=10 * i + j, name=f"blk.{i}.{names[f]}")
             tensors[t.name] = t
             v = gguf_quants.dequantize(t.raw, t.type_name, t.shape)                 # [O, D]
             if f in ("wq", "wk") and cfg.arch == "llama":
@@ -182,7 +183,8 @@ def test_decode_regions_on_5_bit_weights_give_the_references_bits(monkeypatch):
     fast = _assert_regions_decode_the_references_bits(dataclasses.replace(base, layers=layers, gguf_tensors=tensors),
                                                       "gguf", 4, monkeypatch)
     up = fast.fast.fused[0]
-    assert type(up.gate_up).__name__ == "S5A8Weights" and up.plane_lo < up.plane_hi
+    kinds = [type(m).__name__ for m in (up.qkv, up.o, up.gate_up, up.down)]
+    assert kinds == ["S5A8Weights", "W4A8Weights", "S5A8Weights", "W4A8Weights"] and up.plane_lo < up.plane_hi
 
 
 def test_regions_whose_threads_do_not_meet_fall_back_to_the_calls(gemma_like, monkeypatch):
