@@ -553,6 +553,14 @@ def _store_tile(acc, out, accumulate, r0, nr, b0, nc):
                 out[r0 + r, o] = acc[r * CB + j]
 
 
+def forms_weights_once_for_two_rows(tile_kind: dict) -> bool:
+    """Whether a kind's tile (int4_dot.make_w4a8_tile's flags) is the 5-bit one, which forms each weight vector in
+    registers in about a dozen instructions and then multiplies it in two per row: its sub-tiles hold two rows on avx2
+    (int4_dot._plan's rows_first), so its short row tiles run two rows at a time (make_tile_driver's pair) and a
+    second row costs less than the first (pairs_share_weights). The other kinds' short tiles run one row at a time."""
+    return bool(tile_kind.get("five_bits"))
+
+
 def make_tile_driver(unit_bytes: int, unit_groups: int = 1, **tile_kind):
     """The work item of one packed kind: rows r0 .. r0+nr (nr <= ROWS) x packed blocks b0 .. b0+nc (nc <= COLS), run
     by the kind's tiles (int4_dot.make_w4a8_tile(R, C, **tile_kind)) at the three shapes an item can have: whole,
@@ -562,9 +570,8 @@ def make_tile_driver(unit_bytes: int, unit_groups: int = 1, **tile_kind):
     sx, xs [T, D/32] (Q6_K's xs [T, D/16]), wf the raveled packed weights, acc float32 scratch [ROWS * COLS * 16]."""
     full, row, one = (make_w4a8_tile(ROWS, COLS, **tile_kind), make_w4a8_tile(1, COLS, **tile_kind),
                       make_w4a8_tile(1, 1, **tile_kind))
-    # the 5-bit kinds run a short row tile two rows at a time: their tile forms each weight once per sub-tile, and
-    # on avx2 a sub-tile holds two rows (int4_dot._plan's rows_first); others one row at a time, as `row`
-    pair, per_pair = (make_w4a8_tile(2, COLS, **tile_kind), 2) if tile_kind.get("five_bits") else (row, 1)
+    two_rows = forms_weights_once_for_two_rows(tile_kind)
+    pair, per_pair = (make_w4a8_tile(2, COLS, **tile_kind), 2) if two_rows else (row, 1)
 
     # inlined into its callers, which Numba caches; called from Python on its own it would compile again in every
     # process (Numba's cache key hashes a closure's values, and a tile's pickle differs from process to process)
@@ -591,14 +598,17 @@ def make_tile_driver(unit_bytes: int, unit_groups: int = 1, **tile_kind):
     return tile
 
 
-# one driver per packed kind: its bytes per group of 32 inputs (Q6_K: per super-block of 8) and its tile's flags
-w4a8_tile = make_tile_driver(GROUP_BYTES)                                             # W4A8Weights (Q4_1)
-s4a8_tile = make_tile_driver(SYM_GROUP_BYTES, symmetric=True)                         # S4A8Weights (Q4_0)
-q6a8_tile = make_tile_driver(Q6_SUPER_BYTES, Q6_SUPER, six_bits=True)                 # Q6A8Weights (Q6_K)
-b8a8_tile = make_tile_driver(BYTE_GROUP_BYTES, whole_bytes=True)                      # B8A8Weights
-s8a8_tile = make_tile_driver(SYM_BYTE_GROUP_BYTES, whole_bytes=True, symmetric=True)  # S8A8Weights (Q8_0)
-q5a8_tile = make_tile_driver(Q5_GROUP_BYTES, five_bits=True)                          # Q5A8Weights (Q5_1, Q5_K)
-s5a8_tile = make_tile_driver(SYM_Q5_GROUP_BYTES, five_bits=True, symmetric=True)      # S5A8Weights (Q5_0)
+# the kinds whose scales travel inside w: each one's bytes per group of 32 inputs (Q6_K: per super-block of 8) and
+# its tile's flags; one driver each (make_tile_driver), all called alike
+TILE_KINDS = {W4A8Weights: (GROUP_BYTES, 1, {}),                                                        # Q4_1
+              S4A8Weights: (SYM_GROUP_BYTES, 1, {"symmetric": True}),                                  # Q4_0
+              Q6A8Weights: (Q6_SUPER_BYTES, Q6_SUPER, {"six_bits": True}),                             # Q6_K
+              B8A8Weights: (BYTE_GROUP_BYTES, 1, {"whole_bytes": True}),
+              S8A8Weights: (SYM_BYTE_GROUP_BYTES, 1, {"whole_bytes": True, "symmetric": True}),        # Q8_0
+              Q5A8Weights: (Q5_GROUP_BYTES, 1, {"five_bits": True}),                                   # Q5_1, Q5_K
+              S5A8Weights: (SYM_Q5_GROUP_BYTES, 1, {"five_bits": True, "symmetric": True})}            # Q5_0
+GROUP_TILES = {kind: make_tile_driver(unit_bytes, unit_groups, **flags)
+               for kind, (unit_bytes, unit_groups, flags) in TILE_KINDS.items()}
 
 
 def matmul_w4a8(xu: np.ndarray, sx: np.ndarray, wp: np.ndarray, out: np.ndarray | None = None,
@@ -739,11 +749,6 @@ def _tile_inputs_of_kind(wt, xu, sx):
         xi, sums = signed_and_sums(xu, sx.shape[1])
         return xi, sx * sums.astype(np.float32)
     return scaled_sums
-
-
-# the kinds whose scales travel inside w: one driver each (make_tile_driver), all called alike
-GROUP_TILES = {W4A8Weights: w4a8_tile, S4A8Weights: s4a8_tile, Q6A8Weights: q6a8_tile, B8A8Weights: b8a8_tile,
-               S8A8Weights: s8a8_tile, Q5A8Weights: q5a8_tile, S5A8Weights: s5a8_tile}
 
 
 @overload(_tile, inline="always")
@@ -968,14 +973,15 @@ def _matmul_int8_of_kind(wt, xu, sx, out, accumulate):
 
 
 def pairs_share_weights(wt):
-    """Whether two rows of one tile form each of wt's weights once for both (the 5-bit kinds: make_tile_driver's
-    pair tile), so a second row costs less than the first."""
+    """Whether two rows of one tile form each of wt's weights once for both (forms_weights_once_for_two_rows), so a
+    second row costs less than the first."""
     raise NotImplementedError("called from Numba-compiled code only")
 
 
 @overload(pairs_share_weights, inline="always")
 def _pairs_share_weights_of_kind(wt):
-    shares = _kind(wt) is Q5A8Weights or _kind(wt) is S5A8Weights
+    kind = _kind(wt)
+    shares = kind in TILE_KINDS and forms_weights_once_for_two_rows(TILE_KINDS[kind][2])
     return lambda wt: shares
 
 
